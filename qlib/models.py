@@ -28,12 +28,23 @@ class ModelNotFoundError(FileNotFoundError):
     """A model file is not where qlib expects it."""
 
 
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+
+
+def data_file(name: str) -> Path:
+    """A text or prompt shipped in the checkout's ``data/`` folder."""
+    p = DATA_DIR / name
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} is missing: it ships with the qlab checkout")
+    return p
+
+
 def models_dir() -> Path:
     """Where models live: ``$QLIB_MODELS_DIR`` or ``data/models/`` of the checkout."""
     env = os.environ.get("QLIB_MODELS_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "data" / "models"
+    return DATA_DIR / "models"
 
 
 def path(name: str = DEFAULT_MODEL) -> Path:

@@ -1,0 +1,259 @@
+"""ModelWeights on tiny synthetic llama GGUFs: candle's behaviour, against a hand-written reference.
+
+The reference below is written independently of qlib.quantized_llama: RoPE
+through complex multiplication (as Meta's original llama code), attention with
+GQA by indexing, no KV cache. Agreement is to 2e-5 (float32 rounding of a
+2-layer model of width 64, where values are O(1)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from synthetic import write_tiny_llama
+
+from qlib.gguf_file import Content
+from qlib.quantized_llama import (
+    MAX_SEQ_LEN,
+    IndexPosError,
+    ModelError,
+    ModelWeights,
+    ShapeError,
+)
+
+N_HEAD, N_KV, N_EMBD, VOCAB = 4, 2, 64, 256
+TOL = 2e-5
+
+
+def build(path, **kw) -> ModelWeights:
+    with open(path, "rb") as f:
+        content = Content.read(f)
+        return ModelWeights.from_gguf(content, f, "cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    path, weights = write_tiny_llama(path, return_weights=True)
+    return path, {k: torch.from_numpy(v) for k, v in weights.items()}
+
+
+def reference_logits(w, ids, n_layer=2, freq_base=10000.0, neox=False, eps=1e-5):
+    """Every position's logits, straight from the weights (no cache, no qlib code)."""
+    hd = N_EMBD // N_HEAD
+    t = len(ids)
+    x = w["token_embd.weight"][torch.tensor(ids)]
+    freqs = 1.0 / freq_base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    angles = torch.outer(torch.arange(t, dtype=torch.float64), freqs)
+    rot = torch.polar(torch.ones_like(angles), angles)  # (t, hd/2)
+
+    def rope(v):  # v: (t, heads, hd)
+        if neox:
+            pairs = torch.complex(v[..., : hd // 2].double(), v[..., hd // 2 :].double())
+            out = pairs * rot[:, None, :]
+            return torch.cat((out.real, out.imag), -1).float()
+        pairs = torch.view_as_complex(v.double().reshape(*v.shape[:-1], hd // 2, 2).contiguous())
+        return torch.view_as_real(pairs * rot[:, None, :]).reshape(v.shape).float()
+
+    def norm(v, weight):
+        return v / torch.sqrt((v * v).mean(-1, keepdim=True) + eps) * weight
+
+    causal = torch.ones(t, t).tril().bool()
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        h = norm(x, w[p + "attn_norm.weight"])
+        q = rope((h @ w[p + "attn_q.weight"].T).reshape(t, N_HEAD, hd))
+        k = rope((h @ w[p + "attn_k.weight"].T).reshape(t, N_KV, hd))
+        v = (h @ w[p + "attn_v.weight"].T).reshape(t, N_KV, hd)
+        heads = []
+        for head in range(N_HEAD):
+            kv = head // (N_HEAD // N_KV)
+            s = q[:, head] @ k[:, kv].T / math.sqrt(hd)
+            s = s.masked_fill(~causal, float("-inf")).softmax(-1)
+            heads.append(s @ v[:, kv])
+        x = x + torch.cat(heads, -1) @ w[p + "attn_output.weight"].T
+        h = norm(x, w[p + "ffn_norm.weight"])
+        gate = torch.nn.functional.silu(h @ w[p + "ffn_gate.weight"].T)
+        x = x + (gate * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+    x = norm(x, w["output_norm.weight"])
+    out = w.get("output.weight", w["token_embd.weight"])
+    return x @ out.T
+
+
+IDS = [3, 17, 42, 99, 5, 250, 7, 7, 128, 64, 1, 0, 33]
+
+
+def test_prefill_matches_reference(tiny):
+    path, w = tiny
+    model = build(path, form="f32")
+    got = model.forward(torch.tensor([IDS]), 0, all_logits=True)[0]
+    ref = reference_logits(w, IDS)
+    assert got.shape == (len(IDS), VOCAB)
+    assert (got - ref).abs().max().item() < TOL
+
+
+def test_last_position_only_by_default(tiny):
+    model = build(tiny[0], form="f32")
+    last = model.forward(torch.tensor([IDS]), 0)
+    model.clear_kv_cache()
+    every = model.forward(torch.tensor([IDS]), 0, all_logits=True)
+    assert last.shape == (1, VOCAB)
+    assert torch.equal(last[0], every[0, -1])
+
+
+def test_incremental_decode_matches_full_forward(tiny):
+    path, w = tiny
+    model = build(path, form="f32")
+    ref = reference_logits(w, IDS)
+    model.forward(torch.tensor([IDS[:5]]), 0)
+    for pos in range(5, len(IDS)):
+        logits = model.forward(torch.tensor([[IDS[pos]]]), pos)
+        assert (logits[0] - ref[pos]).abs().max().item() < TOL
+    assert model.kv_len == len(IDS)
+
+
+def test_chunked_prefill_right_and_wrong_index_pos(tiny):
+    path, w = tiny
+    model = build(path, form="f32")
+    ref = reference_logits(w, IDS)
+    model.forward(torch.tensor([IDS[:8]]), 0)
+    ok = model.forward(torch.tensor([IDS[8:]]), 8)
+    assert (ok[0] - ref[-1]).abs().max().item() < TOL
+    model.forward(torch.tensor([IDS[:8]]), 0)
+    with pytest.raises(ShapeError) as err:
+        model.forward(torch.tensor([IDS[8:]]), 5)
+    # candle's words: a broadcast error that never mentions index_pos
+    assert str(err.value) == f"cannot broadcast [5, 10] to [1, {N_HEAD}, 5, 13]"
+    assert "index_pos" not in str(err.value)
+
+
+def test_index_pos_zero_drops_the_cache(tiny):
+    model = build(tiny[0], form="f32")
+    model.forward(torch.tensor([IDS]), 0)
+    fresh = model.forward(torch.tensor([IDS[:4]]), 0)
+    assert model.kv_len == 4
+    model2 = build(tiny[0], form="f32")
+    assert torch.equal(fresh, model2.forward(torch.tensor([IDS[:4]]), 0))
+
+
+def test_wrong_decode_index_pos_is_silent_unless_strict(tiny):
+    model = build(tiny[0], form="f32")
+    model.forward(torch.tensor([IDS]), 0)
+    model.forward(torch.tensor([[5]]), len(IDS) + 100)  # faithful: no error
+    strict = build(tiny[0], form="f32", strict=True)
+    strict.forward(torch.tensor([IDS]), 0)
+    strict.forward(torch.tensor([[5]]), len(IDS))
+    with pytest.raises(IndexPosError, match="index_pos 113 disagrees with the KV cache"):
+        strict.forward(torch.tensor([[5]]), len(IDS) + 100)
+
+
+def test_mask_only_for_several_tokens_and_never_cleared(tiny):
+    model = build(tiny[0], form="f32")
+    model.forward(torch.tensor([IDS[:4]]), 0)
+    model.forward(torch.tensor([[1]]), 4)
+    assert set(model.masks) == {(4, 4)}
+    model.forward(torch.tensor([IDS[:3]]), 5)
+    assert set(model.masks) == {(4, 4), (3, 8)}
+    mask = model.masks[(3, 8)]
+    assert mask.dtype == torch.uint8 and mask.tolist() == [
+        [0, 0, 0, 0, 0, 0, 1, 1],
+        [0, 0, 0, 0, 0, 0, 0, 1],
+        [0, 0, 0, 0, 0, 0, 0, 0],
+    ]
+    model.clear_kv_cache()
+    assert model.kv_len == 0 and set(model.masks) == {(4, 4), (3, 8)}
+
+
+def test_rope_table_limit(tiny):
+    model = build(tiny[0], form="f32")
+    model.forward(torch.tensor([[1]]), MAX_SEQ_LEN - 1)
+    with pytest.raises(ShapeError) as err:
+        model.forward(torch.tensor([[1]]), MAX_SEQ_LEN)
+    hd2 = N_EMBD // N_HEAD // 2
+    assert str(err.value) == (
+        f"narrow invalid args start + len > dim_len: [4096, {hd2}], dim: 0, start: 4096, len:1"
+    )
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "llama.attention.head_count",
+        "llama.attention.head_count_kv",
+        "llama.block_count",
+        "llama.embedding_length",
+        "llama.rope.dimension_count",
+        "llama.attention.layer_norm_rms_epsilon",
+    ],
+)
+def test_missing_required_key(tmp_path, key):
+    path = write_tiny_llama(tmp_path / "m.gguf", drop_keys=[key])
+    with pytest.raises(ModelError, match=f"^cannot find {key} in metadata$"):
+        build(path)
+
+
+def test_missing_freq_base_defaults_to_10000(tmp_path, tiny):
+    _, w = tiny
+    path = write_tiny_llama(tmp_path / "nofreq.gguf", drop_keys=["llama.rope.freq_base"])
+    model = build(path, form="f32")
+    assert model.config.rope_freq_base == 10000.0
+    got = model.forward(torch.tensor([IDS]), 0, all_logits=True)[0]
+    assert (got - reference_logits(w, IDS, freq_base=10000.0)).abs().max().item() < TOL
+
+
+def test_architecture_selects_rope_variant(tmp_path, tiny):
+    _, w = tiny
+    path = write_tiny_llama(tmp_path / "q.gguf", arch="qwen2",
+                            extra_metadata={"general.architecture": "qwen2"})
+    model = build(path, form="f32")
+    assert model.config.rope_is_neox
+    got = model.forward(torch.tensor([IDS]), 0, all_logits=True)[0]
+    assert (got - reference_logits(w, IDS, neox=True)).abs().max().item() < TOL
+    assert (got - reference_logits(w, IDS, neox=False)).abs().max().item() > 1e-2
+
+
+def test_separate_output_weight(tmp_path):
+    path, w = write_tiny_llama(tmp_path / "o.gguf", tie_output=False, return_weights=True)
+    w = {k: torch.from_numpy(v) for k, v in w.items()}
+    got = build(path, form="f32").forward(torch.tensor([IDS]), 0, all_logits=True)[0]
+    assert (got - reference_logits(w, IDS)).abs().max().item() < TOL
+
+
+def test_sdpa_decode_equals_naive(tiny):
+    naive = build(tiny[0], form="f32", attention="naive")
+    sdpa = build(tiny[0], form="f32", attention="sdpa")
+    naive.forward(torch.tensor([IDS]), 0)
+    sdpa_model_prefill = build(tiny[0], form="f32", attention="naive")
+    sdpa_model_prefill.forward(torch.tensor([IDS]), 0)
+    sdpa.layers = sdpa_model_prefill.layers  # same cache, decode with SDPA
+    a = naive.forward(torch.tensor([[9]]), len(IDS))
+    b = sdpa.forward(torch.tensor([[9]]), len(IDS))
+    assert (a - b).abs().max().item() < 1e-5
+
+
+def test_f16_form_close_to_f32(tiny):
+    a = build(tiny[0], form="f32").forward(torch.tensor([IDS]), 0)
+    b = build(tiny[0], form="f16").forward(torch.tensor([IDS]), 0)
+    # weights and inputs rounded to f16 (2^-11 relative) through 2 layers
+    assert (a - b).abs().max().item() < 5e-2
+
+
+def test_bad_calls(tiny):
+    model = build(tiny[0], form="f32")
+    with pytest.raises(ShapeError, match="expected: 2"):
+        model.forward(torch.tensor(IDS), 0)
+    with pytest.raises(ModelError, match="index_pos must be >= 0"):
+        model.forward(torch.tensor([IDS]), -3)
+    with pytest.raises(ModelError, match="unknown attention mode"):
+        build(tiny[0], attention="flash")
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_1"])
+def test_quantized_file_dequantized_form(tmp_path, weight_type):
+    path, w = write_tiny_llama(tmp_path / "q.gguf", weight_type=weight_type, return_weights=True)
+    w = {k: torch.from_numpy(np.asarray(v)) for k, v in w.items()}
+    got = build(path, form="f32").forward(torch.tensor([IDS]), 0, all_logits=True)[0]
+    assert (got - reference_logits(w, IDS)).abs().max().item() < TOL
