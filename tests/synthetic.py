@@ -1,0 +1,180 @@
+"""Tiny random llama GGUF files for tests, written with ``qlib.gguf_file.write``.
+
+``write_tiny_llama`` writes every ``llama.*`` key candle's ``from_gguf`` reads and
+the usual llama.cpp tensor names and shapes (torch order: (out, in)).
+``tiny_llama_weights`` gives, for the same arguments, the float32 values the file
+holds (after rounding to F16 or quantizing), so an engine can be compared against
+a hand-written torch reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qlib.gguf_file import GGUFValueType, Typed, write
+from qlib.quants.types import ggml_type
+
+U32, F32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+
+BLOCK_TENSORS = (
+    "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+    "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
+)  # fmt: skip
+
+
+def tiny_llama_metadata(
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_kv_head: int = 2,
+    n_ff: int = 128,
+    arch: str = "llama",
+    context_length: int = 256,
+    rope_freq_base: float = 10000.0,
+    rms_eps: float = 1e-5,
+) -> dict[str, Any]:
+    """The metadata of a tiny llama, typed as llama.cpp expects (UINT32 counts, FLOAT32)."""
+    return {
+        "general.architecture": arch,
+        "general.name": "tiny-llama",
+        "llama.context_length": Typed(U32, context_length),
+        "llama.embedding_length": Typed(U32, n_embd),
+        "llama.block_count": Typed(U32, n_layer),
+        "llama.feed_forward_length": Typed(U32, n_ff),
+        "llama.rope.dimension_count": Typed(U32, n_embd // n_head),
+        "llama.attention.head_count": Typed(U32, n_head),
+        "llama.attention.head_count_kv": Typed(U32, n_kv_head),
+        "llama.attention.layer_norm_rms_epsilon": Typed(F32, rms_eps),
+        "llama.rope.freq_base": Typed(F32, rope_freq_base),
+    }
+
+
+def tiny_llama_float_weights(
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_kv_head: int = 2,
+    n_ff: int = 128,
+    vocab: int = 256,
+    seed: int = 0,
+    tie_output: bool = True,
+) -> dict[str, np.ndarray]:
+    """Random float32 weights (before any rounding), llama.cpp names, torch shapes."""
+    if n_embd % n_head or n_head % n_kv_head:
+        raise ValueError(f"n_embd {n_embd}, n_head {n_head}, n_kv_head {n_kv_head} do not divide")
+    rng = np.random.default_rng(seed)
+    kv_dim = n_kv_head * (n_embd // n_head)
+
+    def linear(out_f: int, in_f: int) -> np.ndarray:
+        return (rng.standard_normal((out_f, in_f)) / np.sqrt(in_f)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = {"token_embd.weight": rng.standard_normal((vocab, n_embd)).astype(np.float32)}
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w[p + "attn_norm.weight"] = norm(n_embd)
+        w[p + "attn_q.weight"] = linear(n_embd, n_embd)
+        w[p + "attn_k.weight"] = linear(kv_dim, n_embd)
+        w[p + "attn_v.weight"] = linear(kv_dim, n_embd)
+        w[p + "attn_output.weight"] = linear(n_embd, n_embd)
+        w[p + "ffn_norm.weight"] = norm(n_embd)
+        w[p + "ffn_gate.weight"] = linear(n_ff, n_embd)
+        w[p + "ffn_up.weight"] = linear(n_ff, n_embd)
+        w[p + "ffn_down.weight"] = linear(n_embd, n_ff)
+    w["output_norm.weight"] = norm(n_embd)
+    if not tie_output:
+        w["output.weight"] = linear(vocab, n_embd)
+    return w
+
+
+def _encode(name: str, w: np.ndarray, weight_type: str) -> tuple[Any, np.ndarray]:
+    """(tensor to write, float32 values it holds) for one weight."""
+    t = ggml_type(weight_type)
+    if w.ndim == 1 or t.name == "F32":  # norms stay F32, as in llama.cpp files
+        return w, w
+    if t.name == "F16":
+        h = w.astype(np.float16)
+        return h, h.astype(np.float32)
+    from qlib.qtensor import QTensor  # needs qlib.quants' quantize / dequantize
+
+    if w.shape[-1] % t.block_size:
+        raise ValueError(
+            f"{name}: last dim {w.shape[-1]} is not a multiple of the {t.name} block size "
+            f"{t.block_size}; choose larger sizes"
+        )
+    q = QTensor.quantize(w, t.name, device="cpu")
+    return q, q.dequantize().numpy().astype(np.float32)
+
+
+def _build(weight_type: str, tie_output: bool, seed: int, sizes: dict):
+    floats = tiny_llama_float_weights(**sizes, seed=seed, tie_output=tie_output)
+    tensors, held = {}, {}
+    for name, w in floats.items():
+        tensors[name], held[name] = _encode(name, w, weight_type)
+    return tensors, held
+
+
+def tiny_llama_weights(
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_kv_head: int = 2,
+    n_ff: int = 128,
+    vocab: int = 256,
+    weight_type: str = "F32",
+    seed: int = 0,
+    tie_output: bool = True,
+) -> dict[str, np.ndarray]:
+    """The float32 values ``write_tiny_llama`` with the same arguments stores."""
+    sizes = dict(
+        n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, n_ff=n_ff, vocab=vocab
+    )
+    return _build(weight_type, tie_output, seed, sizes)[1]
+
+
+def write_tiny_llama(
+    path: str | Path,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_kv_head: int = 2,
+    n_ff: int = 128,
+    vocab: int = 256,
+    weight_type: str = "F32",
+    arch: str = "llama",
+    seed: int = 0,
+    drop_keys: tuple[str, ...] | list[str] = (),
+    extra_metadata: dict[str, Any] | None = None,
+    tie_output: bool = True,
+    return_weights: bool = False,
+) -> Path | tuple[Path, dict[str, np.ndarray]]:
+    """Write a small random llama GGUF to ``path``; returns the path (and weights if asked).
+
+    Matrices use ``weight_type`` (F32/F16 always work; quantized types need
+    ``qlib.quants``); norms are F32. ``drop_keys`` removes metadata keys,
+    ``extra_metadata`` adds or overrides some (values may be ``Typed``).
+    ``tie_output=True`` writes no ``output.weight`` (the embedding is shared).
+    """
+    sizes = dict(
+        n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, n_ff=n_ff, vocab=vocab
+    )
+    metadata = tiny_llama_metadata(
+        n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, n_ff=n_ff, arch=arch
+    )
+    metadata.update(extra_metadata or {})
+    for key in drop_keys:
+        metadata.pop(key, None)
+    tensors, held = _build(weight_type, tie_output, seed, sizes)
+    path = Path(path)
+    with open(path, "wb") as f:
+        write(f, metadata, tensors)
+    return (path, held) if return_weights else path
