@@ -55,7 +55,11 @@ class QTensor:
 
     @classmethod
     def from_bytes(
-        cls, raw: bytes | bytearray | memoryview | np.ndarray, shape, dtype, device: DeviceLike = "cpu"
+        cls,
+        raw: bytes | bytearray | memoryview | np.ndarray,
+        shape,
+        dtype,
+        device: DeviceLike = "cpu",
     ) -> QTensor:
         """Wrap raw GGUF block bytes (copied) and move them to ``device``."""
         arr = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
@@ -63,7 +67,9 @@ class QTensor:
         return cls(data.to(as_device(device)), shape, dtype)
 
     @classmethod
-    def quantize(cls, x: torch.Tensor | np.ndarray, dtype, device: DeviceLike | None = None) -> QTensor:
+    def quantize(
+        cls, x: torch.Tensor | np.ndarray, dtype, device: DeviceLike | None = None
+    ) -> QTensor:
         """Quantize a float tensor (rows along the last axis) into ``dtype`` blocks."""
         from . import quants
 
@@ -135,8 +141,11 @@ class QMatMul:
                     f"{list(self.qtensor.shape)} expects {self.in_features}"
                 )
             if self.form == "f32":
-                return x @ self.weight.t() if x.dtype == torch.float32 else (
-                    (x.float() @ self.weight.t()).to(x.dtype))
+                return (
+                    x @ self.weight.t()
+                    if x.dtype == torch.float32
+                    else ((x.float() @ self.weight.t()).to(x.dtype))
+                )
             if self.form == "f16":
                 return (x.to(torch.float16) @ self.weight.t()).to(x.dtype)
             from . import quants
