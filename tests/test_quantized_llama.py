@@ -101,7 +101,8 @@ def test_last_position_only_by_default(tiny):
     model.clear_kv_cache()
     every = model.forward(torch.tensor([IDS]), 0, all_logits=True)
     assert last.shape == (1, VOCAB)
-    assert torch.equal(last[0], every[0, -1])
+    # one row vs a 13-row matmul: BLAS may round differently, nothing more
+    assert (last[0] - every[0, -1]).abs().max().item() < 1e-5
 
 
 def test_incremental_decode_matches_full_forward(tiny):
