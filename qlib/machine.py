@@ -80,10 +80,15 @@ def package_versions() -> dict[str, str | None]:
 
 
 def git_commit(repo: Path = REPO_ROOT) -> dict[str, object] | None:
-    """Short sha of the checkout and whether tracked files differ from it (None: no git)."""
+    """Short sha of the checkout and whether tracked files differ from it.
+
+    In a copy without ``.git`` (a GPU machine's), ``$QLIB_COMMIT`` names the
+    commit (dirty unknown); None when neither is there.
+    """
     sha = _run(["git", "rev-parse", "--short", "HEAD"], cwd=repo)
     if sha is None:
-        return None
+        env = os.environ.get("QLIB_COMMIT")
+        return {"commit": env, "dirty": None} if env else None
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
     return {"commit": sha, "dirty": bool(status)}
 

@@ -12,6 +12,7 @@ import html
 import json
 import math
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,13 @@ class DeviceRun:
         """The saved results come from an earlier run than the runner's last one."""
         if not (self.meta and self.status and self.status.get("run_id")):
             return False
-        return self.meta.get("run_id") != self.status.get("run_id")
+        if self.meta.get("run_id") == self.status["run_id"]:
+            return False
+        try:  # a run by hand after the suite's is not stale
+            saved = datetime.fromisoformat(self.meta["started"])
+            return saved < datetime.fromisoformat(self.status["started"])
+        except (KeyError, TypeError, ValueError):
+            return True
 
 
 @dataclass

@@ -232,3 +232,12 @@ def test_smoke_notebook(tmp_path):
     types = pd.read_csv(out / "00_smoke" / "tensor_types_cpu.csv")
     assert types.tensors.sum() == 272 and "Q4_1" in set(types.type)
     assert "tensors are Q4_1" in (out / "REPORT.md").read_text()
+
+
+def test_stale_results_marked():
+    status = {"run_id": "B", "started": "2026-01-02T00:00:00+00:00", "ok": False}
+    earlier = {"run_id": "A", "started": "2026-01-01T00:00:00+00:00"}
+    by_hand_later = {"run_id": None, "started": "2026-01-03T00:00:00+00:00"}
+    assert report.DeviceRun("cpu", earlier, status).stale
+    assert not report.DeviceRun("cpu", by_hand_later, status).stale
+    assert not report.DeviceRun("cpu", {**earlier, "run_id": "B"}, status).stale
