@@ -37,17 +37,11 @@ from .results import (
     device_tag,
     dump_json,
     now,
+    results_dir,
 )
 
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 KERNEL_NAME = "python3"
-
-
-def default_output_dir() -> Path:
-    """``$QLIB_RESULTS_DIR`` or ``results/`` of the checkout."""
-    from .results import results_dir
-
-    return results_dir()
 
 
 # -- parameters -------------------------------------------------------------
@@ -429,7 +423,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         if output:
             q.add_argument(
                 "--output-dir",
-                default=str(default_output_dir()),
+                default=str(results_dir()),
                 metavar="DIR",
                 help="where results go (default: $QLIB_RESULTS_DIR or results/)",
             )
