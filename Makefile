@@ -5,9 +5,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Extras installed by `make setup`: dev tools always; set PEERS=1 to build llama-cpp-python too.
-EXTRAS := dev$(if $(filter 1,$(PEERS)),$(comma)peers,)
+# Extras installed by `make setup`: dev tools, and the llama.cpp peer (llama-cpp-python, built
+# from source in about 5 minutes; PEERS=0 skips it and the tests that need it skip).
+PEERS ?= 1
 comma := ,
+EXTRAS := dev$(if $(filter 1,$(PEERS)),$(comma)peers,)
 # llama.cpp's native build uses AMX tiles, which crash in this VM (see DESIGN.md).
 export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
