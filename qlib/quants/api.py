@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -107,4 +108,7 @@ def dequantize_torch(
 def dequantize(data: np.ndarray, type_name: str, shape) -> np.ndarray:
     """Dequantize GGUF blocks to a float32 NumPy array of ``shape`` (via the torch code, on CPU)."""
     raw = np.ascontiguousarray(np.asarray(data, dtype=np.uint8)).reshape(-1)
-    return dequantize_torch(torch.from_numpy(raw), type_name, shape).numpy()
+    with warnings.catch_warnings():  # read-only (e.g. memory-mapped) input: only read here
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        tensor = torch.from_numpy(raw)
+    return dequantize_torch(tensor, type_name, shape).numpy()

@@ -84,9 +84,21 @@ def seqsum(a: np.ndarray) -> np.ndarray:
 
 
 def first_absmax(x: np.ndarray, axis: int = 0) -> np.ndarray:
-    """The signed value of largest magnitude along ``axis``, first one on ties (ggml's ``max``)."""
-    idx = np.expand_dims(np.abs(x).argmax(axis=axis), axis)
-    return np.take_along_axis(x, idx, axis=axis).squeeze(axis)
+    """ggml's ``max``: the signed value of largest magnitude along ``axis`` (first on ties).
+
+    As the C loop ``if (fabsf(v) > amax)`` from ``amax = 0``: NaNs never win and an
+    all-zero (or all-NaN) lane gives 0.
+    """
+    a = np.abs(x)
+    a = np.where(np.isnan(a), F32(-1), a)
+    idx = np.expand_dims(a.argmax(axis=axis), axis)
+    value = np.take_along_axis(x, idx, axis=axis).squeeze(axis)
+    return np.where(np.take_along_axis(a, idx, axis=axis).squeeze(axis) > 0, value, F32(0))
+
+
+def running_max(x: np.ndarray, axis: int) -> np.ndarray:
+    """``m = 0; if (v > m) m = v`` along ``axis``: the max with 0, NaNs ignored."""
+    return np.fmax.reduce(x, axis=axis, initial=F32(0))
 
 
 def pack(*fields: np.ndarray) -> np.ndarray:

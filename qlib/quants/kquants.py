@@ -30,6 +30,7 @@ from .common import (
     nearest_int,
     nearest_int_clip,
     pack,
+    running_max,
     seqsum,
     t_f16,
     t_f32,
@@ -207,8 +208,7 @@ def _quantize_min_k(x, nmax, rmin, rdelta, nstep):
     w = av_x + np.abs(xs)
     scales, mins, L = make_qkx2_quants(xs, w, nmax, rmin, rdelta, nstep, False)
     scales, mins = scales.reshape(B, 8), mins.reshape(B, 8)
-    max_scale = np.maximum(scales.max(axis=1), F32(0))
-    max_min = np.maximum(mins.max(axis=1), F32(0))
+    max_scale, max_min = running_max(scales, 1), running_max(mins, 1)
     inv_scale = np.where(max_scale > 0, F32(63) / np.where(max_scale > 0, max_scale, 1), F32(0))
     inv_min = np.where(max_min > 0, F32(63) / np.where(max_min > 0, max_min, 1), F32(0))
     ls = np.minimum(63, nearest_int(inv_scale[:, None] * scales) & 0xFF)
@@ -229,8 +229,7 @@ class Q2_K(BlockFormat, type_name="Q2_K"):
         xs = _columns(x, 16)
         scales, mins, L = make_qkx2_quants(xs, np.abs(xs), 3, -0.5, 0.1, 15, True)
         scales, mins = scales.reshape(B, 16), mins.reshape(B, 16)
-        max_scale = np.maximum(scales.max(axis=1), F32(0))
-        max_min = np.maximum(mins.max(axis=1), F32(0))
+        max_scale, max_min = running_max(scales, 1), running_max(mins, 1)
         has_s, has_m = max_scale > 0, max_min > 0
         iscale = F32(15) / np.where(has_s, max_scale, F32(1))
         imin = F32(15) / np.where(has_m, max_min, F32(1))
