@@ -108,22 +108,15 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def _group_sums_int(pw: PreparedWeight, a_codes: torch.Tensor, j0: int, j1: int) -> torch.Tensor:
-    """``[G, nt, m]`` exact group sums via one int8 matmul with block-diagonal activations."""
+def _group_sums_int(pw: PreparedWeight, a_codes: torch.Tensor) -> torch.Tensor:
+    """``[G, n, m]`` exact group sums via one int8 matmul with block-diagonal activations."""
     m, k = a_codes.shape
     G, group = k // pw.group, pw.group
     blockdiag = torch.zeros(G, m, G, group, dtype=torch.int8)
     idx = torch.arange(G)
     blockdiag[idx, :, idx] = a_codes.to(torch.int8).view(m, G, group).transpose(0, 1)
-    isum = torch._int_mm(blockdiag.view(G * m, k), pw.codes[j0:j1].t())  # [G*m, nt]
-    return isum.view(G, m, j1 - j0).transpose(1, 2).float().contiguous()
-
-
-def _group_sums_f32(pw: PreparedWeight, a_codes_t: torch.Tensor, j0: int, j1: int) -> torch.Tensor:
-    """``[G, nt, mt]`` exact group sums via a float32 batched matmul over groups."""
-    G, group = a_codes_t.shape[0], pw.group
-    w = pw.codes[j0:j1].float().view(j1 - j0, G, group).transpose(0, 1)  # [G, nt, group]
-    return torch.bmm(w, a_codes_t)
+    isum = torch._int_mm(blockdiag.view(G * m, k), pw.codes.t())  # [G*m, n]
+    return isum.view(G, m, -1).transpose(1, 2).float().contiguous()
 
 
 def _tree_sum(t: torch.Tensor) -> torch.Tensor:
@@ -163,20 +156,25 @@ def qmatmul_prepared(x: torch.Tensor, pw: PreparedWeight) -> torch.Tensor:
     a_scale = act.group_scale(group).t()[:, None, :]  # [G, 1, m]
     a_sum = act.group_sum(group).t()[:, None, :] if pw.offsets is not None else None
     out = torch.empty(m, n, dtype=torch.float32)
-    few = m <= _INT_ROWS
-    n_tile = n if few else min(n, _N_TILE)
-    m_tile = m if few else max(1, _TILE_FLOATS // (G * n_tile))
-    for i0 in range(0, m, m_tile):
-        i1 = min(m, i0 + m_tile)
-        a = act.codes[i0:i1]
-        a_t = None if few else a.view(i1 - i0, G, group).permute(1, 2, 0).contiguous()
-        for j0 in range(0, n, n_tile):
-            j1 = min(n, j0 + n_tile)
-            t = _group_sums_int(pw, a, j0, j1) if few else _group_sums_f32(pw, a_t, j0, j1)
-            t.mul_(pw.scales[:, j0:j1, None]).mul_(a_scale[:, :, i0:i1])
-            if a_sum is not None:
-                t.addcmul_(pw.offsets[:, j0:j1, None], a_sum[:, :, i0:i1])
-            out[i0:i1, j0:j1] = _tree_sum(t).t()
+
+    def combine(t: torch.Tensor, i0: int, i1: int, j0: int, j1: int) -> None:
+        t.mul_(pw.scales[:, j0:j1, None]).mul_(a_scale[:, :, i0:i1])
+        if a_sum is not None:
+            t.addcmul_(pw.offsets[:, j0:j1, None], a_sum[:, :, i0:i1])
+        out[i0:i1, j0:j1] = _tree_sum(t).t()
+
+    if m <= _INT_ROWS:
+        combine(_group_sums_int(pw, act.codes), 0, m, 0, n)
+        return out
+    a_t = act.codes.view(m, G, group).permute(1, 2, 0).contiguous()  # [G, group, m]
+    n_tile = min(n, _N_TILE)
+    m_tile = max(1, _TILE_FLOATS // (G * n_tile))
+    for j0 in range(0, n, n_tile):
+        j1 = min(n, j0 + n_tile)
+        w = pw.codes[j0:j1].float().view(j1 - j0, G, group).transpose(0, 1)  # [G, nt, group]
+        for i0 in range(0, m, m_tile):
+            i1 = min(m, i0 + m_tile)
+            combine(torch.bmm(w, a_t[:, :, i0:i1]), i0, i1, j0, j1)  # exact sums [G, nt, mt]
     return out
 
 
