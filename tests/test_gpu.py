@@ -1,0 +1,208 @@
+"""``qlib.quants.gpu``: the GPU layout (on CPU, always) and the CUDA kernels (skipped without CUDA).
+
+Reference: ``ref = x.double() @ W.double().T`` with ``W = dequantize_torch(...)``
+(exact float32 weight values). Two checks, both must hold, and every output
+must be finite (the output is NaN-poisoned first where ``out=`` is used):
+
+* per element ``|y - ref| <= 1.01 u |ref| + a * rms(ref)``: ``u`` the unit
+  roundoff of the output dtype (0 for f32, 2**-11 f16, 2**-8 bf16: rounding
+  the f32 accumulator once), ``a = 1e-5`` for float32 accumulation over
+  k <= 4096 terms (its error is about 1e-7 of rms(ref)); the ``dequant`` path
+  also rounds the weights to x's dtype, so it gets ``a = 1e-5 + 5u``
+  (the rounding error is about u / sqrt(3) of rms(ref); 5u is ~9 sigma).
+* ``||y - ref|| / ||ref|| <= u + 1e-5`` (dequant path: ``6u + 1e-5``).
+
+The kernels never round weights or activations on the other paths (codes are
+exact in f16/bf16, float32 x is split into three bf16 parts), so the f32
+results are float32-accurate whatever the path.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from qlib.quants import gpu
+from qlib.quants.api import dequantize_torch
+
+CUDA = torch.cuda.is_available() and gpu.triton_available()
+MPS = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
+
+UNIT = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+SMOLLM2 = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
+SHAPES = [*SMOLLM2, (8192, 4096)]
+MS = [1, 2, 7, 64, 203]
+DTYPES = list(gpu.DTYPES)
+try:  # on the GPU machine: `pytest -n 8 --dist loadgroup` compiles each format's kernels once
+    import xdist  # noqa: F401
+
+    NAMES = [pytest.param(n, marks=pytest.mark.xdist_group(n)) for n in gpu.NATIVE]
+except ImportError:
+    NAMES = list(gpu.NATIVE)
+
+
+def check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, rounded_weights=False) -> None:
+    """Assert ``y`` matches the float64 reference within the tolerances of the module docstring."""
+    u = UNIT[dtype]
+    a = 1e-5 + (5 * u if rounded_weights else 0.0)
+    assert y.dtype == dtype and y.shape == ref.shape
+    yd = y.double()
+    assert torch.isfinite(yd).all(), "non-finite output"
+    err = (yd - ref).abs()
+    rms = ref.pow(2).mean().sqrt()
+    bound = 1.01 * u * ref.abs() + a * rms
+    worst = (err - bound).argmax()
+    assert (err <= bound).all(), (
+        f"element {divmod(worst.item(), ref.shape[-1])}: |diff| {err.flatten()[worst]:.3g} "
+        f"> bound {bound.flatten()[worst]:.3g} (rms {rms:.3g})"
+    )
+    rel = ((yd - ref).norm() / ref.norm()).item()
+    assert rel <= (6 * u if rounded_weights else u) + 1e-5, f"relative error {rel:.3g}"
+
+
+# --- CPU: the GPU layout, the fallback, the API --------------------------------------------
+
+
+@pytest.mark.parametrize("name", gpu.NATIVE)
+def test_repack_keeps_values(name):
+    """The planes hold exactly the GGUF values (read as the kernels read them)."""
+    w = gpu.random_qtensor(24, 512, name, seed=3)
+    p = gpu.repack(w.data, name, w.shape)
+    ref = dequantize_torch(w.data, name, w.shape)
+    assert torch.equal(gpu.dequantize_prepared(p), ref)
+    assert w.data.numel() <= p.nbytes() <= w.data.numel() * 1.3
+
+
+def test_prepare_is_cached_and_keeps_gguf_bytes():
+    w = gpu.random_qtensor(8, 64, "Q4_1")
+    before = w.data.clone()
+    assert gpu.prepare(w) is gpu.prepare(w)
+    assert torch.equal(w.data, before)
+
+
+def test_repack_rejects_non_native():
+    w = gpu.random_qtensor(4, 256, "Q3_K")
+    with pytest.raises(NotImplementedError, match="Q3_K"):
+        gpu.repack(w.data, "Q3_K", w.shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fallback_on_cpu(dtype):
+    """CPU and MPS tensors (and non-native formats) take the dequantize-then-matmul path."""
+    w = gpu.random_qtensor(32, 64, "Q8_0")
+    x = torch.randn(3, 64).to(dtype)
+    assert gpu.choose_path(3, w, x.device, dtype) in (
+        "fallback",
+        "gemv",
+    )  # gemv: TRITON_INTERPRET=1
+    ref = x.double() @ dequantize_torch(w.data, "Q8_0", w.shape).double().T
+    check(gpu.qmatmul(x, w, path="fallback"), ref, dtype)
+
+
+def test_bad_inputs():
+    w = gpu.random_qtensor(8, 64, "Q4_0")
+    with pytest.raises(TypeError, match="int32"):
+        gpu.qmatmul(torch.ones(2, 64, dtype=torch.int32), w)
+    with pytest.raises(ValueError, match="features"):
+        gpu.qmatmul(torch.ones(2, 32), w)
+    with pytest.raises(ValueError, match="path"):
+        gpu.qmatmul(torch.ones(2, 64), w, path="magic")
+
+
+# --- CUDA ----------------------------------------------------------------------------------
+
+_WEIGHTS: dict = {}
+
+
+def weight(name: str, shape: tuple[int, int]):
+    """A random CUDA QTensor and its float64 dequantized values, cached per (format, shape)."""
+    key = (name, shape)
+    if key not in _WEIGHTS:
+        if len(_WEIGHTS) > 12:
+            _WEIGHTS.clear()
+        w = gpu.random_qtensor(*shape, name, device="cuda", seed=zlib.crc32(repr(key).encode()))
+        _WEIGHTS[key] = w, dequantize_torch(w.data, name, w.shape).double()
+    return _WEIGHTS[key]
+
+
+def kquant_skip(name: str, k: int) -> None:
+    if name.endswith("_K") and k % 256:
+        pytest.skip(f"{name} needs rows of a multiple of 256, k={k}")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", NAMES)
+def test_qmatmul_cuda(name, dtype, shape, m):
+    """The automatic path for every native format, input dtype, shape and row count."""
+    kquant_skip(name, shape[1])
+    w, W = weight(name, shape)
+    x = torch.randn(m, shape[1], device="cuda").to(dtype)
+    path = gpu.choose_path(m, w, x.device, dtype)
+    y = gpu.qmatmul(x, w)
+    check(y, x.double() @ W.T, dtype, rounded_weights=path == "dequant" and dtype != torch.float32)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 64, 203])
+@pytest.mark.parametrize("path", ["gemv", "gemm", "dequant"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", NAMES)
+def test_each_path_cuda(name, dtype, path, m):
+    """Every path forced, whatever m (the thresholds may move), into a NaN-poisoned ``out``."""
+    w, W = weight(name, (576, 1536))
+    x = torch.randn(m, 1536, device="cuda").to(dtype)
+    out = torch.full((m, 576), float("nan"), device="cuda", dtype=dtype)
+    y = gpu.qmatmul(x, w, out=out, path=path)
+    assert y is out
+    check(y, x.double() @ W.T, dtype, rounded_weights=path == "dequant" and dtype != torch.float32)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["F32", "F16", "Q2_K", "Q3_K"])
+def test_fallback_formats_cuda(name):
+    w = gpu.random_qtensor(64, 512, name, device="cuda")
+    W = dequantize_torch(w.data, name, w.shape).double()
+    assert gpu.choose_path(5, w, torch.device("cuda")) == "fallback"
+    for dtype in DTYPES:
+        x = torch.randn(5, 512, device="cuda").to(dtype)
+        check(gpu.qmatmul(x, w), x.double() @ W.T, dtype)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_batched_and_strided_input_cuda():
+    w, W = weight("Q4_1", (576, 576))
+    x = torch.randn(2, 3, 2 * 576, device="cuda")[..., ::2]  # not contiguous
+    y = gpu.qmatmul(x, w)
+    assert y.shape == (2, 3, 576)
+    check(y.reshape(6, 576), x.reshape(6, 576).double() @ W.T, torch.float32)
+    assert gpu.qmatmul(x[:0], w).shape == (0, 3, 576)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_qmatmul_entry_point_dispatches_to_gpu():
+    """``qlib.quants.matmul.qmatmul`` (the CPU ggml path) hands CUDA tensors to this module."""
+    matmul = pytest.importorskip("qlib.quants.matmul")
+    w, W = weight("Q8_0", (576, 576))
+    x = torch.randn(3, 576, device="cuda")
+    check(matmul.qmatmul(x, w), x.double() @ W.T, torch.float32)
+
+
+@pytest.mark.skipif(not MPS, reason="needs MPS")
+@pytest.mark.gpu
+def test_mps_fallback():
+    w = gpu.random_qtensor(64, 256, "Q4_K", device="mps")
+    x = torch.randn(3, 256, device="mps")
+    assert gpu.choose_path(3, w, x.device) == "fallback"
+    W = dequantize_torch(w.data.cpu(), "Q4_K", w.shape).double()
+    check(gpu.qmatmul(x, w).cpu(), x.cpu().double() @ W.T, torch.float32)
