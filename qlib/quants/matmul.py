@@ -19,13 +19,17 @@ Two ways compute it, by the number of rows ``m``:
   batched float32 matmul over groups, ``[G, n, group] @ [G, group, m]``, gives
   the same exact integers.
 
-Only the combination rounds (elementwise products, then a sum over ``g``), and
-it is the same code for both ways and every row, so a row's result never
-depends on the other rows. Results match ggml's ``vec_dot`` to float rounding,
-not bit for bit (ggml sums its per-block terms in other orders).
+Only the combination rounds (elementwise products, then a pairwise tree sum
+over ``g`` in a fixed order), and it is the same code for both ways and every
+row, so a row's result never depends on the other rows. Results match ggml's
+``vec_dot`` to float rounding, not bit for bit (ggml adds its per-block terms
+one after the other). F32/F16/BF16 weights (ggml's ``vec_dot_f16`` etc.): the
+row is rounded to the weight's type and multiplied in float32, one
+matrix-vector product per row (slow for many rows; QMatMul's default form for
+float weights is "f32" anyway).
 
 ``prepare(w)`` unpacks codes (int8, one byte per weight) and float32 scales
-once; ``qmatmul(x, w)`` caches it per QTensor.
+once; ``qmatmul(x, w)`` caches that per QTensor (keyed by its data tensor).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from .activations import VEC_DOT_TYPE, quantize_activations
 from .api import block_format, dequantize_torch
 
 _INT_ROWS = 8  # up to this many rows: block-diagonal int8 matmul
+_HAS_INT_MM = hasattr(torch, "_int_mm")  # private torch API (CPU int8 x int8 -> int32)
 _TILE_FLOATS = 1 << 21  # float32 elements of one [G, n_tile, m_tile] tile of group sums
 _N_TILE = 1024
 
@@ -71,10 +76,10 @@ def prepare(w) -> PreparedWeight:
         raise ValueError(f"qmatmul needs a 2-D weight, got shape {list(w.shape)}")
     dot = VEC_DOT_TYPE[name]
     if name in ("F32", "F16", "BF16"):
-        dense = dequantize_torch(w.data, name, (n, k))
+        dense = dequantize_torch(w.data.cpu(), name, (n, k))
         return PreparedWeight(name, dot, (n, k), 1, None, None, None, dense)
     fmt = block_format(name)
-    q, scale, offset = fmt.unpack(w.data.reshape(-1, fmt.type_size))
+    q, scale, offset = fmt.unpack(w.data.cpu().reshape(-1, fmt.type_size))
     group = fmt.block_size // scale.shape[1]
     G = k // group
 
@@ -137,17 +142,15 @@ def _tree_sum(t: torch.Tensor) -> torch.Tensor:
 
 def _dense(x_codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Float weights: one matrix-vector product per row (the same kernel for every row)."""
-    return (
-        torch.stack([torch.mv(weight, row) for row in x_codes])
-        if len(x_codes)
-        else (x_codes @ weight.t())
-    )
+    return torch.stack([torch.mv(weight, row) for row in x_codes])
 
 
 def qmatmul_prepared(x: torch.Tensor, pw: PreparedWeight) -> torch.Tensor:
     """``x @ w.T`` on CPU for ``x`` ``[m, k]`` float32 and a prepared weight; ``[m, n]`` float32."""
     n, k = pw.shape
     m = x.shape[0]
+    if m == 0:
+        return torch.empty(0, n, dtype=torch.float32)
     act = quantize_activations(x, pw.dot_type)
     if pw.dense is not None:  # ggml_vec_dot_f16 / bf16 / f32: rounded activations, f32 sums
         return _dense(act.codes, pw.dense)
@@ -163,7 +166,7 @@ def qmatmul_prepared(x: torch.Tensor, pw: PreparedWeight) -> torch.Tensor:
             t.addcmul_(pw.offsets[:, j0:j1, None], a_sum[:, :, i0:i1])
         out[i0:i1, j0:j1] = _tree_sum(t).t()
 
-    if m <= _INT_ROWS:
+    if m <= _INT_ROWS and _HAS_INT_MM:
         combine(_group_sums_int(pw, act.codes), 0, m, 0, n)
         return out
     a_t = act.codes.view(m, G, group).permute(1, 2, 0).contiguous()  # [G, group, m]
