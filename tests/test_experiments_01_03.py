@@ -1,0 +1,204 @@
+"""Experiment modules of notebooks 1-3 on a tiny synthetic llama (fast, CPU only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from synthetic import write_tiny_llama
+
+from qlib.experiments import phases, span_study, throughput
+from qlib.gguf_file import Content
+from qlib.quantized_llama import ModelWeights
+
+N_LAYER, N_HEAD, N_KV, N_EMBD = 3, 4, 2, 64
+PROMPT = [3, 1, 4, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("exp") / "tiny.gguf"
+    return write_tiny_llama(path, n_layer=N_LAYER, n_head=N_HEAD, n_kv_head=N_KV, n_embd=N_EMBD)
+
+
+@pytest.fixture()
+def model(tiny_path) -> ModelWeights:
+    with open(tiny_path, "rb") as f:
+        content = Content.read(f)
+        return ModelWeights.from_gguf(content, f, "cpu")
+
+
+# -- notebook 1 -------------------------------------------------------------------------
+
+
+def test_rounds_time_every_phase(tiny_path):
+    rounds = phases.run_rounds(tiny_path, PROMPT, steps=4, rounds=2)
+    rows = [r.row() for r in rounds]
+    assert [r["round"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["decode_steps"] == 4
+        for phase in ("read_unbuffered_ms", "read_buffered_ms", "build_ms", "prefill_ms"):
+            assert r[phase] > 0
+    assert rounds[0].ids == rounds[1].ids  # greedy: the same tokens every round
+    assert len(rounds[0].ids) == 5  # prefill token + 4 decode steps
+    steps = phases.step_rows(rounds)
+    assert len(steps) == 8 and steps[0]["step"] == 1
+    fl = phases.first_vs_later(rows, "build_ms")
+    assert fl["ratio"] == pytest.approx(fl["first"] / fl["later"])
+
+
+def test_header_reads_are_many_small_ones(tiny_path):
+    info = phases.header_reads(tiny_path)
+    assert info["tensors"] == 2 + 9 * N_LAYER
+    assert info["reads"] > info["metadata_keys"] * 2  # key length, key, type, value...
+    _, ms = phases.read_header(tiny_path, buffered=False)
+    assert ms > 0
+
+
+def test_chat_ids_user_turn_alone_on_chatml():
+    class Stub:
+        chat_template = "{% for m in messages %}<|im_start|>{{ m.role }}...{% endfor %}"
+
+        def encode(self, text, add_special_tokens=False):
+            return list(text.encode())
+
+        def chat_prompt(self, text):
+            return "SYSTEM " + text
+
+    ids = phases.chat_ids(Stub(), "What is Rust?")
+    assert bytes(ids).decode().startswith("<|im_start|>user\nWhat is Rust?<|im_end|>")
+    assert bytes(phases.chat_ids(Stub(), "x", system=True)).decode() == "SYSTEM x"
+
+
+# -- notebook 2 -------------------------------------------------------------------------
+
+
+def test_span_counts_equal_the_structure(model):
+    expected = span_study.expected_counts(model.config)
+    assert expected["qmatmul"] == 7 * N_LAYER + 1 and expected["rms-norm"] == 2 * N_LAYER + 1
+    prefill, decode = span_study.profile_spans(model, PROMPT, decode_step=3, warmup=1)
+    assert (prefill.seq_len, prefill.index_pos) == (len(PROMPT), 0)
+    assert (decode.seq_len, decode.index_pos) == (1, len(PROMPT) + 2)
+    for prof in (prefill, decode):
+        check = span_study.check_counts(prof.rows, expected)
+        assert all(r["ok"] for r in check), check
+        assert {r["name"] for r in prof.rows} == set(span_study.SPAN_NAMES)
+        assert prof.wall_ms > 0
+        model_row = next(r for r in prof.rows if r["name"] == "model")
+        assert sum(r["self_ms"] for r in prof.rows) == pytest.approx(model_row["total_ms"])
+
+
+def test_check_counts_flags_a_mismatch():
+    rows = [{"name": "qmatmul", "count": 3}, {"name": "extra", "count": 1}]
+    check = {r["name"]: r for r in span_study.check_counts(rows, {"qmatmul": 4})}
+    assert not check["qmatmul"]["ok"] and not check["extra"]["ok"]
+
+
+@pytest.mark.parametrize("seq_len", [1, 3])
+def test_replay_variants_agree_and_list_every_op(seq_len):
+    outs, names = {}, {}
+    for cache in ("cat", "prealloc"):
+        for attention in ("naive", "sdpa"):
+            replay = span_study.AttentionReplay(
+                N_HEAD, N_KV, 16, 8, seq_len=seq_len, cache=cache, attention=attention
+            )
+            outs[cache, attention] = replay.output()
+            rows = replay.run(reps=3, warmup=1)
+            names[cache, attention] = [(r["op"], r["in_forward"]) for r in rows]
+            assert all(r["mean_us"] >= r["min_us"] > 0 for r in rows)
+    ref = outs["cat", "naive"]
+    assert ref.shape == (1, seq_len, N_HEAD * 16)
+    for out in outs.values():
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert names["cat", "naive"] == [
+        ("cat k", True),
+        ("cat v", True),
+        ("repeat_kv k", True),
+        ("repeat_kv v", True),
+        ("q @ k^T", True),
+        ("scale", True),
+        ("mask (where)", seq_len > 1),  # no mask on a decode step, as in forward
+        ("softmax", True),
+        ("att @ v", True),
+        ("transpose, reshape", True),
+    ]
+    assert [n for n, _ in names["prealloc", "sdpa"]] == [
+        "write k",
+        "write v",
+        "narrow k, v",
+        "sdpa (gqa)",
+        "transpose, reshape",
+    ]
+
+
+def test_replay_totals_skip_ops_outside_the_forward():
+    replay = span_study.AttentionReplay(N_HEAD, N_KV, 16, 8)
+    rows = replay.run(reps=2, warmup=0)
+    (total,) = span_study.replay_totals(rows)
+    assert total["total_us"] == pytest.approx(
+        sum(r["mean_us"] for r in rows if r["op"] != "mask (where)")
+    )
+
+
+def test_forward_times_threads_and_enqueue(model):
+    times = span_study.with_threads(1, lambda: span_study.forward_times(model, PROMPT, 8, reps=2))
+    assert times["decode_context"] == 8 and times["prefill_min_ms"] > 0
+    assert span_study.thread_counts(1) == [1, 2]
+    assert span_study.thread_counts(8) == [1, 2, 4, 8]
+    assert span_study.thread_counts(6) == [1, 2, 4, 6]
+    rows = span_study.enqueue_vs_sync(model, PROMPT, 8, reps=2)
+    assert [r["pass"] for r in rows] == ["prefill", "decode at 8"]
+    assert all(r["at_return_ms"] <= r["after_sync_ms"] for r in rows)
+
+
+# -- notebook 3 -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "naive"])
+def test_preallocated_cache_gives_the_engines_logits(model, attention):
+    ids = [7, 8, 9, 10, 11, 12]
+
+    def logits() -> list[torch.Tensor]:
+        with torch.inference_mode():
+            out = [model.forward(torch.tensor([ids[:4]]), 0)]
+            out += [model.forward(torch.tensor([[t]]), 4 + i) for i, t in enumerate(ids[4:])]
+        return out
+
+    reference = logits()
+    with throughput.preallocated_kv(model, max_len=16, attention=attention):
+        static = logits()
+        assert model.kv_len == len(ids)
+    for a, b in zip(reference, static, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert "forward_attn" not in model.layers[0].__dict__ and model.kv_len == 0
+
+
+def test_throughput_rows_have_the_right_shape(model):
+    ids = list(range(2, 40))
+    pre = throughput.prefill_throughput(model, ids, sizes=(1, 4, 16), reps=1)
+    assert [r["T"] for r in pre] == [1, 4, 16]
+    assert all(r["tok_s"] == pytest.approx(r["T"] / r["min_ms"] * 1e3) for r in pre)
+    rows = throughput.decode_comparison(model, ids, contexts=(4, 16), steps={4: 3, 16: 2}, reps=1)
+    assert len(rows) == 2 * len(throughput.DECODE_VARIANTS)
+    assert {(r["cache"], r["attention"]) for r in rows} == set(throughput.DECODE_VARIANTS)
+    assert [(r["context"], r["steps"]) for r in rows[:2]] == [(4, 3), (16, 2)]
+    assert all(r["ms_per_token"] > 0 for r in rows)
+    assert model.attention == "auto" and model.kv_len == 0
+    assert "forward_attn" not in model.layers[0].__dict__
+    core = throughput.attention_core_by_context(model, contexts=(4, 16), reps=2)
+    assert len(core) == 4
+    assert all(r["all_layers_ms"] == pytest.approx(r["layer_us"] * N_LAYER / 1e3) for r in core)
+
+
+@pytest.mark.parametrize("cache, attention", throughput.DECODE_VARIANTS)
+def test_a_sliced_snapshot_is_a_prefill_of_the_context(model, cache, attention):
+    ids = list(range(5, 25))
+    snap, ms = throughput.prefill_snapshot(model, ids)
+    assert ms > 0 and model.kv_len == 0
+    with torch.inference_mode():
+        model.forward(torch.tensor([ids[:7]]), 0)
+        expected = model.forward(torch.tensor([[ids[7]]]), 7)
+        with throughput.decode_variant(model, cache, attention, max_len=32) as kv:
+            kv.load(snap, 7)
+            assert model.kv_len == 7
+            got = model.forward(torch.tensor([[ids[7]]]), 7)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
