@@ -15,12 +15,14 @@ built with AVX2 or AVX-512, as here) is not the scalar reference:
 * Q8_K: x86 calls ``quantize_row_q8_K_ref`` itself: ``iscale = -127 / max``
   (``max`` the signed value of largest magnitude), ``nearest_int`` (half to
   even), ``min(127, q)``, ``d = 1 / iscale`` as float32, ``bsums`` per 16.
-  The AVX2 repacked Q4_K path (``ggml_quantize_mat_q8_K_4x8``) computes the
-  same numbers.
+  The AVX2 repacked Q4_K/Q2_K path (``ggml_quantize_mat_q8_K_4x8``) rounds
+  the same way; on a +a/-a tie for the max it takes the positive one, which
+  at most flips the signs of both ``d`` and the codes (same products).
 * F16 / BF16: the row is rounded to half / bfloat16 (nearest even).
 
 Tests compare these bytes with the ``from_float`` functions of the
-``libggml-cpu`` that llama-cpp-python ships.
+``libggml-cpu`` that llama-cpp-python ships (inf, huge and subnormal inputs
+included; NaN inputs are not reproduced).
 """
 
 from __future__ import annotations
