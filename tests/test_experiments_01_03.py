@@ -97,7 +97,7 @@ def test_check_counts_flags_a_mismatch():
 def test_replay_variants_agree_and_list_every_op(seq_len):
     outs, names = {}, {}
     for cache in ("cat", "prealloc"):
-        for attention in ("naive", "sdpa"):
+        for attention in ("naive", "sdpa", "fold"):
             replay = span_study.AttentionReplay(
                 N_HEAD, N_KV, 16, 8, seq_len=seq_len, cache=cache, attention=attention
             )
@@ -121,6 +121,7 @@ def test_replay_variants_agree_and_list_every_op(seq_len):
         ("att @ v", True),
         ("transpose, reshape", True),
     ]
+    assert names["prealloc", "fold"][-2][0] == "sdpa (folded gqa)"
     assert [n for n, _ in names["prealloc", "sdpa"]] == [
         "write k",
         "write v",
@@ -153,7 +154,7 @@ def test_forward_times_threads_and_enqueue(model):
 # -- notebook 3 -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "naive"])
+@pytest.mark.parametrize("attention", ["sdpa", "fold", "naive"])
 def test_preallocated_cache_gives_the_engines_logits(model, attention):
     ids = [7, 8, 9, 10, 11, 12]
 
@@ -185,7 +186,7 @@ def test_throughput_rows_have_the_right_shape(model):
     assert model.attention == "auto" and model.kv_len == 0
     assert "forward_attn" not in model.layers[0].__dict__
     core = throughput.attention_core_by_context(model, contexts=(4, 16), reps=2)
-    assert len(core) == 4
+    assert len(core) == 6
     assert all(r["all_layers_ms"] == pytest.approx(r["layer_us"] * N_LAYER / 1e3) for r in core)
 
 
@@ -202,3 +203,14 @@ def test_a_sliced_snapshot_is_a_prefill_of_the_context(model, cache, attention):
             assert model.kv_len == 7
             got = model.forward(torch.tensor([[ids[7]]]), 7)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_text_agreement_names_the_first_differing_token():
+    def rnd(dev, i, ids):
+        return phases.Round(dev, i, 1.0, 1.0, 1.0, phases.Timings(), ids)
+
+    rounds = [rnd("cpu", 1, [1, 2, 3]), rnd("cpu", 2, [1, 2, 3]), rnd("cuda", 1, [1, 2, 4])]
+    agree = phases.text_agreement(rounds)
+    assert agree == {"same_within_device": True, "first_difference": {"cpu": None, "cuda": 2}}
+    rounds.append(rnd("cuda", 2, [9]))
+    assert not phases.text_agreement(rounds)["same_within_device"]

@@ -189,3 +189,25 @@ def first_vs_later(rows: list[dict], phase: str) -> dict:
     f = first[0] if first else float("nan")
     mean_later = sum(later) / len(later) if later else float("nan")
     return {"first": f, "later": mean_later, "ratio": f / mean_later if later else float("nan")}
+
+
+def text_agreement(rounds: list[Round]) -> dict:
+    """Do the rounds of each device agree, and where does each device first differ from the CPU?
+
+    Returns ``same_within_device`` (every device's rounds generated the same
+    ids) and ``first_difference``: device -> index of the first generated
+    token that differs from the first CPU round (None: identical).
+    """
+    by_device: dict[str, list[list[int]]] = {}
+    for r in rounds:
+        by_device.setdefault(r.device, []).append(r.ids)
+    same = all(all(ids == runs[0] for ids in runs) for runs in by_device.values())
+    ref = by_device.get("cpu", next(iter(by_device.values()), [[]]))[0]
+    diff = {}
+    for dev, runs in by_device.items():
+        ids = runs[0]
+        diff[dev] = next(
+            (i for i, (a, b) in enumerate(zip(ids, ref, strict=False)) if a != b),
+            None if len(ids) == len(ref) else min(len(ids), len(ref)),
+        )
+    return {"same_within_device": same, "first_difference": diff}

@@ -137,6 +137,30 @@ def profile_spans(
 
 # -- one attention layer, op by op ---------------------------------------------------
 
+ATTENTION_CORES = ("naive", "sdpa", "fold")
+
+
+def sdpa_folded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Grouped-query attention as plain SDPA: each KV head's query heads become rows.
+
+    q (b, n_head, t, d) is viewed as (b, n_kv_head, n_rep * t, d) (query head
+    ``h = kv * n_rep + r``, the order of ``repeat_kv``), so K and V need no
+    copies and no GQA support from the kernel; ``mask`` (t, kv_len), 1 = may
+    not attend, is repeated for the n_rep row blocks. Returns (b, n_head, t, d).
+    """
+    b, n_head, t, d = q.shape
+    n_kv = k.shape[1]
+    qf = q.reshape(b, n_kv, (n_head // n_kv) * t, d)
+    attn_mask = None if mask is None else (mask == 0).repeat(n_head // n_kv, 1)
+    y = F.scaled_dot_product_attention(qf, k, v, attn_mask=attn_mask, scale=scale)
+    return y.reshape(b, n_head, t, d)
+
 
 class AttentionReplay:
     """One layer's attention core for ``seq_len`` new positions after ``context`` cached ones.
@@ -147,7 +171,9 @@ class AttentionReplay:
     engine's ``MAX_SEQ_LEN``) and attends to a view of their first positions.
     ``attention="naive"`` is forward_attn's path (repeat_kv copies, two
     matmuls, scale, mask via ``where``, softmax); ``"sdpa"`` is
-    ``F.scaled_dot_product_attention`` with ``enable_gqa`` (no copies).
+    ``F.scaled_dot_product_attention`` with ``enable_gqa`` (no copies);
+    ``"fold"`` is ``sdpa_folded`` (plain SDPA over the query heads folded
+    onto their KV head, no copies either).
     The causal mask is applied only when ``seq_len > 1``, as in the forward;
     ``mask_op=True`` also times the ``where`` on a decode step, marked
     ``in_forward=False``. Inputs are random (the cost does not depend on values).
@@ -168,7 +194,7 @@ class AttentionReplay:
         max_len: int | None = None,
         seed: int = 0,
     ):
-        if cache not in ("cat", "prealloc") or attention not in ("naive", "sdpa"):
+        if cache not in ("cat", "prealloc") or attention not in ATTENTION_CORES:
             raise ValueError(f"cache {cache!r} / attention {attention!r}")
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
         self.context, self.seq_len = context, seq_len
@@ -274,7 +300,7 @@ class AttentionReplay:
             def att_v():
                 s["y"] = s["att"] @ s["v"].contiguous()
 
-        else:
+        elif self.attention == "sdpa":
 
             @add("sdpa (gqa)")
             def sdpa():
@@ -282,6 +308,12 @@ class AttentionReplay:
                 s["y"] = F.scaled_dot_product_attention(
                     self.q, s["k"], s["v"], attn_mask=attn_mask, scale=scale, enable_gqa=True
                 )
+
+        else:
+
+            @add("sdpa (folded gqa)")
+            def sdpa_fold():
+                s["y"] = sdpa_folded(self.q, s["k"], s["v"], self.mask if t > 1 else None, scale)
 
         @add("transpose, reshape")
         def merge_heads():

@@ -37,12 +37,19 @@ from ..quantized_llama import (
 )
 from ..spans import span
 from ..tokenizer import Tokenizer
-from .span_study import AttentionReplay, replay_totals, restore_kv, snapshot_kv
+from .span_study import (
+    ATTENTION_CORES,
+    AttentionReplay,
+    replay_totals,
+    restore_kv,
+    sdpa_folded,
+    snapshot_kv,
+)
 
 PREFILL_SIZES = (1, 4, 16, 64, 128, 256, 512)
 DECODE_CONTEXTS = (16, 64, 256, 512, 1024)
 # (cache, attention) for the decode comparison; the first is the engine on a CPU
-DECODE_VARIANTS = (("cat", "naive"), ("cat", "sdpa"), ("prealloc", "sdpa"))
+DECODE_VARIANTS = (("cat", "naive"), ("cat", "sdpa"), ("prealloc", "sdpa"), ("prealloc", "fold"))
 
 
 def passage_ids(tokenizer: Tokenizer, n: int, file: str | Path | None = None) -> list[int]:
@@ -127,6 +134,8 @@ def _static_forward_attn(
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None if mask is None else mask == 0, scale=scale, enable_gqa=True
             )
+        elif attention == "fold":
+            y = sdpa_folded(q, k, v, mask, scale)
         else:
             n_rep = layer.n_head // layer.n_kv_head
             k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
@@ -180,12 +189,13 @@ def preallocated_kv(
 
     The new positions are written in place (no cat, no copy of the cache) and
     attention reads a view of the first ``index_pos + seq_len`` positions,
-    with ``attention="sdpa"`` (GQA in the kernel) or ``"naive"`` (the
+    with ``attention="sdpa"`` (GQA in the kernel), ``"fold"`` (``sdpa_folded``:
+    query heads folded onto their KV head, plain SDPA) or ``"naive"`` (the
     engine's repeat_kv path). Yields the ``StaticKV``; afterwards the model is
     as before, with an empty cache.
     """
-    if attention not in ("sdpa", "naive"):
-        raise ValueError(f"attention must be 'sdpa' or 'naive', got {attention!r}")
+    if attention not in ATTENTION_CORES:
+        raise ValueError(f"attention must be one of {ATTENTION_CORES}, got {attention!r}")
     model.clear_kv_cache()
     cache = StaticKV(model, max_len)
     for layer, (k_buf, v_buf) in zip(model.layers, cache.buffers, strict=True):
@@ -306,7 +316,7 @@ def decode_comparison(
 def attention_core_by_context(
     model: ModelWeights,
     contexts=DECODE_CONTEXTS,
-    variants=(("cat", "naive"), ("prealloc", "sdpa")),
+    variants=(("cat", "naive"), ("prealloc", "sdpa"), ("prealloc", "fold")),
     reps: int = 200,
 ) -> list[dict]:
     """One decode step's attention core per layer (op replay), and times the block count.
