@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -111,3 +112,50 @@ def fetch(verbose: bool = True) -> Path:
     if verbose:
         print(f"model ready: {dest} ({SIZE:,} bytes, sha256 ok)")
     return dest
+
+
+def derived_name(source: str | Path, type_or_recipe: str) -> str:
+    """File name of a variant: ``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``...Instruct.Q8_0.gguf``.
+
+    The source's last dotted part is replaced when it names a ggml type or recipe,
+    otherwise the type is appended.
+    """
+    from .convert import PLAIN_TYPES, RECIPES
+
+    stem = Path(source).name.removesuffix(".gguf")
+    base, _, last = stem.rpartition(".")
+    known = {*PLAIN_TYPES, *RECIPES, "Q8_1", "Q8_K"}
+    if base and last.upper() in known:
+        stem = base
+    return f"{stem}.{type_or_recipe}.gguf"
+
+
+def derive(
+    type_or_recipe: str,
+    source: str = DEFAULT_MODEL,
+    *,
+    force: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Path of ``source`` re-quantized to a type or recipe, made once in ``models_dir()``.
+
+    ``derive("Q8_0")`` -> ``data/models/SmolLM2-135M-Instruct.Q8_0.gguf``: every tensor of
+    the embedded Q4_1 file dequantized and quantized again with ``qlib.convert``
+    (K-quants fall back to Q5_0/Q5_1/Q8_0 where rows are not divisible by 256). A
+    file already there is returned as is unless ``force``. Asking for the source's own
+    type returns the source. These files are re-quantized from Q4_1, so they are not
+    byte-identical to files quantized from the original weights.
+    """
+    from .convert import normalize_spec, quantize_gguf
+
+    spec = normalize_spec(type_or_recipe)
+    src = path(source)
+    dest = models_dir() / derived_name(src, spec)
+    if dest.resolve() == src.resolve():
+        return src
+    if dest.is_file() and not force:
+        return dest
+    report = quantize_gguf(src, dest, spec, log=log)
+    if log:
+        log(f"derived {dest} from {src.name}")
+    return report.path

@@ -1,10 +1,17 @@
-"""``python -m qlib models fetch|path``: provision the embedded model."""
+"""``python -m qlib models fetch|path|derive``: provision the embedded model and its variants."""
 
 from __future__ import annotations
 
 import argparse
 
 from . import models
+
+
+def _derive(a: argparse.Namespace) -> int:
+    for spec in a.types:
+        p = models.derive(spec, a.source, force=a.force, log=print)
+        print(p)
+    return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -15,3 +22,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s = msub.add_parser("path", help="print the path of a provisioned model")
     s.add_argument("name", nargs="?", default=models.DEFAULT_MODEL)
     s.set_defaults(func=lambda a: print(models.path(a.name)))
+    d = msub.add_parser(
+        "derive",
+        help="re-quantize the embedded model to types or recipes (cached in data/models/)",
+        description="Dequantize the source GGUF and quantize it to each TYPE or RECIPE "
+        "(e.g. Q8_0 F32 Q4_0 Q4_K Q4_K_M); files already present are kept.",
+    )
+    d.add_argument("types", nargs="+", metavar="TYPE")
+    d.add_argument(
+        "--from",
+        dest="source",
+        default=models.DEFAULT_MODEL,
+        metavar="NAME",
+        help="source GGUF (a name in data/models/ or a path)",
+    )
+    d.add_argument("--force", action="store_true", help="rebuild files that exist")
+    d.set_defaults(func=_derive)
