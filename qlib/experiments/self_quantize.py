@@ -149,13 +149,17 @@ def evaluate_gguf(
     passage: bool = True,
     keep: bool = False,
     **extra: Any,
-) -> tuple[dict[str, Any], ModelWeights | None]:
-    """Score a GGUF file with qlib in ``form``; returns the row (and the model if ``keep``)."""
+) -> tuple[dict[str, Any], ModelWeights | None, torch.Tensor]:
+    """Score a GGUF file with qlib in ``form``.
+
+    Returns the row, the model when ``keep`` (else None) and its logits on the
+    chat sequence (for ``batch_dependence``).
+    """
     model, _ = build(path, "cpu", form=form)
     seq = qlib_logits(model, ref.seq_ids)
     pas = qlib_logits(model, ref.passage_ids) if passage else None
     row = score(name, seq, pas, ref, Path(path).stat().st_size, form=form, **extra)
-    return row, (model if keep else None)
+    return row, (model if keep else None), seq
 
 
 # -- torch dynamic int8 ---------------------------------------------------------
