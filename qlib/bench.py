@@ -73,9 +73,14 @@ def bench_qlib(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     with open(args.model, "rb") as f:
         content = Content.read(f)
-        model = ModelWeights.from_gguf(
-            content, f, args.device, form=args.form, attention=args.attention
-        )
+        if args.form == "fast":  # qlib.fast: C kernels, bf16 prefill, static KV cache
+            from .fast import FastModel
+
+            model = FastModel.from_gguf(content, f, args.device, prefill=args.prefill)
+        else:
+            model = ModelWeights.from_gguf(
+                content, f, args.device, form=args.form, attention=args.attention
+            )
     synchronize(model.device)
     load_ms = (time.perf_counter() - start) * 1e3
     tokenizer = Tokenizer.from_metadata(content.metadata)
@@ -99,6 +104,8 @@ def bench_qlib(args: argparse.Namespace) -> dict:
 
     result = measure(run_once, args.reps)
     result.update(engine="qlib", form=args.form or "default", load_ms=load_ms)
+    if args.form == "fast":
+        result.update(prefill=args.prefill)
     return result
 
 
@@ -258,7 +265,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reps", type=int, default=REPS)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads")
-    p.add_argument("--form", default=None, help="qlib QMatMul form (quantized, f32, f16)")
+    p.add_argument(
+        "--form",
+        default=None,
+        help="qlib QMatMul form (quantized, f32, f16), or fast (qlib.fast.FastModel, CPU)",
+    )
+    p.add_argument(
+        "--prefill", default="bf16", choices=("bf16", "int8"), help="--form fast: prefill matmuls"
+    )
     p.add_argument("--attention", default="auto", choices=("auto", "naive", "sdpa"))
     p.add_argument("--engine", default="qlib", choices=sorted(ENGINES))
     p.add_argument(
@@ -277,12 +291,15 @@ def _line(r: dict) -> str:
     if "error" in r:
         return f"{' '.join(r['argv'])}: FAILED {r['error']}"
     name = r["engine"] + (f" {r.get('form') or r.get('dtype', '')}".rstrip())
+    if r.get("prefill"):
+        name += f" ({r['prefill']} prefill)"
     return (
         f"{name:<24} prefill {r['prefill_ms']['min']:8.1f} ms (median "
         f"{r['prefill_ms']['median']:.1f})  decode {r['decode_ms_per_token']['min']:7.2f} "
         f"ms/token (median {r['decode_ms_per_token']['median']:.2f})  "
         f"first run {r['first_run']['prefill_ms']:.1f} / "
-        f"{r['first_run']['decode_ms_per_token']:.2f}  peak RSS {r['peak_rss_mb']:.0f} MB"
+        f"{r['first_run']['decode_ms_per_token']:.2f}  peak RSS {r['peak_rss_mb']:.0f} MB  "
+        f"load {r['load_ms']:.0f} ms"
     )
 
 
@@ -313,6 +330,8 @@ def main(args: argparse.Namespace) -> int:
         own += ["--threads", str(args.threads)]
     if args.form:
         own += ["--form", args.form]
+    if args.form == "fast":
+        own += ["--prefill", args.prefill]
     results = [run_in_subprocess(own)] + [run_in_subprocess(c) for c in peer_configs(args)]
     ours = results[0]
     ratios = {}

@@ -1,0 +1,341 @@
+"""The fast CPU path: the same llama forward as ``quantized_llama``, built for speed.
+
+``FastModel.from_gguf(content, f)`` has ``ModelWeights``' interface
+(``forward(x, index_pos, all_logits=)``, ``clear_kv_cache``, ``kv_len``) but
+none of candle's sharp edges. What differs from the faithful path:
+
+* **decode GEMVs** (and every matmul of fewer than ``bf16_min_rows`` rows) run
+  the AVX-512 VNNI kernel of ``qlib.quants.cpu`` on the packed 4/8-bit
+  weights: ggml semantics (Q8 activations, exact integer block dots), so the
+  logits equal the faithful ``quantized`` form's to float rounding. Without
+  the kernel (no compiler, no AVX-512) ``qlib.quants.matmul`` does the same sums;
+* **fused weights**: q, k, v stacked into one matrix, gate and up into another
+  (one activation quantization and one kernel call each);
+* **prefill** (``prefill="bf16"``, default): a bfloat16 copy of every layer
+  weight, made at load, and torch bf16 matmuls (oneDNN uses AMX here).
+  Activations stay float32 elsewhere. ``prefill="int8"`` keeps ggml semantics
+  for every row instead (the C kernel over all rows; no extra memory, slower);
+* **static KV cache**: one preallocated ``[layers, 2, n_kv, max_seq_len, d]``
+  float32 buffer (pages are touched only as positions are written), no cat;
+* **attention**: GQA without ``repeat_kv`` copies (query heads grouped per KV
+  head for decode; ``scaled_dot_product_attention(enable_gqa=True)`` with a
+  causal mask for prefill); RoPE as one complex multiplication; ``F.rms_norm``;
+  in-place residual adds; a ``model`` span only.
+
+``index_pos`` must equal the cache length or be 0 (starts over): anything else
+raises ``IndexPosError``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, BinaryIO
+
+import torch
+import torch.nn.functional as F
+
+from .devices import DeviceLike, as_device
+from .qtensor import QTensor
+from .quantized_llama import (
+    MAX_SEQ_LEN,
+    IndexPosError,
+    LlamaConfig,
+    ModelError,
+    ShapeError,
+    precompute_freqs_cis,
+    rope_neox,
+)
+from .quants import cpu
+from .quants.api import dequantize_torch
+from .quants.matmul import PreparedWeight, prepare, qmatmul_prepared
+from .spans import span
+
+PREFILL_MODES = ("bf16", "int8")
+
+
+def _stack(qtensors: list[QTensor]) -> QTensor:
+    """Several 2-D QTensors of one type and row length, stacked by rows."""
+    if len(qtensors) == 1:
+        return qtensors[0]
+    data = torch.cat([q.data.reshape(-1) for q in qtensors])
+    rows = sum(q.shape[0] for q in qtensors)
+    return QTensor(data, (rows, qtensors[0].shape[-1]), qtensors[0].dtype)
+
+
+class FastLinear:
+    """``y = x @ W.T`` for one (possibly stacked) weight: C kernel, fallback, bf16 copy."""
+
+    def __init__(self, qtensors: list[QTensor], bf16: bool):
+        names = {q.dtype.name for q in qtensors}
+        if len(names) != 1 or len({q.shape[-1] for q in qtensors}) != 1:
+            raise ModelError("fused weights need one type and one row length")
+        self.out_features = sum(q.shape[0] for q in qtensors)
+        self.in_features = qtensors[0].shape[-1]
+        self.packed: cpu.PackedWeight | None = None
+        self.prepared: PreparedWeight | None = None
+        if cpu.supports(qtensors[0].dtype.name, self.in_features):
+            self.packed = cpu.pack(qtensors)
+        else:
+            self.prepared = prepare(_stack(qtensors))
+        self.bf16: torch.Tensor | None = None
+        if bf16:
+            self.bf16 = (
+                cpu.dequantize_bf16(self.packed)
+                if self.packed is not None
+                else torch.cat([q.dequantize(dtype=torch.bfloat16) for q in qtensors])
+            )
+
+    def quantized(self, x: torch.Tensor) -> torch.Tensor:
+        """ggml semantics for every row (``x``: ``[m, k]`` float32)."""
+        if self.packed is not None:
+            return cpu.qgemm(x, self.packed)
+        return qmatmul_prepared(x.float(), self.prepared)
+
+    def forward(self, x: torch.Tensor, bf16_min_rows: int) -> torch.Tensor:
+        if self.bf16 is not None and x.shape[0] >= bf16_min_rows:
+            return F.linear(x.to(torch.bfloat16), self.bf16).float()
+        return self.quantized(x)
+
+    def nbytes(self) -> int:
+        n = self.packed.nbytes() if self.packed is not None else self.prepared.nbytes()
+        return n + (self.bf16.numel() * 2 if self.bf16 is not None else 0)
+
+
+class FastLayer:
+    def __init__(self, get, p: str, eps: float, bf16: bool):
+        self.wqkv = FastLinear([get(f"{p}.attn_q.weight"), get(f"{p}.attn_k.weight"),
+                                get(f"{p}.attn_v.weight")], bf16)  # fmt: skip
+        self.wo = FastLinear([get(f"{p}.attn_output.weight")], bf16)
+        self.w13 = FastLinear([get(f"{p}.ffn_gate.weight"), get(f"{p}.ffn_up.weight")], bf16)
+        self.w2 = FastLinear([get(f"{p}.ffn_down.weight")], bf16)
+        self.attn_norm = get(f"{p}.attn_norm.weight").dequantize()
+        self.ffn_norm = get(f"{p}.ffn_norm.weight").dequantize()
+
+
+class FastModel:
+    """A llama GGUF on CPU with fused packed weights, a static KV cache and fast kernels."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        tok_embd: QTensor,
+        layers: list[FastLayer],
+        norm: torch.Tensor,
+        output: FastLinear,
+        *,
+        prefill: str = "bf16",
+        bf16_min_rows: int = 16,
+        max_seq_len: int = MAX_SEQ_LEN,
+    ):
+        self.config = config
+        self.device = torch.device("cpu")
+        self.tok_embd = tok_embd
+        self.layers = layers
+        self.norm = norm
+        self.output = output
+        self.prefill = prefill
+        self.bf16_min_rows = bf16_min_rows if prefill == "bf16" else 1 << 62
+        self.max_seq_len = min(max_seq_len, MAX_SEQ_LEN)
+        cos, sin = precompute_freqs_cis(config.rope_dim, config.rope_freq_base, self.device)
+        self.cos, self.sin = cos, sin
+        self.rot = torch.complex(cos, sin)  # (MAX_SEQ_LEN, d/2) for rope_i
+        c = config
+        # Allocated once, never zeroed: only positions < kv_len are read.
+        self.cache = torch.empty(
+            c.block_count, 2, c.head_count_kv, self.max_seq_len, c.head_dim, dtype=torch.float32
+        )
+        self._kv_len = 0
+        self._plan = self._decode_plan()
+
+    def _decode_plan(self) -> list | None:
+        """ctypes arguments of the fused C decode step, or None (torch decode)."""
+        c, lib = self.config, cpu.load()
+        linears = [w for ly in self.layers for w in (ly.wqkv, ly.wo, ly.w13, ly.w2)]
+        if lib is None or c.head_dim % 16 or c.head_dim > 128:
+            return None
+        if any(w.packed is None for w in [*linears, self.output]):
+            return None
+        n_ff = self.layers[0].w13.out_features // 2 if self.layers else 0
+        self._h = torch.empty(1, c.embedding_length)
+        self._qkv = torch.empty(self.layers[0].wqkv.out_features if self.layers else 0)
+        self._att = torch.empty(c.head_count * c.head_dim)
+        self._gu = torch.empty(2 * n_ff)
+
+        def w(lin: FastLinear) -> tuple:
+            pw = lin.packed
+            mp = pw.m.data_ptr() if pw.m is not None else None
+            return (cpu.TYPE_CODES[pw.type_name], pw.codes.data_ptr(), pw.d.data_ptr(), mp,
+                    pw.n, pw.k)  # fmt: skip
+
+        h, qkv, att, gu = (t.data_ptr() for t in (self._h, self._qkv, self._att, self._gu))
+        eps = c.rms_norm_eps
+        plan = []
+        for i, ly in enumerate(self.layers):
+            kc, vc = self.cache[i, 0].data_ptr(), self.cache[i, 1].data_ptr()
+            plan.append((
+                (*w(ly.wqkv), h, 1, qkv, ly.attn_norm.data_ptr(), eps, 0, 0),
+                (qkv, kc, vc),
+                (*w(ly.wo), att, 1, h, None, 0.0, 0, 1),
+                (*w(ly.w13), h, 1, gu, ly.ffn_norm.data_ptr(), eps, 0, 0),
+                (*w(ly.w2), gu, 1, h, None, 0.0, 1, 1),
+            ))  # fmt: skip
+        self._out_args = (*w(self.output), h, 1)
+        return plan
+
+    def _decode_c(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        """One token through the fused C kernels: 5 calls per layer, no torch ops."""
+        c, lib = self.config, cpu.load()
+        gemm, attn = lib.qlib_qgemm_ex, lib.qlib_attn_decode
+        self._h.copy_(self.embed(token))
+        cos, sin = self.cos[pos].data_ptr(), self.sin[pos].data_ptr()
+        tail = (pos, c.head_count, c.head_count_kv, c.head_dim, self.max_seq_len, cos, sin,
+                int(c.rope_is_neox), self._att.data_ptr())  # fmt: skip
+        for qkv, kv, wo, w13, w2 in self._plan:
+            gemm(*qkv)
+            attn(*kv, *tail)
+            gemm(*wo)
+            gemm(*w13)
+            gemm(*w2)
+        logits = torch.empty(1, self.output.out_features)
+        gemm(*self._out_args, logits.data_ptr(), self.norm.data_ptr(), c.rms_norm_eps, 0, 0)
+        return logits
+
+    @classmethod
+    def from_gguf(
+        cls,
+        content,
+        f: BinaryIO,
+        device: DeviceLike = "cpu",
+        *,
+        prefill: str = "bf16",
+        bf16_min_rows: int = 16,
+        max_seq_len: int = MAX_SEQ_LEN,
+    ) -> FastModel:
+        """Build from a parsed ``gguf_file.Content`` and its open file (CPU only)."""
+        if as_device(device).type != "cpu":
+            raise ModelError("the fast path runs on CPU; use ModelWeights on other devices")
+        if prefill not in PREFILL_MODES:
+            raise ModelError(f"unknown prefill mode {prefill!r}: {', '.join(PREFILL_MODES)}")
+        config = LlamaConfig.from_metadata(content.metadata)
+        bf16 = prefill == "bf16"
+
+        def get(name: str) -> QTensor:
+            return content.tensor(f, name, "cpu")
+
+        layers = [
+            FastLayer(get, f"blk.{i}", config.rms_norm_eps, bf16) for i in range(config.block_count)
+        ]
+        tok_embd = get("token_embd.weight")
+        out_w = get("output.weight") if "output.weight" in content.tensor_infos else tok_embd
+        output = FastLinear([out_w], bf16=False)  # prefill needs only the last row
+        norm = get("output_norm.weight").dequantize()
+        return cls(config, tok_embd, layers, norm, output, prefill=prefill,
+                   bf16_min_rows=bf16_min_rows, max_seq_len=max_seq_len)  # fmt: skip
+
+    # -- state -------------------------------------------------------------
+
+    @property
+    def kv_len(self) -> int:
+        return self._kv_len
+
+    def clear_kv_cache(self) -> None:
+        self._kv_len = 0
+
+    def nbytes(self) -> int:
+        """Bytes held by the weights (packed, bf16 copies, norms)."""
+        total = sum(
+            w.nbytes() for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w13, layer.w2)
+        )
+        return total + self.output.nbytes() + self.tok_embd.nbytes()
+
+    # -- the forward pass ----------------------------------------------------
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantize only the rows of ``token_embd`` that are looked up: ``[t, d]``."""
+        t = self.tok_embd
+        return dequantize_torch(t.data[ids].reshape(-1), t.dtype.name, (ids.numel(), t.shape[-1]))
+
+    def rope(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """x: ``(t, heads, d)`` -> rotated (a new tensor)."""
+        t, _, d = x.shape
+        if self.config.rope_is_neox:
+            cos = self.cos[pos : pos + t, None, :]
+            sin = self.sin[pos : pos + t, None, :]
+            return rope_neox(x, cos, sin)
+        pairs = torch.view_as_complex(x.reshape(t, -1, d // 2, 2))
+        return torch.view_as_real(pairs * self.rot[pos : pos + t, None, :]).reshape(x.shape)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int):
+        """q: ``(t, n_head, d)``; k, v: cache views ``(n_kv, L, d)`` -> ``(t, n_head * d)``."""
+        c = self.config
+        t, L = q.shape[0], k.shape[1]
+        scale = 1.0 / math.sqrt(c.head_dim)
+        if t == 1:  # decode: group the query heads of each KV head, no copies of K/V
+            qg = q.view(c.head_count_kv, -1, c.head_dim) * scale
+            att = torch.softmax(qg @ k.transpose(1, 2), dim=-1)
+            return (att @ v).reshape(1, -1)
+        mask = None
+        if pos:  # chunk after a prefix: row i sees columns <= pos + i
+            mask = torch.arange(L)[None, :] <= (torch.arange(t)[:, None] + pos)
+        y = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+            is_causal=mask is None, scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        return y[0].transpose(0, 1).reshape(t, -1)
+
+    def forward(self, x: torch.Tensor, index_pos: int, *, all_logits: bool = False) -> torch.Tensor:
+        """Logits for token ids ``x`` (``(1, seq_len)``) from ``index_pos``: ``(1, vocab)``.
+
+        ``all_logits=True`` gives every position: ``(1, seq_len, vocab)``.
+        """
+        if x.dim() != 2 or x.shape[0] != 1:
+            raise ShapeError(f"the fast path takes one sequence (1, seq_len), got {list(x.shape)}")
+        if index_pos != 0 and index_pos != self._kv_len:
+            raise IndexPosError(
+                f"index_pos {index_pos} disagrees with the KV cache, which holds "
+                f"{self._kv_len} positions: pass index_pos={self._kv_len} or 0"
+            )
+        c = self.config
+        t = x.shape[1]
+        if index_pos + t > self.max_seq_len:
+            raise ModelError(f"{index_pos + t} positions exceed max_seq_len {self.max_seq_len}")
+        nq, nkv, hd = c.head_count * c.head_dim, c.head_count_kv * c.head_dim, c.head_dim
+        eps, dims, rows = c.rms_norm_eps, (c.embedding_length,), self.bf16_min_rows
+        end = index_pos + t
+        if t == 1 and self._plan is not None:
+            with span("model"):
+                logits = self._decode_c(x.reshape(-1).cpu(), index_pos)
+            self._kv_len = end
+            return logits[None] if all_logits else logits
+        with span("model"):
+            h = self.embed(x.reshape(-1).cpu())
+            for i, layer in enumerate(self.layers):
+                a = F.rms_norm(h, dims, layer.attn_norm, eps)
+                qkv = layer.wqkv.forward(a, rows)
+                qk = self.rope(qkv[:, : nq + nkv].view(t, -1, hd), index_pos)
+                kc, vc = self.cache[i, 0], self.cache[i, 1]
+                kc[:, index_pos:end].copy_(qk[:, c.head_count :].transpose(0, 1))
+                vc[:, index_pos:end].copy_(qkv[:, nq + nkv :].view(t, -1, hd).transpose(0, 1))
+                y = self.attention(qk[:, : c.head_count], kc[:, :end], vc[:, :end], index_pos)
+                h += layer.wo.forward(y, rows)
+                a = F.rms_norm(h, dims, layer.ffn_norm, eps)
+                gu = layer.w13.forward(a, rows)
+                n_ff = gu.shape[1] // 2
+                g = F.silu(gu[:, :n_ff], inplace=True).mul_(gu[:, n_ff:])
+                h += layer.w2.forward(g, rows)
+            self._kv_len = end
+            h = F.rms_norm(h if all_logits else h[t - 1 :], dims, self.norm, eps)
+            logits = self.output.quantized(h.contiguous())
+        return logits[None] if all_logits else logits
+
+    __call__ = forward
+
+
+def load(path, device: DeviceLike = "cpu", **kwargs) -> tuple[FastModel, Any]:
+    """Read a GGUF file and build the fast model: returns ``(model, content)``."""
+    from .gguf_file import Content
+
+    with open(path, "rb") as f:
+        content = Content.read(f)
+        model = FastModel.from_gguf(content, f, device, **kwargs)
+    return model, content

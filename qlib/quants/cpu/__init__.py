@@ -1,0 +1,207 @@
+"""AVX-512 VNNI kernels for the CPU quantized matmul (Q4_0, Q4_1, Q8_0 weights).
+
+``kernels.c`` (shipped as source, ~150 lines) is compiled on first use with the
+system C compiler (``$CC`` or ``cc``) into a cache directory
+(``$QLIB_CACHE_DIR`` or ``~/.cache/qlib``), keyed by a hash of the source and
+the flags, and loaded with ctypes. Semantics are ggml's (activations quantized
+to Q8_0 / Q8_1 with x86 rounding, exact integer block dots, float32 scaling),
+so results equal ``qlib.quants.reference.matmul`` to float rounding.
+
+``available()`` is False (with ``unavailable_reason()``) when the CPU lacks
+AVX-512 F/BW/VL/VNNI or F16C, no compiler works, or ``QLIB_NO_CKERNELS`` is
+set; callers then fall back to ``qlib.quants.matmul``. The library is linked
+with ``-fopenmp``; imported after torch it shares torch's ``libgomp`` (same
+soname), so its parallel loops use torch's OpenMP thread pool and follow
+``torch.set_num_threads``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels.c")
+CFLAGS = [
+    "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
+    "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
+]  # fmt: skip
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
+TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QLIB_CACHE_DIR") or Path.home() / ".cache" / "qlib")
+
+
+def _compile() -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (set CC)")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc, *CFLAGS]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"qlib_kernels_{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        proc = subprocess.run(
+            [cc, *CFLAGS, "-o", str(tmp_so), str(SOURCE)], capture_output=True, text=True
+        )
+        if proc.returncode:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp_so, out)  # atomic: concurrent first uses are safe
+    return out
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or None (see ``unavailable_reason``)."""
+    global _lib, _reason
+    if _lib is not None or _reason is not None:
+        return _lib
+    try:
+        if os.environ.get("QLIB_NO_CKERNELS", "") not in ("", "0"):
+            raise RuntimeError("disabled by QLIB_NO_CKERNELS")
+        missing = [f for f in REQUIRED_FLAGS if f not in _cpu_flags()]
+        if missing:
+            raise RuntimeError(f"CPU lacks {', '.join(missing)}")
+        lib = ctypes.CDLL(str(_compile()))
+        p, i = ctypes.c_void_p, ctypes.c_int
+        lib.qlib_qgemm.argtypes = [i, p, p, p, i, i, p, i, p]
+        lib.qlib_qgemm.restype = i
+        f = ctypes.c_float
+        lib.qlib_qgemm_ex.argtypes = [i, p, p, p, i, i, p, i, p, p, f, i, i]
+        lib.qlib_qgemm_ex.restype = i
+        lib.qlib_attn_decode.argtypes = [p, p, p, i, i, i, i, i, p, p, i, p]
+        lib.qlib_attn_decode.restype = None
+        lib.qlib_repack.argtypes = [i, p, i, i, p, p, p]
+        lib.qlib_repack.restype = None
+        lib.qlib_dequant_bf16.argtypes = [i, p, p, p, i, i, p]
+        lib.qlib_dequant_bf16.restype = None
+        _lib = lib
+    except (OSError, RuntimeError) as e:
+        _reason = str(e)
+    return _lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def unavailable_reason() -> str | None:
+    load()
+    return _reason
+
+
+def supports(type_name: str, k: int) -> bool:
+    """Whether the C kernel handles a weight of this type and row length."""
+    return type_name in TYPE_CODES and k % 64 == 0 and available()
+
+
+@dataclass
+class PackedWeight:
+    """A weight repacked for ``qlib_qgemm``: per-row code bytes and f16 scale planes."""
+
+    type_name: str
+    n: int
+    k: int
+    codes: torch.Tensor  # [n, k/2] (Q4_*) or [n, k] (Q8_0) uint8
+    d: torch.Tensor  # [n, k/32] int16 (f16 bits)
+    m: torch.Tensor | None  # [n, k/32] int16 (Q4_1)
+
+    def nbytes(self) -> int:
+        ts = (self.codes, self.d, self.m)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def pack(qtensors) -> PackedWeight:
+    """Repack one 2-D QTensor, or several with the same type and k stacked by rows."""
+    qtensors = list(qtensors) if isinstance(qtensors, (list, tuple)) else [qtensors]
+    name = qtensors[0].dtype.name
+    k = int(qtensors[0].shape[-1])
+    if any(q.dtype.name != name or int(q.shape[-1]) != k or len(q.shape) != 2 for q in qtensors):
+        raise ValueError("pack: weights must be 2-D with one type and one row length")
+    if name not in TYPE_CODES or k % 64:
+        raise ValueError(f"pack: no C kernel for {name} with k={k} (needs k % 64 == 0)")
+    n = sum(int(q.shape[0]) for q in qtensors)
+    G = k // 32
+    codes = torch.empty(n, k if name == "Q8_0" else k // 2, dtype=torch.uint8)
+    d = torch.empty(n, G, dtype=torch.int16)
+    m = torch.empty(n, G, dtype=torch.int16) if name == "Q4_1" else None
+    lib = load()
+    if lib is not None:
+        j = 0
+        for q in qtensors:  # each weight into its rows of the planes
+            rows, data = int(q.shape[0]), q.data.cpu().contiguous()
+            mp = m[j].data_ptr() if m is not None else None
+            lib.qlib_repack(TYPE_CODES[name], data.data_ptr(), rows, k, codes[j].data_ptr(),
+                            d[j].data_ptr(), mp)  # fmt: skip
+            j += rows
+        return PackedWeight(name, n, k, codes, d, m)
+    rows = torch.cat([q.data.cpu().reshape(-1) for q in qtensors])
+    blocks = rows.view(n, G, -1)  # the same in torch (slow), for machines without the kernel
+    d.copy_(blocks[:, :, 0:2].contiguous().view(torch.int16).reshape(n, G))
+    if name == "Q8_0":
+        codes.copy_(blocks[:, :, 2:34].reshape(n, k) ^ 0x80)
+    else:
+        if m is not None:
+            m.copy_(blocks[:, :, 2:4].contiguous().view(torch.int16).reshape(n, G))
+        qs = blocks[:, :, (4 if m is not None else 2) :][:, :, :16]
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n, k // 64, 2, 32)  # natural order
+        codes.copy_((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2))
+    return PackedWeight(name, n, k, codes, d, m)
+
+
+def dequantize_bf16(pw: PackedWeight) -> torch.Tensor:
+    """``[n, k]`` bfloat16: ggml's dequantized float32 values, rounded to nearest even."""
+    out = torch.empty(pw.n, pw.k, dtype=torch.bfloat16)
+    load().qlib_dequant_bf16(
+        TYPE_CODES[pw.type_name], pw.codes.data_ptr(), pw.d.data_ptr(),
+        pw.m.data_ptr() if pw.m is not None else None, pw.n, pw.k, out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+def qgemm(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` for ``x`` ``[m, k]`` float32 (CPU, contiguous): ``[m, n]`` float32."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"C kernels unavailable: {_reason}")
+    x = x.contiguous().float()
+    m = x.shape[0]
+    y = out if out is not None else torch.empty(m, pw.n, dtype=torch.float32)
+    rc = lib.qlib_qgemm(
+        TYPE_CODES[pw.type_name],
+        pw.codes.data_ptr(),
+        pw.d.data_ptr(),
+        pw.m.data_ptr() if pw.m is not None else None,
+        pw.n,
+        pw.k,
+        x.data_ptr(),
+        m,
+        y.data_ptr(),
+    )
+    if rc:
+        raise RuntimeError("qlib_qgemm failed (k % 64 != 0 or out of memory)")
+    return y
