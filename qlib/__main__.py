@@ -15,7 +15,10 @@ COMMAND_MODULES = ("models_cli", "generate_cli", "bench", "convert", "suite")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m qlib", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m qlib",
+        description="qlib: read, run, measure and convert quantized Llama models in GGUF files.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:

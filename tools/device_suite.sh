@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Run the experiment suite on the GPU machine (see ../shared/device/README.md).
+# Stage the model first: split-model writes .stage/part.aa and .stage/part.ab; the first
+# device call copies part.aa to /root/stage, the second carries part.ab and .whl/ and runs:
+#   bash tools/device_suite.sh [suite args...]
+# Results come back as $OUT/results_cuda.tgz (the device folder allows only a few files).
+set -uo pipefail
+stage=/root/stage
+model=$stage/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$model" ]; then
+  cat $stage/part.aa .stage/part.ab > "$model" || exit 1
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD QLIB_MODELS_DIR=$stage PYTHONUNBUFFERED=1
+export QLIB_COMMIT=${QLIB_COMMIT:-unknown}
+out=/tmp/results
+python3 -m qlib suite run --device cuda --output-dir "$out" "$@" 2>&1 | tee "$OUT/suite_cuda.log"
+status=${PIPESTATUS[0]}
+tar czf "$OUT/results_cuda.tgz" -C "$out" .
+exit "$status"
