@@ -108,9 +108,31 @@ def _prepared(w) -> PreparedWeight:
     return pw
 
 
+# the same for the C kernels' repacked planes (qlib.quants.cpu), keyed by the data tensor
+_PACKED: dict[int, tuple[weakref.ref, object]] = {}
+
+
+def _packed(w):
+    """The C kernel's ``PackedWeight`` for ``w``, or None when the kernel cannot take it."""
+    from . import cpu
+
+    if isinstance(w, PreparedWeight) or len(w.shape) != 2:
+        return None
+    if not cpu.supports(w.dtype.name, int(w.shape[-1])):
+        return None
+    key = id(w.data)
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is w.data:
+        return hit[1]
+    pw = cpu.pack(w)
+    _PACKED[key] = (weakref.ref(w.data, lambda _, key=key: _PACKED.pop(key, None)), pw)
+    return pw
+
+
 def clear_cache() -> None:
-    """Drop every cached ``PreparedWeight``."""
+    """Drop every cached ``PreparedWeight`` and packed weight."""
     _CACHE.clear()
+    _PACKED.clear()
 
 
 def _group_sums_int(pw: PreparedWeight, a_codes: torch.Tensor) -> torch.Tensor:
@@ -186,7 +208,11 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
 
     ``x``: ``[m, k]``; f16/bf16 inputs are computed in float32 and the result cast
     back. CUDA/MPS tensors go to ``qlib.quants.gpu``. ``w`` may also be a
-    ``PreparedWeight``; a QTensor is prepared on first use and cached.
+    ``PreparedWeight``; a QTensor is prepared on first use and cached. Q4_0, Q4_1
+    and Q8_0 weights with rows a multiple of 64 go through the C kernels of
+    ``qlib.quants.cpu`` when they are available (AVX-512 VNNI and a C compiler;
+    ``QLIB_NO_CKERNELS=1`` turns them off): the same quantized activations and
+    integer block sums, summed in another order (equal to float rounding).
     """
     if x.device.type != "cpu":
         from . import gpu
@@ -194,5 +220,11 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
         return gpu.qmatmul(x, w)
     if x.dim() != 2 or x.shape[1] != w.shape[-1]:
         raise ValueError(f"qmatmul: x {list(x.shape)} does not match weight {list(w.shape)}")
-    y = qmatmul_prepared(x.float(), _prepared(w))
+    packed = _packed(w)
+    if packed is not None:  # the AVX-512 VNNI kernel: the same ggml semantics, much faster
+        from . import cpu
+
+        y = cpu.qgemm(x.float(), packed)
+    else:
+        y = qmatmul_prepared(x.float(), _prepared(w))
     return y if x.dtype == torch.float32 else y.to(x.dtype)
