@@ -50,7 +50,7 @@ def llama_cpp_available() -> bool:
 def default_configs(
     device: str = "cpu",
     threads: tuple[int, ...] = (1, 2),
-    qlib_forms: tuple[str, ...] = ("quantized", "f32"),
+    qlib_forms: tuple[str, ...] = ("fast", "quantized", "f32"),
     transformers_dtypes: tuple[str, ...] = ("f32", "bf16"),
     peers: bool = True,
 ) -> list[Config]:
@@ -61,7 +61,9 @@ def default_configs(
     per_threads = threads if device == "cpu" else (None,)
     configs: list[Config] = []
     for t in per_threads:
-        configs += [Config("qlib", device, t, form=f) for f in qlib_forms]
+        # the fast path (qlib.fast.FastModel) is CPU-only
+        forms = [f for f in qlib_forms if f != "fast" or device == "cpu"]
+        configs += [Config("qlib", device, t, form=f) for f in forms]
         if peers:
             configs += [Config("transformers", device, t, dtype=d) for d in transformers_dtypes]
             if llama_cpp_available():
