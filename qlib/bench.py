@@ -228,23 +228,18 @@ def run_in_subprocess(argv: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def peer_configs(args: argparse.Namespace) -> list[list[str]]:
-    base = [
-        "--model",
-        str(args.model),
-        "--prompt-file",
-        str(args.prompt_file),
-        "--prompt-tokens",
-        str(args.prompt_tokens),
-        "--steps",
-        str(args.steps),
-        "--reps",
-        str(args.reps),
-        "--device",
-        args.device,
-    ]
+def protocol_argv(args: argparse.Namespace) -> list[str]:
+    """The command-line arguments every engine of one ``--peers`` invocation shares."""
+    argv = ["--model", str(args.model), "--prompt-file", str(args.prompt_file),
+            "--prompt-tokens", str(args.prompt_tokens), "--steps", str(args.steps),
+            "--reps", str(args.reps), "--device", args.device]  # fmt: skip
     if args.threads:
-        base += ["--threads", str(args.threads)]
+        argv += ["--threads", str(args.threads)]
+    return argv
+
+
+def peer_configs(args: argparse.Namespace) -> list[list[str]]:
+    base = protocol_argv(args)
     configs = [[*base, "--engine", "transformers", "--dtype", "f32"]]
     try:
         import importlib.util
@@ -310,24 +305,7 @@ def main(args: argparse.Namespace) -> int:
         result = run_config(args)
         print(json.dumps(result) if args.json else _line(result))
         return 0
-    own = [
-        "--model",
-        str(args.model),
-        "--prompt-file",
-        str(args.prompt_file),
-        "--prompt-tokens",
-        str(args.prompt_tokens),
-        "--steps",
-        str(args.steps),
-        "--reps",
-        str(args.reps),
-        "--device",
-        args.device,
-        "--attention",
-        args.attention,
-    ]
-    if args.threads:
-        own += ["--threads", str(args.threads)]
+    own = [*protocol_argv(args), "--attention", args.attention]
     if args.form:
         own += ["--form", args.form]
     if args.form == "fast":
