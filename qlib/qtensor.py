@@ -37,17 +37,8 @@ class QTensor:
         shape = tuple(int(d) for d in shape)
         if not shape:
             raise ValueError("a QTensor needs at least one dimension")
-        if shape[-1] % dtype.block_size:
-            raise ValueError(
-                f"quantized tensor must have their last dim divisible by block size: "
-                f"shape {list(shape)}, {dtype.name} blocks of {dtype.block_size}"
-            )
+        dtype.check_packed(shape, data.numel(), data.dtype == torch.uint8)
         expected = dtype.nbytes(shape)
-        if data.dtype != torch.uint8 or data.numel() != expected:
-            raise ValueError(
-                f"{dtype.name} tensor of shape {list(shape)} needs {expected} bytes of uint8, "
-                f"got {data.numel()} elements of {data.dtype}"
-            )
         rows = expected // max(dtype.row_bytes(shape[-1]), 1)
         self.data = data.reshape(rows, dtype.row_bytes(shape[-1])).detach()
         self.shape = shape

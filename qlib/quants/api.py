@@ -87,17 +87,7 @@ def dequantize_torch(
     fmt = block_format(type_name)
     shape = tuple(int(d) for d in shape)
     t = ggml_type(fmt.name)
-    if shape and shape[-1] % fmt.block_size:
-        raise ValueError(
-            f"{fmt.name} tensor needs a last dimension divisible by {fmt.block_size}, "
-            f"got shape {list(shape)}"
-        )
-    expected = t.nbytes(shape)
-    if data.dtype != torch.uint8 or data.numel() != expected:
-        raise ValueError(
-            f"{fmt.name} tensor of shape {list(shape)} needs {expected} uint8 bytes, "
-            f"got {data.numel()} of {data.dtype}"
-        )
+    t.check_packed(shape, data.numel(), data.dtype == torch.uint8)
     blocks = data.reshape(-1, fmt.type_size)
     values = fmt.dequantize_blocks(blocks)
     if dtype != torch.float32:

@@ -30,6 +30,20 @@ class GGMLType:
             count *= d
         return count // self.block_size * self.type_size
 
+    def check_packed(self, shape: tuple[int, ...], nbytes: int, is_uint8: bool = True) -> None:
+        """Raise ``ValueError`` unless ``nbytes`` uint8 bytes hold a tensor of ``shape``."""
+        if shape and shape[-1] % self.block_size:
+            raise ValueError(
+                f"quantized tensor must have their last dim divisible by block size: "
+                f"shape {list(shape)}, {self.name} blocks of {self.block_size}"
+            )
+        expected = self.nbytes(shape)
+        if not is_uint8 or nbytes != expected:
+            raise ValueError(
+                f"{self.name} tensor of shape {list(shape)} needs {expected} bytes of uint8, "
+                f"got {nbytes}" + ("" if is_uint8 else " elements of another dtype")
+            )
+
     @property
     def is_quantized(self) -> bool:
         return self.block_size > 1
