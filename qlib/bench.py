@@ -73,10 +73,16 @@ def bench_qlib(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     with open(args.model, "rb") as f:
         content = Content.read(f)
-        if args.form == "fast":  # qlib.fast: C kernels, bf16 prefill, static KV cache
+        if args.form == "fast" and torch.device(args.device).type == "cuda":
+            from .fast_cuda import CudaFastModel  # fused Triton kernels, CUDA graphs
+
+            kw = {"prefill": args.prefill} if args.prefill else {}
+            model = CudaFastModel.from_gguf(content, f, args.device, **kw)
+        elif args.form == "fast":  # qlib.fast: C kernels, bf16 prefill, static KV cache
             from .fast import FastModel
 
-            model = FastModel.from_gguf(content, f, args.device, prefill=args.prefill)
+            kw = {"prefill": args.prefill} if args.prefill else {}
+            model = FastModel.from_gguf(content, f, args.device, **kw)
         else:
             model = ModelWeights.from_gguf(
                 content, f, args.device, form=args.form, attention=args.attention
@@ -105,7 +111,7 @@ def bench_qlib(args: argparse.Namespace) -> dict:
     result = measure(run_once, args.reps)
     result.update(engine="qlib", form=args.form or "default", load_ms=load_ms)
     if args.form == "fast":
-        result.update(prefill=args.prefill)
+        result.update(prefill=getattr(model, "prefill", args.prefill))
     return result
 
 
@@ -263,10 +269,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--form",
         default=None,
-        help="qlib QMatMul form (quantized, f32, f16), or fast (qlib.fast.FastModel, CPU)",
+        help="qlib QMatMul form (quantized, f32, f16), or fast (qlib.fast on CPU, "
+        "qlib.fast_cuda on CUDA)",
     )
     p.add_argument(
-        "--prefill", default="bf16", choices=("bf16", "int8"), help="--form fast: prefill matmuls"
+        "--prefill",
+        default=None,
+        choices=("bf16", "int8", "f32", "packed"),
+        help="--form fast: prefill matmuls (CPU: bf16 (default) or int8; CUDA: f32 (default) "
+        "or packed)",
     )
     p.add_argument("--attention", default="auto", choices=("auto", "naive", "sdpa"))
     p.add_argument("--engine", default="qlib", choices=sorted(ENGINES))
@@ -308,7 +319,7 @@ def main(args: argparse.Namespace) -> int:
     own = [*protocol_argv(args), "--attention", args.attention]
     if args.form:
         own += ["--form", args.form]
-    if args.form == "fast":
+    if args.form == "fast" and args.prefill:
         own += ["--prefill", args.prefill]
     results = [run_in_subprocess(own)] + [run_in_subprocess(c) for c in peer_configs(args)]
     ours = results[0]

@@ -1,0 +1,359 @@
+"""Fused Triton kernels for ``qlib.fast_cuda``: a decode step in five kernels per layer.
+
+Each kernel reads the packed planes of ``qlib.quants.gpu.Prepared`` through the
+``_codes``/``_scales`` helpers of ``kernels.py`` (so every format of ``NATIVE``
+works) and accumulates in float32, with float32 activations:
+
+* ``embed``: dequantize the looked-up rows of ``token_embd`` (ids read on the device);
+* ``norm_gemv``: ``y = rms_norm(x) @ W.T`` (or plain ``x @ W.T``) with an epilogue:
+  store, add into ``y`` (the residual stream), or SwiGLU (``silu(gate) * up``
+  of the stacked gate/up weight);
+* ``qkv_rope``: the stacked q/k/v GEMV after RmsNorm, RoPE on q and k, k and v
+  written into the KV cache at the position read from the device;
+* ``attn_decode``: one query token over the live cache length (read from the
+  device), the query heads of a KV head reading the same K/V rows, online softmax;
+* ``rope_store``: RoPE and the cache write for a block of prefill rows.
+
+Positions and token ids are read from device tensors, so a whole decode step
+can be captured once in a CUDA graph and replayed for every position.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..gpu import Prepared
+from .kernels import _HAS_OFFSET, Q6_K, _args, _codes, _scales
+
+EPI_STORE, EPI_ADD, EPI_SWIGLU, EPI_GATE = 0, 1, 2, 3
+
+
+@triton.jit
+def _rstd(x, K, eps, KB: tl.constexpr):
+    """1 / sqrt(mean(x[:K]^2) + eps) of one float32 row."""
+    k = tl.arange(0, KB)
+    v = tl.load(x + k, mask=k < K, other=0.0)
+    return 1.0 / tl.sqrt(tl.sum(v * v, 0) / K + eps)
+
+
+@triton.jit
+def _dot_rows(
+    x, nw, rstd, row, qs, qh, d, dm, sc, mn, G, qs_stride, qh_stride, d_stride, sc_stride,
+    FMT: tl.constexpr, HAS_OFF: tl.constexpr, NORM: tl.constexpr, BN: tl.constexpr,
+    NG: tl.constexpr,
+):  # fmt: skip
+    """``(x * rstd * nw) @ W[row].T`` (or ``x @ W[row].T``) for the int64 rows ``row`` ``[BN]``."""
+    gi = tl.arange(0, NG)
+    i = tl.arange(0, 16)
+    acc = tl.zeros([BN, NG], dtype=tl.float32)
+    for g0 in range(0, G, NG):
+        g = g0 + gi
+        gmask = (g < G)[:, None]
+        g = tl.minimum(g, G - 1)
+        xo = g[:, None] * 32 + i[None, :]
+        x_lo = tl.load(x + xo, mask=gmask, other=0.0)
+        x_hi = tl.load(x + xo + 16, mask=gmask, other=0.0)
+        if NORM:
+            x_lo = x_lo * rstd * tl.load(nw + xo, mask=gmask, other=0.0)
+            x_hi = x_hi * rstd * tl.load(nw + xo + 16, mask=gmask, other=0.0)
+        lo, hi = _codes(
+            qs, qh, row[:, None, None], g[None, :, None], i[None, None, :],
+            qs_stride, qh_stride, FMT,
+        )  # fmt: skip
+        s_lo, s_hi, off = _scales(d, dm, sc, mn, row[:, None], g[None, :], d_stride, sc_stride, FMT)
+        if FMT == Q6_K:
+            acc += tl.sum(lo.to(tl.float32) * x_lo[None, :, :], 2) * s_lo
+            acc += tl.sum(hi.to(tl.float32) * x_hi[None, :, :], 2) * s_hi
+        else:
+            part = lo.to(tl.float32) * x_lo[None, :, :] + hi.to(tl.float32) * x_hi[None, :, :]
+            acc += tl.sum(part, 2) * s_lo
+        if HAS_OFF:
+            acc += off * tl.sum(x_lo + x_hi, 1)[None, :]
+    return tl.sum(acc, 1)
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _norm_gemv_kernel(
+    x, nw, y, qs, qh, d, dm, sc, mn, N, K, G, eps, qs_stride, qh_stride, d_stride, sc_stride,
+    FMT: tl.constexpr, HAS_OFF: tl.constexpr, NORM: tl.constexpr, EPI: tl.constexpr,
+    BN: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr,
+):  # fmt: skip
+    """One row of x; BN output rows a program (SwiGLU: BN gate rows and their up rows)."""
+    rstd = 1.0
+    if NORM:
+        rstd = _rstd(x, K, eps, KB)
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_out = N // 2 if EPI == 2 else N
+    mask = rows < n_out
+    row = tl.minimum(rows, n_out - 1).to(tl.int64)
+    a = _dot_rows(x, nw, rstd, row, qs, qh, d, dm, sc, mn, G, qs_stride, qh_stride, d_stride,
+                  sc_stride, FMT, HAS_OFF, NORM, BN, NG)  # fmt: skip
+    if EPI == 2:
+        b = _dot_rows(x, nw, rstd, row + n_out, qs, qh, d, dm, sc, mn, G, qs_stride, qh_stride,
+                      d_stride, sc_stride, FMT, HAS_OFF, NORM, BN, NG)  # fmt: skip
+        a = a / (1.0 + tl.exp(-a)) * b
+    if EPI == 1:
+        a += tl.load(y + rows, mask=mask, other=0.0)
+    if EPI == 3:  # y holds the gate GEMV: silu(gate) * up
+        gate = tl.load(y + rows, mask=mask, other=0.0)
+        a = gate / (1.0 + tl.exp(-gate)) * a
+    tl.store(y + rows, a, mask=mask)
+
+
+@triton.jit
+def _rope_pair_rows(j, D: tl.constexpr, NEOX: tl.constexpr):
+    """Pair j of the stacked q/k/v rows -> (head, i, first row, second row)."""
+    head = j // (D // 2)
+    i = j % (D // 2)
+    if NEOX:
+        ra = head * D + i
+        rb = ra + D // 2
+    else:
+        ra = head * D + 2 * i
+        rb = ra + 1
+    return head, i, ra, rb
+
+
+@triton.jit
+def _store_qkv(
+    a, b, head, ra, rb, mask, pos, q, kc, vc, cos, sin, i,
+    S, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """RoPE (q and k heads) at position ``pos``, then q -> ``q``, k/v -> the caches at ``pos``."""
+    is_q = head < NQ
+    is_k = (head >= NQ) & (head < NQ + NKV)
+    is_v = head >= NQ + NKV
+    c = tl.load(cos + pos * (D // 2) + i, mask=mask & (is_q | is_k), other=1.0)
+    s = tl.load(sin + pos * (D // 2) + i, mask=mask & (is_q | is_k), other=0.0)
+    rot = is_q | is_k
+    a2 = tl.where(rot, a * c - b * s, a)
+    b2 = tl.where(rot, a * s + b * c, b)
+    ea = ra - head * D
+    eb = rb - head * D
+    tl.store(q + ra, a2, mask=mask & is_q)
+    tl.store(q + rb, b2, mask=mask & is_q)
+    kvh = tl.where(is_k, head - NQ, head - NQ - NKV)
+    base = (kvh.to(tl.int64) * S + pos) * D
+    tl.store(kc + base + ea, a2, mask=mask & is_k)
+    tl.store(kc + base + eb, b2, mask=mask & is_k)
+    tl.store(vc + base + ea, a2, mask=mask & is_v)
+    tl.store(vc + base + eb, b2, mask=mask & is_v)
+
+
+@triton.jit(do_not_specialize=["eps", "S"])
+def _qkv_rope_kernel(
+    x, nw, q, kc, vc, pos_ptr, cos, sin, qs, qh, d, dm, sc, mn, K, G, eps, S,
+    qs_stride, qh_stride, d_stride, sc_stride,
+    FMT: tl.constexpr, HAS_OFF: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr,
+    D: tl.constexpr, NEOX: tl.constexpr, BP: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr,
+):  # fmt: skip
+    """RmsNorm, the stacked q/k/v GEMV (BP row pairs a program), RoPE, KV-cache write."""
+    rstd = _rstd(x, K, eps, KB)
+    pos = tl.load(pos_ptr).to(tl.int64)
+    j = tl.program_id(0) * BP + tl.arange(0, BP)
+    n_pairs = (NQ + 2 * NKV) * (D // 2)
+    mask = j < n_pairs
+    j = tl.minimum(j, n_pairs - 1)
+    head, i, ra, rb = _rope_pair_rows(j, D, NEOX)
+    a = _dot_rows(x, nw, rstd, ra.to(tl.int64), qs, qh, d, dm, sc, mn, G, qs_stride, qh_stride,
+                  d_stride, sc_stride, FMT, HAS_OFF, True, BP, NG)  # fmt: skip
+    b = _dot_rows(x, nw, rstd, rb.to(tl.int64), qs, qh, d, dm, sc, mn, G, qs_stride, qh_stride,
+                  d_stride, sc_stride, FMT, HAS_OFF, True, BP, NG)  # fmt: skip
+    _store_qkv(a, b, head, ra, rb, mask, pos, q, kc, vc, cos, sin, i, S, NQ, NKV, D)
+
+
+@triton.jit(do_not_specialize=["S", "q_stride", "qkv_stride"])
+def _rope_store_kernel(
+    qkv, q, kc, vc, cos, sin, pos_ptr, S, qkv_stride, q_stride,
+    NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, NEOX: tl.constexpr, BP: tl.constexpr,
+):  # fmt: skip
+    """Row t: RoPE of its q/k heads at ``pos + t``; q -> ``q[t]``, k/v -> the caches (pos read)."""
+    t = tl.program_id(0)
+    j = tl.program_id(1) * BP + tl.arange(0, BP)
+    n_pairs = (NQ + 2 * NKV) * (D // 2)
+    mask = j < n_pairs
+    j = tl.minimum(j, n_pairs - 1)
+    head, i, ra, rb = _rope_pair_rows(j, D, NEOX)
+    row = qkv + t.to(tl.int64) * qkv_stride
+    a = tl.load(row + ra, mask=mask, other=0.0)
+    b = tl.load(row + rb, mask=mask, other=0.0)
+    pos = tl.load(pos_ptr).to(tl.int64) + t
+    _store_qkv(a, b, head, ra, rb, mask, pos, q + t.to(tl.int64) * q_stride, kc, vc, cos, sin, i,
+               S, NQ, NKV, D)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["S", "scale"])
+def _attn_decode_kernel(
+    q, kc, vc, out, pos_ptr, S, scale, GROUP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr
+):
+    """Query head ``h`` over cache positions ``0..pos``: online softmax, float32."""
+    h = tl.program_id(0)
+    kvh = (h // GROUP).to(tl.int64)
+    n = tl.load(pos_ptr).to(tl.int64) + 1
+    dd = tl.arange(0, D)
+    qv = tl.load(q + h * D + dd) * scale
+    m = tl.max(tl.full([BL], float("-inf"), tl.float32), 0)
+    den = tl.sum(tl.zeros([BL], tl.float32), 0)
+    acc = tl.zeros([D], tl.float32)
+    base = kvh * S * D
+    for s0 in range(0, n, BL):
+        offs = s0 + tl.arange(0, BL)
+        valid = offs < n
+        p = base + offs[:, None] * D + dd[None, :]
+        k = tl.load(kc + p, mask=valid[:, None], other=0.0)
+        score = tl.where(valid, tl.sum(k * qv[None, :], 1), float("-inf"))
+        m_new = tl.maximum(m, tl.max(score, 0))
+        w = tl.exp(score - m_new)
+        alpha = tl.exp(m - m_new)
+        v = tl.load(vc + p, mask=valid[:, None], other=0.0)
+        den = den * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * v, 0)
+        m = m_new
+    tl.store(out + h * D + dd, acc / den)
+
+
+@triton.jit(do_not_specialize=["K", "G"])
+def _embed_kernel(
+    ids, out, qs, qh, d, dm, sc, mn, K, G, qs_stride, qh_stride, d_stride, sc_stride,
+    FMT: tl.constexpr, HAS_OFF: tl.constexpr, GB: tl.constexpr,
+):  # fmt: skip
+    """``out[t] = dequantize(W[ids[t]])`` (float32)."""
+    t = tl.program_id(0).to(tl.int64)
+    row = tl.load(ids + t).to(tl.int64)
+    g = tl.arange(0, GB)
+    gmask = (g < G)[:, None]
+    g = tl.minimum(g, G - 1)
+    i = tl.arange(0, 16)
+    lo, hi = _codes(qs, qh, row, g[:, None], i[None, :], qs_stride, qh_stride, FMT)
+    s_lo, s_hi, off = _scales(d, dm, sc, mn, row, g, d_stride, sc_stride, FMT)
+    v_lo = lo.to(tl.float32) * s_lo[:, None]
+    v_hi = hi.to(tl.float32) * s_hi[:, None]
+    if HAS_OFF:
+        v_lo += off[:, None]
+        v_hi += off[:, None]
+    p = out + t * K + g[:, None] * 32 + i[None, :]
+    tl.store(p, v_lo, mask=gmask)
+    tl.store(p + 16, v_hi, mask=gmask)
+
+
+# --- launchers -----------------------------------------------------------------------------
+
+
+def _np2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+def norm_gemv(
+    x: torch.Tensor,
+    w: Prepared,
+    y: torch.Tensor,
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    epilogue: int = EPI_STORE,
+    bn: int = 8,
+    ng: int = 8,
+    num_warps: int = 2,
+) -> None:
+    """``y (op)= rms_norm(x) @ W.T`` for one float32 row ``x`` ``[k]`` (norm optional).
+
+    ``epilogue``: ``EPI_STORE`` writes ``y``, ``EPI_ADD`` adds into it, ``EPI_SWIGLU``
+    writes ``silu(gate) * up`` (``y`` has ``w.n / 2`` elements: gate rows first),
+    ``EPI_GATE`` turns ``y`` (holding the gate) into ``silu(y) * (x @ W.T)``.
+    """
+    planes, strides = _args(w)
+    n_out = w.n // 2 if epilogue == EPI_SWIGLU else w.n
+    fmt = w.format_id
+    _norm_gemv_kernel[(triton.cdiv(n_out, bn),)](
+        x, norm if norm is not None else x, y, *planes, w.n, w.k, w.groups, eps, *strides,
+        FMT=fmt, HAS_OFF=fmt in _HAS_OFFSET, NORM=norm is not None, EPI=epilogue,
+        BN=bn, NG=min(ng, _np2(w.groups)), KB=_np2(w.k), num_warps=num_warps,
+    )  # fmt: skip
+
+
+def qkv_rope(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    w: Prepared,
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    pos: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    heads: tuple[int, int, int],
+    neox: bool,
+    bp: int = 8,
+    ng: int = 8,
+    num_warps: int = 2,
+) -> None:
+    """RmsNorm + stacked q/k/v GEMV + RoPE + KV write at ``pos`` (a device int tensor).
+
+    ``heads`` = (query heads, KV heads, head dim); ``kc``/``vc``: ``[n_kv, S, d]``.
+    """
+    nq, nkv, hd = heads
+    planes, strides = _args(w)
+    fmt = w.format_id
+    n_pairs = (nq + 2 * nkv) * hd // 2
+    _qkv_rope_kernel[(triton.cdiv(n_pairs, bp),)](
+        x, norm, q, kc, vc, pos, cos, sin, *planes, w.k, w.groups, eps, kc.shape[1], *strides,
+        FMT=fmt, HAS_OFF=fmt in _HAS_OFFSET, NQ=nq, NKV=nkv, D=hd, NEOX=neox, BP=bp,
+        NG=min(ng, _np2(w.groups)), KB=_np2(w.k), num_warps=num_warps,
+    )  # fmt: skip
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    pos: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    heads: tuple[int, int, int],
+    neox: bool,
+    bp: int = 64,
+) -> None:
+    """Rows ``qkv`` ``[t, (nq + 2 nkv) d]`` from position ``pos`` (a device int tensor):
+    RoPE, q -> ``q`` ``[t, nq d]``, k and v into the caches at ``pos .. pos + t``."""
+    nq, nkv, hd = heads
+    n_pairs = (nq + 2 * nkv) * hd // 2
+    grid = (qkv.shape[0], triton.cdiv(n_pairs, bp))
+    _rope_store_kernel[grid](
+        qkv, q, kc, vc, cos, sin, pos, kc.shape[1], qkv.stride(0), q.stride(0),
+        NQ=nq, NKV=nkv, D=hd, NEOX=neox, BP=bp, num_warps=2,
+    )  # fmt: skip
+
+
+def attn_decode(
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    out: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    heads: tuple[int, int, int],
+    bl: int = 64,
+    num_warps: int = 4,
+) -> None:
+    """``out[h] = softmax(q[h] . K[:pos+1] / sqrt(d)) V[:pos+1]`` for every query head."""
+    nq, nkv, hd = heads
+    _attn_decode_kernel[(nq,)](
+        q, kc, vc, out, pos, kc.shape[1], hd**-0.5, GROUP=nq // nkv, D=hd, BL=bl,
+        num_warps=num_warps,
+    )  # fmt: skip
+
+
+def embed(ids: torch.Tensor, w: Prepared, out: torch.Tensor) -> None:
+    """``out[t] = dequantize(W[ids[t]])`` for int64 device ids; ``out`` ``[t, k]`` float32."""
+    planes, strides = _args(w)
+    fmt = w.format_id
+    _embed_kernel[(ids.numel(),)](
+        ids, out, *planes, w.k, w.groups, *strides,
+        FMT=fmt, HAS_OFF=fmt in _HAS_OFFSET, GB=_np2(w.groups), num_warps=4,
+    )  # fmt: skip
