@@ -3,7 +3,9 @@
 One section per experiment, ordered by notebook name, with a part per device
 (cpu first): status, findings (each naming its table), key tables, plots,
 the seed's figures beside ours, and a provenance line. A notebook that failed
-or never ran gets a section that says so.
+or never ran gets a section that says so; failed runs (an error, a timeout, a
+kernel that died, a run that never finished) are also listed under the status
+table with their reason.
 """
 
 from __future__ import annotations
@@ -178,6 +180,17 @@ def _provenance(run: DeviceRun, rel_nb: str | None) -> str:
     return "*Provenance:* " + "; ".join(parts) if parts else ""
 
 
+def failure_reason(status: dict[str, Any]) -> str:
+    """'timeout at cell In [3]: `CellTimeoutError: ...`' for a failed run's status."""
+    state = status.get("state")
+    how = {"running": "did not finish", None: "error"}.get(state, state)
+    if status.get("cell") is not None:
+        how += f" at cell In [{status['cell']}]"
+    elif status.get("cell_index") is not None:
+        how += f" at cell #{status['cell_index']}"
+    return f"{how}: `{status.get('error')}`"
+
+
 def _device_section(exp: Experiment, run: DeviceRun, results_dir: Path) -> list[str]:
     meta, status = run.meta, run.status
     lines = [f"### {exp.name} on {run.device}", ""]
@@ -185,8 +198,7 @@ def _device_section(exp: Experiment, run: DeviceRun, results_dir: Path) -> list[
     if status and status.get("output") and (results_dir / status["output"]).is_file():
         rel_nb = status["output"]
     if status and not status.get("ok"):
-        cell = f" at cell In [{status['cell']}]" if status.get("cell") is not None else ""
-        lines += [f"**Failed**{cell}: `{status.get('error')}`", ""]
+        lines += [f"**Failed** ({failure_reason(status)})", ""]
     elif status:
         took = f"{status.get('seconds', 0):.1f} s"
         lines += [f"Ran in {took}, finished {status.get('finished')}.", ""]
@@ -241,6 +253,18 @@ def _results(meta: dict[str, Any], folder: Path, rel: str, device: str) -> list[
     if others:
         links = ", ".join(f"[{t['stem']}]({rel}/{t.get('csv') or t['json']})" for t in others)
         lines += [f"Other tables: {links}", ""]
+    earlier = [
+        e
+        for kind in ("tables", "plots", "files")
+        for e in (meta.get("earlier") or {}).get(kind, [])
+    ]
+    if earlier:
+        links = ", ".join(
+            f"[{e['stem']}]({rel}/{e.get('csv') or e.get('png') or e['json']})"
+            + (f" ({e['started']})" if e.get("started") else "")
+            for e in earlier
+        )
+        lines += [f"Still there from an earlier run (not saved again by this one): {links}", ""]
     return lines
 
 
@@ -249,7 +273,10 @@ def _status_cell(run: DeviceRun) -> str:
         return "by hand" if run.meta else "—"
     if run.status.get("ok"):
         return f"ok {run.status.get('seconds', 0):.1f} s"
-    return "**failed**"
+    state = {"running": "did not finish", "error": None}.get(
+        run.status.get("state"), run.status.get("state")
+    )
+    return "**failed**" + (f" ({state})" if state else "")
 
 
 def render(experiments: list[Experiment], results_dir: Path) -> str:
@@ -268,6 +295,14 @@ def render(experiments: list[Experiment], results_dir: Path) -> str:
                 row["status"] = "not run"
             rows.append(row)
         lines += [markdown_table(rows, cols), ""]
+        failed = [
+            f"- [{e.name}](#{e.name.replace('_', '-')}) on {r.device}: {failure_reason(r.status)}"
+            for e in experiments
+            for r in e.runs
+            if r.status is not None and not r.status.get("ok")
+        ]
+        if failed:
+            lines += [f"**Failed** ({len(failed)}):", "", *failed, ""]
     for e in experiments:
         title = f": {e.title}" if e.title and e.title != e.name else ""
         lines += [f'<a id="{e.name.replace("_", "-")}"></a>', "", f"## {e.name}{title}", ""]

@@ -15,7 +15,10 @@ and a GPU run sit side by side. ``output_dir`` is ``$QLIB_RESULTS_DIR`` (set by
 opened by hand writes to the same place. Every file is written atomically
 (temporary file in the same folder, then ``os.replace``), so a crash never
 leaves a truncated result, and ``meta_<device>.json`` is rewritten after each
-save, so a run that fails half-way still describes what it saved.
+save, so a run that fails half-way still describes what it saved. What an
+earlier run saved and this one has not saved again stays listed under
+``meta["earlier"]`` (the suite runner drops that list when the notebook
+finishes), so a rerun that dies half-way hides nothing from the report.
 """
 
 from __future__ import annotations
@@ -143,14 +146,45 @@ class ResultWriter:
             "findings": [],
             "seed_references": [],
             "skipped": [],
+            "earlier": self._earlier(),
         }
         self._write_meta()
+
+    _SAVED = ("tables", "plots", "files")
+
+    def _earlier(self) -> dict[str, list[dict[str, Any]]]:
+        """What the last run saved here (and what it still carried), whose files exist."""
+        try:
+            old = json.loads(self.meta_path.read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(old, dict):
+            return {}
+        out: dict[str, list[dict[str, Any]]] = {}
+        for kind in self._SAVED:
+            entries = [
+                {**e, "run_id": old.get("run_id"), "started": old.get("started")}
+                for e in old.get(kind) or []
+            ]
+            stems = {e.get("stem") for e in entries}
+            carried = (old.get("earlier") or {}).get(kind) or []
+            entries += [e for e in carried if e.get("stem") not in stems]
+            entries = [e for e in entries if self._files_exist(e)]
+            if entries:
+                out[kind] = entries
+        return out
+
+    def _files_exist(self, entry: dict[str, Any]) -> bool:
+        names = [entry.get(k) for k in ("csv", "json", "png") if entry.get(k)]
+        return bool(names) and all((self.dir / n).is_file() for n in names)
 
     # -- paths ------------------------------------------------------------
     def path(self, stem: str, ext: str) -> Path:
         """``<dir>/<stem>_<device>.<ext>``."""
         if not _STEM.match(stem):
             raise ValueError(f"bad result name {stem!r}: use letters, digits, '_', '-', '.'")
+        if stem in ("meta", "status") or stem.startswith(("meta_", "status_")):
+            raise ValueError(f"result name {stem!r} is reserved for the meta and status files")
         return self.dir / f"{stem}_{self.device}.{ext}"
 
     @property
@@ -166,6 +200,11 @@ class ResultWriter:
         items = [e for e in self.meta[kind] if e[key] != entry[key]]
         items.append(entry)
         self.meta[kind] = items
+        earlier = self.meta["earlier"]
+        if kind in earlier:  # saved again: no longer an earlier run's
+            earlier[kind] = [e for e in earlier[kind] if e.get(key) != entry[key]]
+            if not earlier[kind]:
+                del earlier[kind]
         self._write_meta()
 
     # -- what notebooks call ----------------------------------------------
@@ -249,3 +288,20 @@ class ResultWriter:
         """Record a part of the experiment that did not run here, and why."""
         self._record("skipped", {"part": part, "reason": reason}, key="part")
         return f"skipped {part}: {reason}"
+
+
+def drop_earlier(folder: str | Path, device: str = "cpu") -> bool:
+    """Forget the earlier run's entries in ``folder/meta_<device>.json`` (its run finished).
+
+    Their files stay on disk. Returns whether the meta changed.
+    """
+    path = Path(folder) / f"meta_{device}.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(meta, dict) or not meta.get("earlier"):
+        return False
+    meta["earlier"] = {}
+    atomic_write_text(path, dump_json(meta))
+    return True

@@ -16,7 +16,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 from qlib import models, report
 from qlib.__main__ import main
 from qlib.results import ResultWriter, atomic_write_text
-from qlib.suite import discover, parse_value, run_suite
+from qlib.suite import NotebookResult, discover, parse_value, resume_check, run_suite
 
 GOOD = """
 from qlib.results import ResultWriter
@@ -147,7 +147,8 @@ def test_report_sections(first_run):
     assert "| i | sq |" in md and "![squares](01_good/squares_cpu.png)" in md
     assert "seed (candle 0.11.0, M2 Max)" in md and "*Skipped* GPU part: no GPU here" in md
     assert "## 02_bad: Bad notebook" in md
-    assert "**Failed** at cell In [2]: `ValueError: deliberate failure 42`" in md
+    assert "**Failed** (error at cell In [2]: `ValueError: deliberate failure 42`)" in md
+    assert "- [02_bad](#02-bad) on cpu: error at cell In [2]: `ValueError: deliberate" in md
     assert "before_failure" in md  # what the failed run saved still shows
     assert "## 03_other" in md and "**Not run**" in md
     assert md.index("## 01_good") < md.index("## 02_bad") < md.index("## 03_other")
@@ -212,6 +213,9 @@ def test_result_writer_in_process(tmp_path, monkeypatch):
         w.finding("k", "s", table="missing")
     with pytest.raises(ValueError, match="bad result name"):
         w.save_json({}, "../escape")
+    for reserved in ("meta", "status", "status_x"):  # the meta and the runner's status files
+        with pytest.raises(ValueError, match="reserved"):
+            w.save_table({"a": [1]}, reserved)
     md = report.build(tmp_path, notebooks_dir=tmp_path)
     assert "Run by hand" in md.read_text()
     assert not list(tmp_path.rglob("*.tmp"))
@@ -241,3 +245,215 @@ def test_stale_results_marked():
     assert report.DeviceRun("cpu", earlier, status).stale
     assert not report.DeviceRun("cpu", by_hand_later, status).stale
     assert not report.DeviceRun("cpu", {**earlier, "run_id": "B"}, status).stale
+
+
+# -- a suite that loses nothing: kill, timeout, resume -------------------------
+
+SAVE = """
+from qlib.results import ResultWriter
+w = ResultWriter("x", params=dict(device=device, n=n))
+w.save_table([dict(i=i) for i in range(n)], "before", key=True)
+"""
+# each crashes unless the file `fixed` (next to the notebooks) exists
+KILL = "import os\nif not os.path.exists('fixed'):\n    os.kill(os.getpid(), 9)"
+SLEEP = "import os, time\nif not os.path.exists('fixed'):\n    time.sleep(120)"
+AFTER = 'w.save_table([dict(a=2)], "after", key=True)'
+SEE_STATUS = """
+import json, os
+status = os.path.join(os.environ["QLIB_RESULTS_DIR"], "01_first", "status_cpu.json")
+w.save_json(json.load(open(status)), "seen_status")
+"""
+CODE = {"commit": "abc1234", "dirty": False, "diff": None}  # the code_version of these runs
+
+
+def _cells_notebook(path: Path, cells: list[str]) -> None:
+    params = new_code_cell('device = "cpu"\nn = 2', metadata={"tags": ["parameters"]})
+    nb = new_notebook(cells=[params, *[new_code_cell(c) for c in cells]])
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    nbformat.write(nb, str(path))
+
+
+def _run(argv: list[str]) -> tuple[int, str]:
+    """main(argv) with its stdout captured."""
+    out = io.StringIO()
+    mp = pytest.MonkeyPatch()
+    mp.setattr(sys, "stdout", out)
+    try:
+        rc = main(argv)
+    finally:
+        mp.undo()
+    return rc, out.getvalue()
+
+
+def _status(out: Path, name: str) -> dict:
+    return json.loads((out / name / "status_cpu.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def crashes(tmp_path_factory):
+    """Run 1 of four notebooks: ok, SIGKILLed kernel, cell timeout, ok; then --resume."""
+    nbdir = tmp_path_factory.mktemp("crash_notebooks")
+    _cells_notebook(nbdir / "01_first.ipynb", [SAVE, SEE_STATUS])
+    _cells_notebook(nbdir / "02_killed.ipynb", [SAVE, KILL, AFTER])
+    _cells_notebook(nbdir / "03_slow.ipynb", [SAVE, SLEEP, AFTER])
+    _cells_notebook(nbdir / "04_last.ipynb", [SAVE])
+    out = tmp_path_factory.mktemp("crash_results")
+    # an earlier complete run of 02_killed, by hand: its "after" table must survive run 1
+    w = ResultWriter("02_killed", params={"device": "cpu"}, output_dir=out)
+    w.save_table([dict(a=1)], "after", key=True)
+    earlier_after = (out / "02_killed" / "after_cpu.csv").read_bytes()
+    mp = pytest.MonkeyPatch()
+    mp.setattr("qlib.suite.code_version", lambda: dict(CODE))
+    argv = ["suite", "run", "-q", "--notebooks", str(nbdir), "--output-dir", str(out)]
+    try:
+        rc1, log1 = _run([*argv, "--timeout", "6"])
+        first = {n: _status(out, n) for n in ("01_first", "02_killed", "03_slow", "04_last")}
+        report1 = (out / "REPORT.md").read_text()
+        meta1 = json.loads((out / "02_killed" / "meta_cpu.json").read_text())
+        killed_nb = nbformat.read(str(out / "02_killed.ipynb"), as_version=4)
+        mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+        (nbdir / "fixed").write_text("")
+        rc2, log2 = _run([*argv, "--timeout", "6", "--resume"])
+    finally:
+        mp.undo()
+    return dict(
+        nbdir=nbdir,
+        out=out,
+        argv=argv,
+        rc1=rc1,
+        log1=log1,
+        first=first,
+        report1=report1,
+        meta1=meta1,
+        killed_nb=killed_nb,
+        earlier_after=earlier_after,
+        mtimes=mtimes,
+        rc2=rc2,
+        log2=log2,
+    )
+
+
+def test_killed_and_timed_out_notebooks_recorded(crashes):
+    assert crashes["rc1"] == 1
+    log, first = crashes["log1"], crashes["first"]
+    assert "[2/4] 02_killed FAILED (cell #3: DeadKernelError" in log
+    assert "[3/4] 03_slow FAILED (cell #3: CellTimeoutError" in log
+    killed, slow = first["02_killed"], first["03_slow"]
+    assert not killed["ok"] and killed["state"] == "kernel died" and killed["cell_index"] == 3
+    assert not slow["ok"] and slow["state"] == "timeout" and slow["cell_index"] == 3
+    assert "after 6 seconds" in slow["error"]
+    # the executed notebooks are kept, up to the cell that failed
+    nb = crashes["killed_nb"]
+    assert nb.cells[1].outputs and nb.cells[3].metadata.papermill.start_time is None
+
+
+def test_other_notebooks_ran(crashes):
+    first, out = crashes["first"], crashes["out"]
+    assert first["01_first"]["ok"] and first["04_last"]["ok"]  # 04 runs after both failures
+    assert first["04_last"]["run_id"] == first["02_killed"]["run_id"]
+    assert "2 of 4 notebooks ok" in crashes["log1"]
+    # the status said "running" while the notebook ran, so a killed runner leaves a failure
+    seen = json.loads((out / "01_first" / "seen_status_cpu.json").read_text())
+    assert seen["state"] == "running" and not seen["ok"] and "did not finish" in seen["error"]
+
+
+def test_earlier_results_survive_a_crash(crashes):
+    meta1 = crashes["meta1"]
+    # what the killed run saved before dying, and the earlier run's table it never reached
+    assert [t["stem"] for t in meta1["tables"]] == ["before"]
+    assert [t["stem"] for t in meta1["earlier"]["tables"]] == ["after"]
+    assert meta1["earlier"]["tables"][0]["run_id"] is None  # the earlier run was by hand
+    report = crashes["report1"]
+    assert "| [02_killed](#02-killed) | **failed** (kernel died) |" in report
+    assert "| [03_slow](#03-slow) | **failed** (timeout) |" in report
+    assert "**Failed** (2):" in report
+    assert "- [02_killed](#02-killed) on cpu: kernel died at cell #3: `DeadKernelError" in report
+    assert "- [03_slow](#03-slow) on cpu: timeout at cell #3: `CellTimeoutError" in report
+    assert "Still there from an earlier run (not saved again by this one): [after]" in report
+    # files untouched by run 1: the earlier "after" table and every earlier cell's table
+    mtimes = crashes["mtimes"]
+    out = crashes["out"]
+    assert (
+        mtimes[out / "02_killed" / "after_cpu.csv"] < mtimes[out / "02_killed" / "before_cpu.csv"]
+    )
+    for name in ("01_first", "02_killed", "03_slow", "04_last"):
+        assert len(pd.read_csv(out / name / "before_cpu.csv")) == 2
+        assert (out / f"{name}.ipynb").is_file()
+    assert not [p for p in out.rglob(".*")]  # no temporary file left behind
+
+
+def test_resume_skips_done_and_reruns_failed(crashes):
+    out, log, first = crashes["out"], crashes["log2"], crashes["first"]
+    assert crashes["rc2"] == 0
+    assert "01_first skipped: done in run " in log and "04_last skipped: done in run " in log
+    assert "02_killed: to run (last run kernel died)" in log
+    assert "03_slow: to run (last run timeout)" in log
+    assert "4 of 4 notebooks ok (2 skipped: done before)" in log
+    for name in ("01_first", "04_last"):  # untouched
+        assert _status(out, name) == first[name]
+        for p in (out / name).iterdir():
+            assert p.stat().st_mtime_ns == crashes["mtimes"][p]
+    for name in ("02_killed", "03_slow"):  # ran again, in another run, and finished
+        st = _status(out, name)
+        assert st["ok"] and st["state"] == "ok" and st["run_id"] != first[name]["run_id"]
+        assert st["code"] == CODE and st["parameters"] == {}
+        assert pd.read_csv(out / name / "after_cpu.csv").a.tolist() == [2]
+    # a finished run forgets the earlier run's entries; the report lists no failure
+    assert json.loads((out / "02_killed" / "meta_cpu.json").read_text())["earlier"] == {}
+    report = (out / "REPORT.md").read_text()
+    assert "**failed**" not in report and "Still there" not in report
+
+
+def test_resume_reruns_on_other_commit_or_parameters(crashes, monkeypatch):
+    out, argv = crashes["out"], crashes["argv"]
+    before = {n: _status(out, n) for n in ("01_first", "04_last")}
+    monkeypatch.setattr("qlib.suite.code_version", lambda: {**CODE, "commit": "def5678"})
+    rc, log = _run([*argv, "--resume", "--only", "01"])
+    assert rc == 0 and "01_first: to run (other commit or uncommitted changes)" in log
+    assert _status(out, "01_first")["run_id"] != before["01_first"]["run_id"]
+    monkeypatch.setattr("qlib.suite.code_version", lambda: dict(CODE))
+    rc, log = _run([*argv, "--resume", "--only", "04", "-p", "n", "3"])
+    assert rc == 0 and "04_last: to run (other parameters)" in log
+    st = _status(out, "04_last")
+    assert st["parameters"] == {"n": 3} and st["run_id"] != before["04_last"]["run_id"]
+    assert len(pd.read_csv(out / "04_last" / "before_cpu.csv")) == 3
+
+
+def test_resume_check(tmp_path):
+    nb = tmp_path / "05_x.ipynb"
+    _cells_notebook(nb, ["x = 1"])
+    out = tmp_path / "out"
+    params = {"n": 1}
+    assert resume_check(nb, out, params, CODE) == (False, "no earlier run")
+    from qlib.suite import file_sha256
+
+    r = NotebookResult("05_x", "cpu", True, 1.0, "05_x.ipynb", run_id="R", parameters=params)
+    r.state, r.notebook_sha256, r.code = "ok", file_sha256(nb), dict(CODE)
+    atomic_write_text(out / "05_x" / "status_cpu.json", json.dumps(r.status()))
+    assert resume_check(nb, out, params, CODE) == (False, "executed notebook missing")
+    (out / "05_x.ipynb").write_text("{}")
+    assert resume_check(nb, out, params, CODE) == (True, "done in run R")
+    assert resume_check(nb, out, {"n": 2}, CODE) == (False, "other parameters")
+    assert resume_check(nb, out, {"n": 1, "device": "cuda"}, CODE)[1] == "no earlier run"
+    assert resume_check(nb, out, params, {**CODE, "dirty": True, "diff": "1"})[0] is False
+    assert resume_check(nb, out, params, None) == (False, "commit unknown")
+    _cells_notebook(nb, ["x = 2"])
+    assert resume_check(nb, out, params, CODE) == (False, "notebook changed")
+    r.ok, r.state = False, "running"
+    atomic_write_text(out / "05_x" / "status_cpu.json", json.dumps(r.status()))
+    assert resume_check(nb, out, params, CODE) == (False, "last run running")
+
+
+def test_code_version_names_the_checkout():
+    from qlib.machine import git_commit
+    from qlib.suite import code_version
+
+    info, code = git_commit(), code_version()
+    if info is None:
+        pytest.skip("not a git checkout and no $QLIB_COMMIT")
+    assert code["commit"] == info["commit"] and code["dirty"] == info["dirty"]
+    assert (code["diff"] is not None) == bool(info["dirty"])
