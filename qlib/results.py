@@ -19,6 +19,13 @@ save, so a run that fails half-way still describes what it saved. What an
 earlier run saved and this one has not saved again stays listed under
 ``meta["earlier"]`` (the suite runner drops that list when the notebook
 finishes), so a rerun that dies half-way hides nothing from the report.
+
+Reproducibility: ``meta["machine"]`` (``qlib.machine.machine_info``) records
+the versions, commit and machine of every run. A table's *timing columns*
+(``is_timing_column``: a time unit, a rate or a load average in the name, plus
+any named by ``save_table(..., timing=[...])``) are recorded in its meta entry;
+``comparable(dir, device)`` is a run's results without them, which two runs
+with the same parameters and seed must match exactly.
 """
 
 from __future__ import annotations
@@ -40,6 +47,12 @@ NOTEBOOK_ENV = "QLIB_NOTEBOOK"  # the notebook's stem, set by the suite runner
 RUN_ID_ENV = "QLIB_RUN_ID"  # one id per suite run, set by the suite runner
 SEED_LABEL = "seed (candle 0.11.0, M2 Max)"
 _STEM = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Words of a column name that make it a timing column (the name is split at anything but
+# letters and digits, lower-cased): a time unit, a rate, or the machine's load average.
+TIMING_WORDS = frozenset(
+    {"ms", "us", "µs", "μs", "ns", "s", "sec", "secs", "seconds", "gbps", "1min", "5min", "15min"}
+)
+_WORD = re.compile(r"[^0-9a-zµμ]+")
 
 
 def results_dir() -> Path:
@@ -98,6 +111,30 @@ def jsonable(obj: Any) -> Any:
 
 def dump_json(obj: Any) -> str:
     return json.dumps(jsonable(obj), indent=1, ensure_ascii=False) + "\n"
+
+
+def is_timing_column(name: object) -> bool:
+    """Whether a column holds a measured time or something that varies with it.
+
+    By name: ``prefill_ms``, ``decode_ms_median``, ``time_s``, ``tok_s``,
+    ``gbps``, ``seconds``, ``ctx 32 (µs)``, ``load_1min`` are; ``tokens``,
+    ``max_abs_diff``, ``text`` are not. Columns derived from timings under
+    another name (a speed ratio) are declared with ``save_table(timing=...)``.
+    """
+    words = set(_WORD.split(str(name).lower()))
+    return bool(words & TIMING_WORDS)
+
+
+def timing_columns(columns: Any, extra: Any = None) -> list[str]:
+    """The timing columns among ``columns``: by name, plus ``extra`` (True: all of them)."""
+    columns = [str(c) for c in columns]
+    if extra is True:
+        return columns
+    extra = {str(c) for c in (extra or ())}
+    missing = extra - set(columns)
+    if missing:
+        raise ValueError(f"timing column(s) {sorted(missing)} not in the table ({columns})")
+    return [c for c in columns if c in extra or is_timing_column(c)]
 
 
 def _frame(data: Any):
@@ -208,12 +245,23 @@ class ResultWriter:
         self._write_meta()
 
     # -- what notebooks call ----------------------------------------------
-    def save_table(self, data: Any, stem: str, *, key: bool = False, caption: str = ""):
+    def save_table(
+        self,
+        data: Any,
+        stem: str,
+        *,
+        key: bool = False,
+        caption: str = "",
+        timing: Any = None,
+    ):
         """Save a table as CSV and JSON (records); ``key=True`` puts it in the report.
 
         ``data``: a DataFrame, a list of dicts or a dict of columns. Returns the DataFrame.
+        ``timing``: columns that vary from run to run besides those named as timings
+        (``is_timing_column``), e.g. a ratio of two times; ``True``: every column.
         """
         df = _frame(data)
+        timed = timing_columns(df.columns, timing)
         csv, js = self.path(stem, "csv"), self.path(stem, "json")
         atomic_write_text(csv, df.to_csv(index=False))
         atomic_write_text(js, df.to_json(orient="records", indent=1, force_ascii=False) + "\n")
@@ -225,6 +273,7 @@ class ResultWriter:
             "columns": [str(c) for c in df.columns],
             "key": key,
             "caption": caption,
+            "timing_columns": timed,
         }
         self._record("tables", entry)
         return df
@@ -237,10 +286,13 @@ class ResultWriter:
         self._record("plots", {"stem": stem, "png": p.name, "caption": caption})
         return p
 
-    def save_json(self, obj: Any, stem: str) -> Path:
-        """Save any JSON-able object (numpy values and NaN are converted)."""
+    def save_json(self, obj: Any, stem: str, *, timing: bool = False) -> Path:
+        """Save any JSON-able object (numpy values and NaN are converted).
+
+        ``timing=True``: it holds timings (left out of ``comparable``).
+        """
         p = atomic_write_text(self.path(stem, "json"), dump_json(obj))
-        self._record("files", {"stem": stem, "json": p.name})
+        self._record("files", {"stem": stem, "json": p.name, "timing": bool(timing)})
         return p
 
     def finding(self, key: str, sentence: str, *, table: str | None = None, **values: Any) -> str:
@@ -305,3 +357,36 @@ def drop_earlier(folder: str | Path, device: str = "cpu") -> bool:
     meta["earlier"] = {}
     atomic_write_text(path, dump_json(meta))
     return True
+
+
+def comparable(folder: str | Path, device: str = "cpu") -> dict[str, Any]:
+    """One run's results in ``folder`` as plain data, without what varies between runs.
+
+    Every saved table (read back from its CSV) without its timing columns, every
+    saved JSON file not marked ``timing``, and the names of the plots, findings
+    and seed references (their values may quote timings). Two runs with the same
+    parameters and seed give equal results.
+    """
+    import pandas as pd
+
+    folder = Path(folder)
+    meta = json.loads((folder / f"meta_{device}.json").read_text())
+    tables = {}
+    for t in meta["tables"]:
+        df = pd.read_csv(folder / t["csv"], keep_default_na=False)
+        kept = [c for c in df.columns if c not in set(t.get("timing_columns") or ())]
+        tables[t["stem"]] = {"columns": kept, "rows": df[kept].to_dict("records")}
+    files = {
+        f["stem"]: json.loads((folder / f["json"]).read_text())
+        for f in meta["files"]
+        if not f.get("timing")
+    }
+    return {
+        "params": meta["params"],
+        "tables": tables,
+        "files": files,
+        "plots": sorted(p["stem"] for p in meta["plots"]),
+        "findings": sorted(f["key"] for f in meta["findings"]),
+        "seed_references": sorted(r["key"] for r in meta["seed_references"]),
+        "skipped": meta["skipped"],
+    }
