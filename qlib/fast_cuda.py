@@ -26,6 +26,7 @@ raises ``IndexPosError``. Weights must be in a format of ``qlib.quants.gpu.NATIV
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from typing import Any, BinaryIO
@@ -47,6 +48,7 @@ from .quants.gpu import NATIVE, Prepared, repack
 from .spans import span
 
 PREFILL_MODES = ("f32", "packed")
+ATTENTION_MODES = ("split", "single")  # decode attention: blocks in parallel, or one loop
 GRAPH_CACHE = 4  # prefill graphs kept (one per prompt length)
 
 
@@ -124,10 +126,15 @@ class CudaFastModel:
         *,
         prefill: str = "f32",
         graphs: bool = True,
+        attention: str = "split",
         max_seq_len: int = MAX_SEQ_LEN,
     ):
+        if attention not in ATTENTION_MODES:
+            raise ModelError(f"unknown attention {attention!r}: {', '.join(ATTENTION_MODES)}")
         self.config = config
         self.prefill = prefill
+        self.attention = attention
+        self._split_attention = None
         self.device = device
         self.tok_embd = tok_embd
         self.layers = layers
@@ -156,6 +163,7 @@ class CudaFastModel:
         self._logits = torch.empty(1, output.n, device=device)
         self._decode_graph: torch.cuda.CUDAGraph | None = None
         self._decode_runs = 0
+        self._device_pos = 0  # the value self._pos holds (host mirror: no read-back)
         self._prefill_graphs: OrderedDict[int, tuple] = OrderedDict()
         self._prefill_seen: set[int] = set()
 
@@ -168,6 +176,7 @@ class CudaFastModel:
         *,
         prefill: str = "f32",
         graphs: bool = True,
+        attention: str = "split",
         max_seq_len: int = MAX_SEQ_LEN,
     ) -> CudaFastModel:
         """Build from a parsed ``gguf_file.Content`` and its open file."""
@@ -187,7 +196,7 @@ class CudaFastModel:
         out_p = tok_p if out is tok else _prepare_stacked([out])[0]
         norm = get("output_norm.weight").dequantize()
         return cls(config, tok_p, layers, norm, out_p, dev, prefill=prefill, graphs=graphs,
-                   max_seq_len=max_seq_len)  # fmt: skip
+                   attention=attention, max_seq_len=max_seq_len)  # fmt: skip
 
     # -- state -------------------------------------------------------------
 
@@ -212,6 +221,14 @@ class CudaFastModel:
 
         c, h = self.config, self._h
         eps = c.rms_norm_eps
+        if self.attention == "split":
+            if self._split_attention is None:
+                self._split_attention = fused.SplitAttention(
+                    self.heads, self.max_seq_len, self.device
+                )
+            attend = self._split_attention
+        else:
+            attend = functools.partial(fused.attn_decode, heads=self.heads)
         fused.embed(self._tok, self.tok_embd, h)
         for i, ly in enumerate(self.layers):
             kc, vc = self.cache[i, 0], self.cache[i, 1]
@@ -226,7 +243,7 @@ class CudaFastModel:
                     row += p.n
                 fused.rope_store(self._qkv[None], self._q[None], kc, vc, self._pos, self.cos,
                                  self.sin, heads=self.heads, neox=c.rope_is_neox)  # fmt: skip
-            fused.attn_decode(self._q, kc, vc, self._att, self._pos, heads=self.heads)
+            attend(self._q, kc, vc, self._att, self._pos)
             fused.norm_gemv(self._att, ly.wo.parts[0], h, epilogue=fused.EPI_ADD)
             if len(ly.w13.parts) == 1:
                 fused.norm_gemv(h, ly.w13.parts[0], self._g, norm=ly.ffn_norm, eps=eps,
@@ -239,16 +256,23 @@ class CudaFastModel:
             fused.norm_gemv(self._g, ly.w2.parts[0], h, epilogue=fused.EPI_ADD)
         fused.norm_gemv(h, self.output, self._logits, norm=self.norm, eps=eps)
 
+    def _decode_step(self) -> None:
+        """The decode kernels, then the device position moves to the next one."""
+        self._decode_kernels()
+        self._pos.add_(1)
+
     def _decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         self._tok.copy_(token.reshape(1), non_blocking=True)
-        self._pos.fill_(pos)
+        if pos != self._device_pos:  # after a prefill or a restart; a step advances it itself
+            self._pos.fill_(pos)
         if not self.graphs or self._decode_runs == 0:  # the first step compiles the kernels
-            self._decode_kernels()
+            self._decode_step()
         else:
             if self._decode_graph is None:
-                self._decode_graph = self._capture(self._decode_kernels)
+                self._decode_graph = self._capture(self._decode_step)
             self._decode_graph.replay()
         self._decode_runs += 1
+        self._device_pos = pos + 1
         return self._logits.clone()
 
     def _capture(self, fn) -> torch.cuda.CUDAGraph:
@@ -301,6 +325,7 @@ class CudaFastModel:
 
     def _prefill(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         self._pos.fill_(pos)
+        self._device_pos = pos
         t = ids.numel()
         if not self.graphs or pos != 0 or all_logits or t not in self._prefill_seen:
             self._prefill_seen.add(t)

@@ -214,6 +214,60 @@ def _attn_decode_kernel(
     tl.store(out + h * D + dd, acc / den)
 
 
+@triton.jit(do_not_specialize=["S", "NS", "scale"])
+def _attn_split_kernel(
+    q, kc, vc, pm, pl, pacc, pos_ptr, S, NS, scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
+):  # fmt: skip
+    """Query head ``h``, cache positions ``BL s .. BL s + BL - 1`` (up to ``pos``): the block's
+    max score, its softmax denominator and its weighted sum of V, for ``_attn_combine_kernel``."""
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    n = tl.load(pos_ptr).to(tl.int64) + 1
+    if s * BL < n:
+        kvh = (h // GROUP).to(tl.int64)
+        dd = tl.arange(0, D)
+        qv = tl.load(q + h * D + dd) * scale
+        offs = s * BL + tl.arange(0, BL)
+        valid = offs < n
+        p = kvh * S * D + offs[:, None] * D + dd[None, :]
+        k = tl.load(kc + p, mask=valid[:, None], other=0.0)
+        score = tl.where(valid, tl.sum(k * qv[None, :], 1), float("-inf"))
+        m = tl.max(score, 0)
+        w = tl.exp(score - m)
+        v = tl.load(vc + p, mask=valid[:, None], other=0.0)
+        slot = h * NS + s
+        tl.store(pm + slot, m)
+        tl.store(pl + slot, tl.sum(w, 0))
+        tl.store(pacc + slot * D + dd, tl.sum(w[:, None] * v, 0))
+
+
+@triton.jit(do_not_specialize=["NS"])
+def _attn_combine_kernel(
+    out, pm, pl, pacc, pos_ptr, NS, D: tl.constexpr, BL: tl.constexpr, NSB: tl.constexpr
+):
+    """``out[h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s`` over the live blocks."""
+    h = tl.program_id(0)
+    n = tl.load(pos_ptr).to(tl.int64) + 1
+    dd = tl.arange(0, D)
+    acc = tl.zeros([D], tl.float32)
+    den = tl.sum(tl.zeros([NSB], tl.float32), 0)
+    big = tl.max(tl.full([NSB], float("-inf"), tl.float32), 0)
+    for s0 in range(0, tl.cdiv(n, BL), NSB):
+        ss = s0 + tl.arange(0, NSB)
+        live = ss * BL < n
+        slot = h * NS + ss
+        m = tl.load(pm + slot, mask=live, other=float("-inf"))
+        big_new = tl.maximum(big, tl.max(m, 0))
+        w = tl.where(live, tl.exp(m - big_new), 0.0)
+        alpha = tl.exp(big - big_new)
+        den = den * alpha + tl.sum(w * tl.load(pl + slot, mask=live, other=0.0), 0)
+        a = tl.load(pacc + slot[:, None] * D + dd[None, :], mask=live[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * a, 0)
+        big = big_new
+    tl.store(out + h * D + dd, acc / den)
+
+
 @triton.jit(do_not_specialize=["K", "G"])
 def _embed_kernel(
     ids, out, qs, qh, d, dm, sc, mn, K, G, qs_stride, qh_stride, d_stride, sc_stride,
@@ -253,9 +307,9 @@ def norm_gemv(
     norm: torch.Tensor | None = None,
     eps: float = 0.0,
     epilogue: int = EPI_STORE,
-    bn: int = 8,
-    ng: int = 8,
-    num_warps: int = 2,
+    bn: int | None = None,
+    ng: int = 32,
+    num_warps: int = 4,
 ) -> None:
     """``y (op)= rms_norm(x) @ W.T`` for one float32 row ``x`` ``[k]`` (norm optional).
 
@@ -265,6 +319,8 @@ def norm_gemv(
     """
     planes, strides = _args(w)
     n_out = w.n // 2 if epilogue == EPI_SWIGLU else w.n
+    if bn is None:  # H200 sweep (tools/gpu_tune.py): 4 rows, whole 576-rows in one step
+        bn, ng = (32, 8) if n_out >= 16384 else (4, ng)
     fmt = w.format_id
     _norm_gemv_kernel[(triton.cdiv(n_out, bn),)](
         x, norm if norm is not None else x, y, *planes, w.n, w.k, w.groups, eps, *strides,
@@ -287,9 +343,9 @@ def qkv_rope(
     *,
     heads: tuple[int, int, int],
     neox: bool,
-    bp: int = 8,
-    ng: int = 8,
-    num_warps: int = 2,
+    bp: int = 4,
+    ng: int = 32,
+    num_warps: int = 4,
 ) -> None:
     """RmsNorm + stacked q/k/v GEMV + RoPE + KV write at ``pos`` (a device int tensor).
 
@@ -347,6 +403,34 @@ def attn_decode(
         q, kc, vc, out, pos, kc.shape[1], hd**-0.5, GROUP=nq // nkv, D=hd, BL=bl,
         num_warps=num_warps,
     )  # fmt: skip
+
+
+class SplitAttention:
+    """Decode attention in two kernels: blocks of ``bl`` positions in parallel, then a combine.
+
+    Holds the partial results (``[n_head, max_seq_len / bl]`` maxima and denominators, and
+    weighted V sums): every query head gets ``ceil((pos + 1) / bl)`` programs instead of one
+    program looping over the whole cache.
+    """
+
+    def __init__(self, heads: tuple[int, int, int], max_seq_len: int, device, bl: int = 64):
+        # bl = 64 with 4 warps, 8 blocks a combine step: the best of the H200 sweep
+        nq, _, hd = heads
+        self.heads, self.bl = heads, bl
+        self.ns = triton.cdiv(max_seq_len, bl)
+        self.m = torch.empty(nq, self.ns, device=device)
+        self.l = torch.empty(nq, self.ns, device=device)
+        self.acc = torch.empty(nq, self.ns, hd, device=device)
+
+    def __call__(self, q, kc, vc, out, pos, *, num_warps: int = 4, nsb: int = 8) -> None:
+        nq, nkv, hd = self.heads
+        _attn_split_kernel[(nq, self.ns)](
+            q, kc, vc, self.m, self.l, self.acc, pos, kc.shape[1], self.ns, hd**-0.5,
+            GROUP=nq // nkv, D=hd, BL=self.bl, num_warps=num_warps,
+        )  # fmt: skip
+        _attn_combine_kernel[(nq,)](
+            out, self.m, self.l, self.acc, pos, self.ns, D=hd, BL=self.bl, NSB=nsb, num_warps=2
+        )
 
 
 def embed(ids: torch.Tensor, w: Prepared, out: torch.Tensor) -> None:

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The fast CUDA path on the GPU machine: its tests, the DESIGN.md benchmark, a profile.
+# Stage the model as for tools/device_suite.sh (part.aa copied to /root/stage first), then:
+#   bash tools/device_bench.sh            (results under $OUT)
+set -uo pipefail
+stage=/root/stage
+model=$stage/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$model" ]; then
+  cat $stage/part.aa .stage/part.ab > "$model" || exit 1
+fi
+[ -d .stage/whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/whl/*.whl 2>&1 | tail -1
+export PYTHONPATH=/tmp/site:$PWD QLIB_MODELS_DIR=$stage PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -m pytest -q -x tests/test_fast_cuda.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
+python3 tools/gpu_profile.py --out "$OUT" 2>&1 | head -8
+[ "${TUNE:-0}" = 1 ] && python3 tools/gpu_tune.py --out "$OUT" 2>&1 | grep -v Warning
+python3 -m qlib bench --form fast --device cuda --peers --json > "$OUT/bench_cuda.json"
+python3 -c "
+import json; r = json.load(open('$OUT/bench_cuda.json'))
+for x in [r['qlib'], *r['peers']]:
+    print(x.get('engine'), x.get('form') or x.get('dtype'), 'prefill', x.get('prefill_ms'), 'decode', x.get('decode_ms_per_token'), 'first', x.get('first_run'), x.get('error', ''))
+print(r['ratios'])"
