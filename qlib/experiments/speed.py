@@ -61,8 +61,8 @@ def default_configs(
     per_threads = threads if device == "cpu" else (None,)
     configs: list[Config] = []
     for t in per_threads:
-        # the fast path (qlib.fast.FastModel) is CPU-only
-        forms = [f for f in qlib_forms if f != "fast" or device == "cpu"]
+        # fast: qlib.fast (CPU) or qlib.fast_cuda (CUDA); neither runs on MPS
+        forms = [f for f in qlib_forms if f != "fast" or device in ("cpu", "cuda")]
         configs += [Config("qlib", device, t, form=f) for f in forms]
         if peers:
             configs += [Config("transformers", device, t, dtype=d) for d in transformers_dtypes]
@@ -83,13 +83,26 @@ def run_matrix(
     """Run each configuration in a new process; one flat row per configuration."""
     from tqdm.auto import tqdm
 
-    common = ["--model", str(model), "--prompt-tokens", str(prompt_tokens),
-              "--steps", str(steps), "--reps", str(reps)]
+    common = [
+        "--model",
+        str(model),
+        "--prompt-tokens",
+        str(prompt_tokens),
+        "--steps",
+        str(steps),
+        "--reps",
+        str(reps),
+    ]
     rows = []
     for config in tqdm(configs, desc="configurations", disable=not progress):
         r = run_in_subprocess(common + config.argv())
-        row = {"config": config.label, "engine": config.engine, "device": config.device,
-               "threads": config.threads, "variant": config.form or config.dtype or "default"}
+        row = {
+            "config": config.label,
+            "engine": config.engine,
+            "device": config.device,
+            "threads": config.threads,
+            "variant": config.form or config.dtype or "default",
+        }
         if "error" in r:
             row["error"] = r["error"]
         else:
