@@ -11,8 +11,9 @@ Differences from candle 0.11.0, all on malformed input: corrupt files fail
 with a ``GGUFError`` naming the problem and where it is; strings keep their
 exact bytes (invalid UTF-8 survives as surrogate escapes, trailing NULs are
 kept) so that ``write(read(f))`` reproduces a file byte for byte; duplicate
-keys or tensor names and a ``general.alignment`` that is not a positive power
-of two are errors; v1 files are refused.
+keys or tensor names, a ``general.alignment`` that is not a positive power
+of two, tensor data offsets that are not multiples of the alignment (as
+llama.cpp) and tensors whose data overlap are errors; v1 files are refused.
 """
 
 from __future__ import annotations
@@ -393,11 +394,35 @@ def _read_content(f: BinaryIO) -> Content:
         infos[info.name] = info
 
     data_offset = -(-r.pos // alignment) * alignment
+    _check_layout(infos, alignment)
     if size is not None:
         for info in infos.values():
             if data_offset + info.offset + info.nbytes > size:
                 raise GGUFError(_outside_msg(info, data_offset, size))
     return Content(version, metadata, types, infos, data_offset, alignment, size)
+
+
+def _check_layout(infos: dict[str, TensorInfo], alignment: int) -> None:
+    """Tensor data offsets must be multiples of the alignment and data ranges disjoint.
+
+    So the tensors of a file never hold more bytes than the file has (no amplification
+    by many entries pointing at the same bytes).
+    """
+    for info in infos.values():
+        if info.offset % alignment:
+            raise GGUFError(
+                f"tensor {info.name!r}: data offset {info.offset} is not a multiple of the "
+                f"alignment {alignment}"
+            )
+    prev = None
+    for info in sorted(infos.values(), key=lambda t: t.offset):
+        if prev is not None and info.offset < prev.offset + prev.nbytes:
+            raise GGUFError(
+                f"tensors {prev.name!r} and {info.name!r} overlap: {prev.name!r} holds bytes "
+                f"{prev.offset}..{prev.offset + prev.nbytes} of the data section, "
+                f"{info.name!r} starts at {info.offset}"
+            )
+        prev = info
 
 
 def _read_value(r: _Reader, vt: int, key: str, at: int, depth: int) -> tuple[Any, Spec]:

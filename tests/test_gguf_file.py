@@ -215,6 +215,27 @@ def test_tensor_data_outside_file_at_read(tmp_path):
     assert "size 32 bytes" in msg and "(absolute 160)" in msg and "file size 128" in msg
 
 
+def test_misaligned_tensor_offset(tmp_path):
+    msg = error_of(tmp_path, gguf_bytes([], [tinfo("w", [4, 2], offset=4)], bytes(64)))
+    assert msg == "tensor 'w': data offset 4 is not a multiple of the alignment 32"
+
+
+def test_overlapping_tensors(tmp_path):
+    """Two entries on the same bytes: refused, so tensors never hold more than the file."""
+    tinfos = [tinfo("a", [4, 2], offset=0), tinfo("b", [8], offset=64), tinfo("c", [4], offset=0)]
+    msg = error_of(tmp_path, gguf_bytes([], tinfos, bytes(96)))
+    assert msg == (
+        "tensors 'a' and 'c' overlap: 'a' holds bytes 0..32 of the data section, 'c' starts at 0"
+    )
+    tinfos = [tinfo("a", [16], offset=0), tinfo("b", [8], offset=32)]  # a: 64 bytes
+    msg = error_of(tmp_path, gguf_bytes([], tinfos, bytes(96)))
+    assert "tensors 'a' and 'b' overlap: 'a' holds bytes 0..64" in msg
+    # adjacent (after padding) and out of order is fine
+    tinfos = [tinfo("a", [8], offset=32), tinfo("b", [8], offset=0)]
+    c = read_bytes(tmp_path, gguf_bytes([], tinfos, bytes(64)))
+    assert [c.tensor_infos[n].offset for n in "ab"] == [32, 0]
+
+
 def test_tensor_data_outside_file_in_tensor(tmp_path):
     p = tmp_path / "t.gguf"
     p.write_bytes(valid_bytes())
