@@ -239,7 +239,11 @@ def test_derive_variant(tiny_path, tmp_path):
     for name, info in out.tensor_infos.items():
         expected = "F32" if len(info.shape) == 1 else "Q8_0"
         assert info.dtype.name == expected and info.shape == src.tensor_infos[name].shape
-    assert out.metadata == src.metadata
+    from qlib.convert.recipes import FILE_TYPES
+
+    assert out.metadata.pop("general.file_type") == FILE_TYPES["Q8_0"]
+    assert out.metadata.pop("general.quantization_version") == 2  # as llama.cpp writes
+    assert out.metadata == src.metadata  # everything else copied (tokenizer, template, ...)
     mtime = dst.stat().st_mtime_ns
     drift.derive_variant(tiny_path, dst, "Q8_0")  # cached
     assert dst.stat().st_mtime_ns == mtime

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -29,16 +28,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..gguf_file import Content, write
-from ..qtensor import QMatMul, QTensor
+from ..gguf_file import Content
+from ..qtensor import QMatMul
 from ..quantized_llama import ModelWeights
 from .index_pos import Decoder, first_difference
 
 REFERENCE = "transformers f32"
 COUNT_ROWS = 32  # rows per QMatMul call on which the nudge's code flips are counted
-
-# llama.cpp's LLAMA_FTYPE for a file whose matrices are all of one type
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9}
 
 
 # -- model files ----------------------------------------------------------
@@ -67,34 +63,19 @@ def derived_path(src: str | Path, type_name: str, models_dir: str | Path | None 
 def derive_variant(src: str | Path, dst: str | Path, type_name: str) -> Path:
     """Write ``dst``: ``src`` with each matrix dequantized to f32, re-quantized to ``type_name``.
 
-    1-D tensors (the F32 norms) are copied as they are; the metadata (tokenizer and
-    chat template included) is copied with its types, ``general.file_type`` updated.
-    Cached: an existing ``dst`` is returned as is. The result is re-quantized from
-    ``src``, not byte-identical to a file quantized from the original weights.
+    ``qlib.convert.quantize_gguf`` does the work (as ``qlib.models.derive``): 1-D tensors
+    (the F32 norms) are kept, the metadata (tokenizer and chat template included) is
+    copied with its types, ``general.file_type`` set. Cached: an existing ``dst`` is
+    returned as is. The result is re-quantized from ``src``, not byte-identical to a
+    file quantized from the original weights.
     """
+    from ..convert import quantize_gguf
+
     dst = Path(dst)
     if dst.is_file():
         return dst
-    with open(src, "rb") as f:
-        content = Content.read(f)
-        tensors: dict[str, QTensor] = {}
-        for name, info in content.tensor_infos.items():
-            q = content.tensor(f, name)
-            keep = len(info.shape) == 1  # norms (F32 in llama.cpp files) stay as they are
-            tensors[name] = q if keep else QTensor.quantize(q.dequantize(), type_name)
-    metadata = dict(content.metadata)
-    if "general.file_type" in metadata and type_name in FILE_TYPES:
-        metadata["general.file_type"] = FILE_TYPES[type_name]
     dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            write(out, metadata, tensors, types=content.metadata_types)
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return dst
+    return quantize_gguf(src, dst, type_name).path
 
 
 def variant_path(src: str | Path, type_name: str) -> Path:
