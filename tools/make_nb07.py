@@ -70,7 +70,8 @@ cross = pd.DataFrame([dict(type=t, crossover_m=qf.crossover(rows=cpu.to_dict("re
                            quantized_ms_mmax=float(cpu[(cpu.type == t) & (cpu.form == "quantized") & (cpu.m == max(ms))].ms.iloc[0]),
                            f32_ms_mmax=float(cpu[(cpu.type == t) & (cpu.form == "f32") & (cpu.m == max(ms))].ms.iloc[0]))
                       for t in types])
-w.save_table(cross, "crossover", caption="smallest m where the f32 form beats the quantized form on CPU")
+w.save_table(cross, "crossover", caption="smallest m where the f32 form beats the quantized form on CPU",
+             timing=["crossover_m"])
 cross'''))
 c.append(nbf.v4.new_markdown_cell("## f16 and bf16 inputs on every path\n\nRelative error of the output against the same form with an f32 input, in units of the input dtype's epsilon; an exception counts as a clear error."))
 c.append(nbf.v4.new_code_cell('''checks = []

@@ -47,7 +47,7 @@ cells.append(nbf.v4.new_code_cell('''rows = speed.run_matrix(configs, model=mode
                        reps=reps)
 df = pd.DataFrame(rows)
 w.save_table(df, "speed", key=True, caption="prefill (ms for the prompt) and decode (ms/token), "
-             "min over reps; first run separately")
+             "min over reps; first run separately", timing=["peak_rss_mb"])
 failed = df[df["error"].astype(bool)] if "error" in df else df.iloc[0:0]
 if len(failed):
     print("failed configurations:\\n" + failed[["config", "error"]].to_string())
@@ -59,7 +59,7 @@ cells.append(nbf.v4.new_code_cell('''most = max(threads) if device == "cpu" else
 baseline = speed.Config("transformers", device, most, dtype="f32").label
 rat = pd.DataFrame(speed.ratios(rows, baseline))
 if len(rat):
-    w.save_table(rat, "ratios", caption=f"time / time of {baseline}")
+    w.save_table(rat, "ratios", caption=f"time / time of {baseline}", timing=True)
 rat.round(3) if len(rat) else print(w.skipped("ratios", f"baseline {baseline} did not run"))'''))
 cells.append(nbf.v4.new_code_cell('''fig, axes = plt.subplots(1, 2, figsize=(10, 0.35 * len(ok) + 1.5), sharey=True)
 axes[0].barh(ok["config"], ok["prefill_ms_min"], color="#4c72b0")
@@ -75,7 +75,8 @@ cells.append(nbf.v4.new_code_cell('''ok["first_over_steady_prefill"] = ok["first
 ok["first_over_steady_decode"] = ok["first_decode_ms"] / ok["decode_ms_min"]
 first = ok[["config", "first_prefill_ms", "prefill_ms_min", "first_over_steady_prefill",
             "first_decode_ms", "decode_ms_min", "first_over_steady_decode"]]
-w.save_table(first, "first_run", caption="the untimed first run against the best steady run")
+w.save_table(first, "first_run", caption="the untimed first run against the best steady run",
+             timing=True)
 first.round(2)'''))
 cells.append(nbf.v4.new_markdown_cell("## Findings"))
 cells.append(nbf.v4.new_code_cell('''fastest = ok.loc[ok["decode_ms_min"].idxmin()]
