@@ -97,9 +97,13 @@ def _env_flag(name: str) -> bool:
     return value not in ("", "0")
 
 
-def default_form(qtensor: QTensor) -> str:
-    """candle's ``QMatMul::from_arc`` rule: float types and the env flags dequantize."""
-    if qtensor.dtype.name in ("F32", "F16", "BF16"):
+def default_form(qtensor: QTensor | GGMLType | str) -> str:
+    """candle's ``QMatMul::from_arc`` rule: float types and the env flags dequantize.
+
+    Takes a QTensor or just its ggml type (so a loader can check before reading data).
+    """
+    dtype = qtensor.dtype if isinstance(qtensor, QTensor) else ggml_type(qtensor)
+    if dtype.name in ("F32", "F16", "BF16"):
         return "f32"
     if _env_flag("QLIB_DEQUANTIZE_ALL_F16"):
         return "f16"

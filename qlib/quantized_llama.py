@@ -17,6 +17,16 @@ sharp edges, because the experiments measure them:
   new keys/values are concatenated; ``index_pos`` is never checked against
   the cache (``strict=True`` adds that check, with a clear error).
 
+``strict=True`` also refuses, with a clear error, a forward call whose
+``index_pos + seq_len`` passes the RoPE table (candle: the narrow error) and an
+input that is not a 1 x T integer tensor of token ids in the vocabulary.
+
+Unlike candle, ``from_gguf`` checks the file before it reads any tensor data or
+builds the RoPE tables: metadata types and ranges, that every tensor exists
+with the shape the configuration implies and a type qlib can compute with. A
+file that fails raises ``ModelFileError`` (a ``GGUFError`` too), naming the key
+or tensor; a model that loads runs.
+
 Options that go beyond candle are explicit: ``all_logits`` (every position,
 for teacher forcing), ``attention`` ("auto" as candle, "naive", "sdpa"),
 ``form`` (QMatMul form for every projection) and ``strict``.
@@ -25,6 +35,7 @@ for teacher forcing), ``attention`` ("auto" as candle, "naive", "sdpa"),
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -32,7 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from .devices import DeviceLike, as_device
-from .qtensor import QMatMul, QTensor
+from .gguf_file import GGUFError
+from .qtensor import FORMS, QMatMul, QTensor, default_form
 from .spans import span
 
 MAX_SEQ_LEN = 4096
@@ -51,12 +63,24 @@ class ModelError(ValueError):
     """A GGUF file that cannot be built into a llama model, or a bad forward call."""
 
 
+class ModelFileError(ModelError, GGUFError):
+    """The file cannot be built into a llama model: missing or ill-typed metadata,
+    a missing tensor, or a shape or type that does not fit the configuration.
+
+    Also a ``GGUFError``: one ``except GGUFError`` covers every bad file.
+    """
+
+
 class ShapeError(ModelError):
     """A shape mismatch inside the forward pass, worded like candle's errors."""
 
 
 class IndexPosError(ModelError):
-    """``strict=True``: index_pos disagrees with the KV cache."""
+    """``strict=True``: index_pos disagrees with the KV cache, or passes the RoPE table."""
+
+
+class InputError(ModelError):
+    """``strict=True``: the input is not a 1 x T integer tensor of token ids."""
 
 
 @dataclass(frozen=True)
@@ -81,31 +105,52 @@ class LlamaConfig:
     def from_metadata(cls, metadata: dict[str, Any]) -> LlamaConfig:
         def md_get(key: str) -> Any:
             if key not in metadata:
-                raise ModelError(f"cannot find {key} in metadata")
+                raise ModelFileError(f"cannot find {key} in metadata")
             return metadata[key]
 
-        head_count = int(md_get("llama.attention.head_count"))
-        head_count_kv = int(md_get("llama.attention.head_count_kv"))
-        block_count = int(md_get("llama.block_count"))
-        embedding_length = int(md_get("llama.embedding_length"))
-        rope_dim = int(md_get("llama.rope.dimension_count"))
-        rms_norm_eps = float(md_get("llama.attention.layer_norm_rms_epsilon"))
-        rope_freq_base = float(metadata.get("llama.rope.freq_base", 10000.0))
-        arch = str(metadata.get("general.architecture", ""))
-        if head_count <= 0 or head_count_kv <= 0 or head_count % head_count_kv:
-            raise ModelError(
+        def md_int(key: str, lo: int) -> int:
+            v = md_get(key)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+                raise ModelFileError(f"metadata key {key} is {_describe(v)}, expected an integer")
+            if v < lo:
+                raise ModelFileError(f"metadata key {key} = {v} must be >= {lo}")
+            return int(v)
+
+        def md_float(key: str, value: Any) -> float:
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise ModelFileError(f"metadata key {key} is {_describe(value)}, expected a number")
+            return float(value)
+
+        head_count = md_int("llama.attention.head_count", 1)
+        head_count_kv = md_int("llama.attention.head_count_kv", 1)
+        block_count = md_int("llama.block_count", 1)
+        embedding_length = md_int("llama.embedding_length", 1)
+        rope_dim = md_int("llama.rope.dimension_count", 0)
+        eps_key = "llama.attention.layer_norm_rms_epsilon"
+        rms_norm_eps = md_float(eps_key, md_get(eps_key))
+        freq_key = "llama.rope.freq_base"
+        rope_freq_base = md_float(freq_key, metadata.get(freq_key, 10000.0))
+        arch = metadata.get("general.architecture", "")
+        if not isinstance(arch, str):
+            raise ModelFileError(
+                f"metadata key general.architecture is {_describe(arch)}, expected a string"
+            )
+        if head_count % head_count_kv:
+            raise ModelFileError(
                 f"head_count {head_count} must be a positive multiple of head_count_kv "
                 f"{head_count_kv}"
             )
         if embedding_length % head_count:
-            raise ModelError(
+            raise ModelFileError(
                 f"embedding_length {embedding_length} is not divisible by head_count {head_count}"
             )
         if rope_dim != embedding_length // head_count:
-            raise ModelError(
+            raise ModelFileError(
                 f"llama.rope.dimension_count {rope_dim} differs from head_dim "
                 f"{embedding_length // head_count}; partial RoPE is not supported"
             )
+        if rope_dim % 2:
+            raise ModelFileError(f"head_dim {rope_dim} is odd; RoPE rotates pairs")
         return cls(
             head_count=head_count,
             head_count_kv=head_count_kv,
@@ -117,6 +162,99 @@ class LlamaConfig:
             architecture=arch,
             rope_is_neox=arch in NEOX_ARCHITECTURES,
         )
+
+
+def _describe(v: Any) -> str:
+    """A short description of a metadata value for error messages."""
+    if isinstance(v, (list, tuple)):
+        return f"an array of {len(v)} items"
+    text = repr(v)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{type(v).__name__} {text}"
+
+
+def _shape_error(name: str, info, expected: tuple, why: str) -> ModelFileError:
+    return ModelFileError(
+        f"tensor {name} has shape {list(info.shape)}, expected {list(expected)} ({why})"
+    )
+
+
+def check_tensors(content, config: LlamaConfig, form: str | None = None) -> int:
+    """Check, before reading any data, that ``content`` holds every tensor ``config`` needs,
+    with the shape it implies and a type qlib computes with; returns the vocabulary size.
+    """
+    from .quants import SUPPORTED
+    from .quants.activations import VEC_DOT_TYPE
+
+    infos = content.tensor_infos
+    e, kv = config.embedding_length, config.head_count_kv * config.head_dim
+
+    def get(name: str, matmul: bool):
+        info = infos.get(name)
+        if info is None:
+            raise ModelFileError(f"cannot find tensor {name} in the file")
+        t = info.dtype.name
+        if t not in SUPPORTED:
+            raise ModelFileError(
+                f"tensor {name} has ggml type {t}, which qlib cannot compute with "
+                f"(supported: {', '.join(SUPPORTED)})"
+            )
+        if matmul and (form or default_form(info.dtype)) == "quantized" and t not in VEC_DOT_TYPE:
+            raise ModelFileError(
+                f"tensor {name} has ggml type {t}, which has no quantized matmul "
+                f"(ggml has no vec_dot for it); load with form='f32'"
+            )
+        return info
+
+    def expect(name: str, shape: tuple, why: str, matmul: bool = True) -> None:
+        info = get(name, matmul)
+        if info.shape != shape:
+            raise _shape_error(name, info, shape, why)
+
+    emb = get("token_embd.weight", True)
+    if len(emb.shape) != 2 or emb.shape[1] != e:
+        raise _shape_error("token_embd.weight", emb, ("n_vocab", e), f"embedding_length {e}")
+    vocab = emb.shape[0]
+    expect("output_norm.weight", (e,), f"embedding_length {e}", matmul=False)
+    if "output.weight" in infos:
+        expect("output.weight", (vocab, e), f"n_vocab {vocab}, embedding_length {e}")
+    for i in range(config.block_count):
+        p = f"blk.{i}"
+        if f"{p}.attn_q.weight" not in infos:
+            raise ModelFileError(
+                f"cannot find tensor {p}.attn_q.weight in the file "
+                f"(llama.block_count = {config.block_count})"
+            )
+        expect(f"{p}.attn_norm.weight", (e,), f"embedding_length {e}", matmul=False)
+        expect(f"{p}.ffn_norm.weight", (e,), f"embedding_length {e}", matmul=False)
+        expect(f"{p}.attn_q.weight", (e, e), f"embedding_length {e}")
+        kv_why = f"head_count_kv {config.head_count_kv} x head_dim {config.head_dim}"
+        expect(f"{p}.attn_k.weight", (kv, e), kv_why)
+        expect(f"{p}.attn_v.weight", (kv, e), kv_why)
+        expect(f"{p}.attn_output.weight", (e, e), f"embedding_length {e}")
+        gate = get(f"{p}.ffn_gate.weight", True)
+        if len(gate.shape) != 2 or gate.shape[1] != e:
+            raise _shape_error(f"{p}.ffn_gate.weight", gate, ("n_ff", e), f"embedding_length {e}")
+        n_ff = gate.shape[0]
+        expect(f"{p}.ffn_up.weight", (n_ff, e), f"n_ff {n_ff} from ffn_gate")
+        expect(f"{p}.ffn_down.weight", (e, n_ff), f"n_ff {n_ff} from ffn_gate")
+    return vocab
+
+
+def dequantize_rows(q: QTensor, max_floats: int = 1 << 22) -> torch.Tensor:
+    """``q.dequantize()`` a few rows at a time into one float32 tensor (no full-size temps)."""
+    from .quants import dequantize_torch
+
+    if len(q.shape) != 2:
+        return q.dequantize()
+    n, k = q.shape
+    out = torch.empty(n, k, dtype=torch.float32, device=q.device)
+    step = max(1, max_floats // max(k, 1))
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        out[i:j] = dequantize_torch(q.data[i:j], q.dtype.name, (j - i, k))
+    return out
 
 
 def precompute_freqs_cis(
@@ -303,6 +441,7 @@ class ModelWeights:
         self.device = device
         self.attention = attention
         self.strict = strict
+        self.vocab_size = int(tok_embeddings.shape[0])
         # (seq_len, kv_len) -> mask; grows forever, clear_kv_cache leaves it (as candle).
         self.masks: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -323,7 +462,10 @@ class ModelWeights:
         ("quantized", "f32", "f16"; default: candle's rule, see ``qtensor``).
         """
         device = as_device(device)
+        if form is not None and form not in FORMS:
+            raise ModelError(f"unknown QMatMul form {form!r}; choose one of {', '.join(FORMS)}")
         config = LlamaConfig.from_metadata(content.metadata)
+        vocab = check_tensors(content, config, form)
         cos, sin = precompute_freqs_cis(config.rope_dim, config.rope_freq_base, device)
 
         def tensor(name: str) -> QTensor:
@@ -336,7 +478,7 @@ class ModelWeights:
             return RmsNorm(tensor(name).dequantize(), config.rms_norm_eps)
 
         tok_embeddings_q = tensor("token_embd.weight")
-        tok_embeddings = tok_embeddings_q.dequantize()
+        tok_embeddings = dequantize_rows(tok_embeddings_q)
         norm = rms_norm("output_norm.weight")
         if "output.weight" in content.tensor_infos:
             output = qmatmul("output.weight")
@@ -364,7 +506,9 @@ class ModelWeights:
                     sin,
                 )
             )
-        return cls(config, tok_embeddings, layers, norm, output, device, attention, strict)
+        model = cls(config, tok_embeddings, layers, norm, output, device, attention, strict)
+        model.vocab_size = vocab
+        return model
 
     # -- the forward pass -------------------------------------------------
 
@@ -395,21 +539,46 @@ class ModelWeights:
                 f"positions: pass index_pos={cached} to continue, or 0 to start over"
             )
 
-    def forward(
-        self, x: torch.Tensor, index_pos: int, *, all_logits: bool = False
-    ) -> torch.Tensor:
+    def _check_input(self, x: Any) -> None:
+        what = "strict=True: the input must be a 1 x T integer tensor of token ids"
+        if not isinstance(x, torch.Tensor):
+            raise InputError(f"{what}, got {type(x).__name__}")
+        if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] < 1:
+            raise InputError(f"{what}, got shape {list(x.shape)}")
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise InputError(f"{what}, got dtype {x.dtype}")
+        lo, hi = int(x.min()), int(x.max())
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InputError(
+                f"strict=True: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+
+    def _check_rope_range(self, index_pos: int, seq_len: int) -> None:
+        rows = self.layers[0].cos.shape[0] if self.layers else MAX_SEQ_LEN
+        if index_pos + seq_len > rows:
+            raise IndexPosError(
+                f"index_pos {index_pos} + seq_len {seq_len} = {index_pos + seq_len} passes "
+                f"the RoPE table of {rows} positions (MAX_SEQ_LEN)"
+            )
+
+    def forward(self, x: torch.Tensor, index_pos: int, *, all_logits: bool = False) -> torch.Tensor:
         """Logits for token ids ``x`` of shape (batch, seq_len) starting at ``index_pos``.
 
         Returns (batch, vocab) for the last position, or (batch, seq_len, vocab)
-        with ``all_logits=True``.
+        with ``all_logits=True``. ``strict=True`` first checks the input, ``index_pos``
+        against the KV cache and ``index_pos + seq_len`` against the RoPE table.
         """
+        if self.strict:
+            self._check_input(x)
         if x.dim() != 2:
             raise ShapeError(f"unexpected rank, expected: 2, got: {x.dim()} ({list(x.shape)})")
         if index_pos < 0:
             raise ModelError(f"index_pos must be >= 0, got {index_pos}")
+        _, seq_len = x.shape
         if self.strict:
             self._check_index_pos(index_pos)
-        _, seq_len = x.shape
+            self._check_rope_range(index_pos, seq_len)
         mask = None if seq_len == 1 else self.mask(seq_len, index_pos)
         use_sdpa = self.attention == "sdpa" or (
             self.attention == "auto" and seq_len == 1 and self.device.type != "cpu"
@@ -435,9 +604,7 @@ class ModelWeights:
     __call__ = forward
 
 
-def load(
-    path, device: DeviceLike = "cpu", **kwargs
-) -> tuple[ModelWeights, Any]:
+def load(path, device: DeviceLike = "cpu", **kwargs) -> tuple[ModelWeights, Any]:
     """Read a GGUF file and build the model: returns ``(model, content)``."""
     from .gguf_file import Content
 

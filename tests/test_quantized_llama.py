@@ -15,16 +15,21 @@ import pytest
 import torch
 from synthetic import write_tiny_llama
 
-from qlib.gguf_file import Content
+from qlib.gguf_file import Content, GGUFError, GGUFValueType, Typed, write
+from qlib.qtensor import QTensor
 from qlib.quantized_llama import (
     MAX_SEQ_LEN,
     IndexPosError,
+    InputError,
     ModelError,
+    ModelFileError,
     ModelWeights,
     ShapeError,
+    dequantize_rows,
 )
 
 N_HEAD, N_KV, N_EMBD, VOCAB = 4, 2, 64, 256
+VT = GGUFValueType
 TOL = 2e-5
 
 
@@ -207,8 +212,9 @@ def test_missing_freq_base_defaults_to_10000(tmp_path, tiny):
 
 def test_architecture_selects_rope_variant(tmp_path, tiny):
     _, w = tiny
-    path = write_tiny_llama(tmp_path / "q.gguf", arch="qwen2",
-                            extra_metadata={"general.architecture": "qwen2"})
+    path = write_tiny_llama(
+        tmp_path / "q.gguf", arch="qwen2", extra_metadata={"general.architecture": "qwen2"}
+    )
     model = build(path, form="f32")
     assert model.config.rope_is_neox
     got = model.forward(torch.tensor([IDS]), 0, all_logits=True)[0]
@@ -258,3 +264,200 @@ def test_quantized_file_dequantized_form(tmp_path, weight_type):
     w = {k: torch.from_numpy(np.asarray(v)) for k, v in w.items()}
     got = build(path, form="f32").forward(torch.tensor([IDS]), 0, all_logits=True)[0]
     assert (got - reference_logits(w, IDS)).abs().max().item() < TOL
+
+
+# ----------------------------------------------------------------------------- strict mode
+
+
+def test_strict_rope_table_limit(tiny):
+    """strict names index_pos + seq_len past the table; the default keeps candle's narrow error."""
+    strict = build(tiny[0], form="f32", strict=True)
+    strict.forward(torch.tensor([[1]]), 0)
+    full = MAX_SEQ_LEN - 2  # a cache this long, as if filled token by token
+    for layer in strict.layers:
+        k, v = layer.kv_cache
+        layer.kv_cache = (k.expand(-1, -1, full, -1), v.expand(-1, -1, full, -1))
+    with pytest.raises(IndexPosError) as err:
+        strict.forward(torch.tensor([[1, 2, 3]]), full)
+    assert str(err.value) == (
+        f"index_pos {full} + seq_len 3 = {MAX_SEQ_LEN + 1} passes the RoPE table "
+        f"of {MAX_SEQ_LEN} positions (MAX_SEQ_LEN)"
+    )
+    strict.forward(torch.tensor([[1, 2]]), full)  # the last two positions fit
+    strict.forward(torch.tensor([IDS[:4]]), 0)  # a fresh start that fits is fine
+    with pytest.raises(IndexPosError, match=r"index_pos 0 \+ seq_len 4097 = 4097 passes"):
+        strict.forward(torch.zeros(1, MAX_SEQ_LEN + 1, dtype=torch.long), 0)
+
+    faithful = build(tiny[0], form="f32")
+    faithful.forward(torch.tensor([IDS[:4]]), 0)
+    with pytest.raises(ShapeError, match="^narrow invalid args start \\+ len > dim_len"):
+        faithful.forward(torch.tensor([[1, 2, 3]]), MAX_SEQ_LEN - 1)
+
+
+@pytest.mark.parametrize(
+    "x, expect",
+    [
+        ([[1, 2]], "got list"),
+        (torch.tensor(IDS), "got shape [13]"),
+        (torch.tensor([IDS, IDS]), "got shape [2, 13]"),
+        (torch.zeros(1, 0, dtype=torch.long), "got shape [1, 0]"),
+        (torch.tensor([[[1, 2]]]), "got shape [1, 1, 2]"),
+        (torch.tensor([[1.0, 2.0]]), "got dtype torch.float32"),
+        (torch.tensor([[True, False]]), "got dtype torch.bool"),
+    ],
+)
+def test_strict_input_must_be_1_by_t_integers(tiny, x, expect):
+    strict = build(tiny[0], form="f32", strict=True)
+    with pytest.raises(InputError) as err:
+        strict.forward(x, 0)
+    msg = str(err.value)
+    assert msg.startswith("strict=True: the input must be a 1 x T integer tensor of token ids")
+    assert msg.endswith(expect)
+
+
+def test_strict_token_ids_in_vocabulary(tiny):
+    strict = build(tiny[0], form="f32", strict=True)
+    with pytest.raises(InputError, match=r"token id 256 is outside the vocabulary \(0\.\.255\)"):
+        strict.forward(torch.tensor([[1, VOCAB]]), 0)
+    with pytest.raises(InputError, match="token id -1 is outside"):
+        strict.forward(torch.tensor([[-1, 3]]), 0)
+    assert strict.forward(torch.tensor([[0, VOCAB - 1]], dtype=torch.int32), 0).shape == (1, VOCAB)
+
+
+def test_faithful_default_keeps_candle_behaviour_on_inputs(tiny):
+    """No strict: batches run, a rank error is candle's, bad ids fail in torch's embedding."""
+    model = build(tiny[0], form="f32")
+    assert model.forward(torch.tensor([IDS[:4], IDS[4:8]]), 0).shape == (2, VOCAB)
+    with pytest.raises(ShapeError, match="^unexpected rank, expected: 2, got: 1"):
+        model.forward(torch.tensor(IDS), 0)
+    with pytest.raises(IndexError):
+        model.forward(torch.tensor([[VOCAB]]), 0)
+
+
+# ----------------------------------------------------------------------------- the file checks
+
+
+def test_model_file_errors_are_gguf_errors(tmp_path):
+    path = write_tiny_llama(tmp_path / "m.gguf", drop_keys=["llama.block_count"])
+    with pytest.raises(GGUFError) as err:
+        build(path)
+    assert isinstance(err.value, ModelFileError) and isinstance(err.value, ModelError)
+    assert str(err.value) == "cannot find llama.block_count in metadata"
+
+
+@pytest.mark.parametrize(
+    "extra, expect",
+    [
+        ({"llama.block_count": "two"}, "metadata key llama.block_count is str 'two', expected an"),
+        ({"llama.block_count": [1, 2]}, "llama.block_count is an array of 2 items, expected an"),
+        ({"llama.block_count": Typed(VT.INT32, -1)}, "llama.block_count = -1 must be >= 1"),
+        ({"llama.block_count": Typed(VT.UINT32, 0)}, "llama.block_count = 0 must be >= 1"),
+        ({"llama.attention.head_count": Typed(VT.BOOL, True)}, "head_count is bool True"),
+        ({"llama.attention.head_count_kv": Typed(VT.UINT32, 0)}, "head_count_kv = 0 must be"),
+        ({"llama.attention.head_count_kv": Typed(VT.UINT32, 3)}, "positive multiple of"),
+        ({"llama.rope.freq_base": "fast"}, "llama.rope.freq_base is str 'fast', expected a number"),
+        ({"llama.attention.layer_norm_rms_epsilon": [1.0]}, "epsilon is an array of 1 items"),
+        ({"general.architecture": Typed(VT.UINT32, 7)}, "general.architecture is int 7, expected"),
+        ({"llama.block_count": Typed(VT.UINT32, 3)}, "cannot find tensor blk.2.attn_q.weight in"),
+        (
+            {"llama.block_count": Typed(VT.UINT32, 2**32 - 1)},
+            "cannot find tensor blk.2.attn_q.weight in the file (llama.block_count = 4294967295)",
+        ),
+        (
+            {
+                "llama.embedding_length": Typed(VT.UINT32, 48),
+                "llama.attention.head_count": Typed(VT.UINT32, 8),
+                "llama.attention.head_count_kv": Typed(VT.UINT32, 1),
+                "llama.rope.dimension_count": Typed(VT.UINT32, 6),
+            },
+            "tensor token_embd.weight has shape [256, 64], expected ['n_vocab', 48]",
+        ),
+        (
+            {
+                "llama.attention.head_count": Typed(VT.UINT32, 8),
+                "llama.attention.head_count_kv": Typed(VT.UINT32, 8),
+                "llama.rope.dimension_count": Typed(VT.UINT32, 8),
+            },
+            "tensor blk.0.attn_k.weight has shape [32, 64], expected [64, 64] "
+            "(head_count_kv 8 x head_dim 8)",
+        ),
+        (
+            {
+                "llama.attention.head_count": Typed(VT.UINT32, 64),
+                "llama.attention.head_count_kv": Typed(VT.UINT32, 64),
+                "llama.rope.dimension_count": Typed(VT.UINT32, 1),
+            },
+            "head_dim 1 is odd; RoPE rotates pairs",
+        ),
+    ],
+)
+def test_bad_metadata_is_named(tmp_path, extra, expect):
+    path = write_tiny_llama(tmp_path / "m.gguf", extra_metadata=extra)
+    with pytest.raises(ModelFileError) as err:
+        build(path)
+    assert expect in str(err.value)
+
+
+def _rewrite(path, out, change):
+    content = Content.read_path(path)
+    with open(path, "rb") as f:
+        tensors = {n: content.tensor(f, n) for n in content.tensor_infos}
+    change(tensors)
+    with open(out, "wb") as f:
+        write(f, content.metadata, tensors, types=content.metadata_types)
+    return out
+
+
+@pytest.mark.parametrize(
+    "change, expect",
+    [
+        (lambda t: t.pop("blk.1.ffn_up.weight"), "cannot find tensor blk.1.ffn_up.weight in"),
+        (
+            lambda t: t.update({"blk.0.attn_q.weight": t["blk.0.attn_k.weight"]}),
+            "tensor blk.0.attn_q.weight has shape [32, 64], expected [64, 64]",
+        ),
+        (
+            lambda t: t.update({"blk.1.ffn_down.weight": t["blk.1.ffn_up.weight"]}),
+            "tensor blk.1.ffn_down.weight has shape [128, 64], expected [64, 128] (n_ff 128",
+        ),
+        (
+            lambda t: t.update({"output_norm.weight": t["token_embd.weight"]}),
+            "tensor output_norm.weight has shape [256, 64], expected [64]",
+        ),
+        (
+            lambda t: t.update({"output.weight": t["blk.0.attn_q.weight"]}),
+            "tensor output.weight has shape [64, 64], expected [256, 64]",
+        ),
+        (
+            lambda t: t.update({"blk.0.attn_q.weight": (bytes(64 * 64), (64, 64), "I8")}),
+            "tensor blk.0.attn_q.weight has ggml type I8, which qlib cannot compute with",
+        ),
+        (
+            lambda t: t.update(
+                {"blk.0.attn_q.weight": QTensor.quantize(torch.ones(64, 64), "Q8_1")}
+            ),
+            "tensor blk.0.attn_q.weight has ggml type Q8_1, which has no quantized matmul",
+        ),
+    ],
+)
+def test_tensors_that_do_not_fit_are_named_before_any_data_is_read(tmp_path, tiny, change, expect):
+    out = _rewrite(tiny[0], tmp_path / "bad.gguf", change)
+    with pytest.raises(ModelFileError) as err:
+        build(out)
+    assert expect in str(err.value)
+
+
+def test_q8_1_weights_load_in_a_dequantized_form(tmp_path, tiny):
+    def change(t):
+        t["blk.0.attn_q.weight"] = QTensor.quantize(t["blk.0.attn_q.weight"].dequantize(), "Q8_1")
+
+    out = _rewrite(tiny[0], tmp_path / "q81.gguf", change)
+    assert build(out, form="f32").forward(torch.tensor([IDS]), 0).shape == (1, VOCAB)
+
+
+def test_embedding_dequantized_in_row_chunks_is_identical(tmp_path):
+    path = write_tiny_llama(tmp_path / "q.gguf", weight_type="Q4_1")
+    content = Content.read_path(path)
+    with open(path, "rb") as f:
+        q = content.tensor(f, "token_embd.weight")
+    assert torch.equal(dequantize_rows(q, max_floats=3 * 64), q.dequantize())
