@@ -12,15 +12,20 @@ none of candle's sharp edges. What differs from the faithful path:
 * **fused weights**: q, k, v stacked into one matrix, gate and up into another
   (one activation quantization and one kernel call each);
 * **prefill** (``prefill="bf16"``, default): a bfloat16 copy of every layer
-  weight, made at load, and torch bf16 matmuls (oneDNN uses AMX here).
-  Activations stay float32 elsewhere. ``prefill="int8"`` keeps ggml semantics
-  for every row instead (the C kernel over all rows; no extra memory, slower);
+  weight, made at load and prepacked in oneDNN's blocked layout, and oneDNN bf16
+  matmuls (AMX here) with bf16 inputs and outputs; between them one C call each
+  (``qlib/quants/cpu/prefill.c``): residual add + RmsNorm -> bf16, RoPE + KV-cache
+  write + causal GQA attention -> bf16, SwiGLU -> bf16. The residual stream,
+  the KV cache and all arithmetic outside the matmuls stay float32.
+  ``prefill="int8"`` keeps ggml semantics for every row instead (the C kernel
+  over all rows; no extra memory, slower);
 * **static KV cache**: one preallocated ``[layers, 2, n_kv, max_seq_len, d]``
   float32 buffer (pages are touched only as positions are written), no cat;
 * **attention**: GQA without ``repeat_kv`` copies (query heads grouped per KV
-  head for decode; ``scaled_dot_product_attention(enable_gqa=True)`` with a
-  causal mask for prefill); RoPE as one complex multiplication; ``F.rms_norm``;
-  in-place residual adds; a ``model`` span only.
+  head for decode, in C; for prefill in C as above, or, without the C kernels,
+  ``scaled_dot_product_attention(enable_gqa=True)`` with a causal mask); RoPE as
+  one complex multiplication; ``F.rms_norm``; in-place residual adds; a
+  ``model`` span only.
 
 ``index_pos`` must equal the cache length or be 0 (starts over): anything else
 raises ``IndexPosError``.
@@ -51,6 +56,7 @@ from .quants.matmul import PreparedWeight, prepare, qmatmul_prepared
 from .spans import span
 
 PREFILL_MODES = ("bf16", "int8")
+PREPACK_BATCH = 256  # oneDNN's row-count hint for the prepacked bf16 weights
 
 
 def _stack(qtensors: list[QTensor]) -> QTensor:
@@ -60,6 +66,22 @@ def _stack(qtensors: list[QTensor]) -> QTensor:
     data = torch.cat([q.data.reshape(-1) for q in qtensors])
     rows = sum(q.shape[0] for q in qtensors)
     return QTensor(data, (rows, qtensors[0].shape[-1]), qtensors[0].dtype)
+
+
+def _prepack_bf16(w: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked layout of a bf16 weight (``mkldnn._reorder_linear_weight``), or None.
+
+    ``F.linear`` reorders a plain bf16 weight into this layout on every call; the
+    prepacked one is what inductor's CPU freezing uses (``mkldnn._linear_pointwise``).
+    """
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PREPACK_BATCH)
+        probe = torch.ops.mkldnn._linear_pointwise(w[:2], packed, None, "none", [], "")
+        if probe.shape != (2, w.shape[0]) or probe.dtype != torch.bfloat16:
+            return None
+        return packed
+    except (AttributeError, RuntimeError):
+        return None
 
 
 class FastLinear:
@@ -77,13 +99,21 @@ class FastLinear:
             self.packed = cpu.pack(qtensors)
         else:
             self.prepared = prepare(_stack(qtensors))
+        # the bf16 copy for prefill: oneDNN-prepacked when possible (then no plain copy)
         self.bf16: torch.Tensor | None = None
+        self.bf16_packed: torch.Tensor | None = None
         if bf16:
-            self.bf16 = (
+            w = (
                 cpu.dequantize_bf16(self.packed)
                 if self.packed is not None
                 else torch.cat([q.dequantize(dtype=torch.bfloat16) for q in qtensors])
             )
+            self.bf16_packed = _prepack_bf16(w)
+            self.bf16 = w if self.bf16_packed is None else None
+
+    @property
+    def has_bf16(self) -> bool:
+        return self.bf16 is not None or self.bf16_packed is not None
 
     def quantized(self, x: torch.Tensor) -> torch.Tensor:
         """ggml semantics for every row (``x``: ``[m, k]`` float32)."""
@@ -91,14 +121,21 @@ class FastLinear:
             return cpu.qgemm(x, self.packed)
         return qmatmul_prepared(x.float(), self.prepared)
 
+    def linear_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` in bf16 (``x``: ``[m, k]`` bfloat16 -> ``[m, n]`` bfloat16)."""
+        if self.bf16_packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.bf16_packed, None, "none", [], "")
+        return F.linear(x, self.bf16)
+
     def forward(self, x: torch.Tensor, bf16_min_rows: int) -> torch.Tensor:
-        if self.bf16 is not None and x.shape[0] >= bf16_min_rows:
-            return F.linear(x.to(torch.bfloat16), self.bf16).float()
+        if self.has_bf16 and x.shape[0] >= bf16_min_rows:
+            return self.linear_bf16(x.to(torch.bfloat16)).float()
         return self.quantized(x)
 
     def nbytes(self) -> int:
         n = self.packed.nbytes() if self.packed is not None else self.prepared.nbytes()
-        return n + (self.bf16.numel() * 2 if self.bf16 is not None else 0)
+        w = self.bf16 if self.bf16 is not None else self.bf16_packed
+        return n + (w.numel() * 2 if w is not None else 0)
 
 
 class FastLayer:
@@ -146,6 +183,7 @@ class FastModel:
         )
         self._kv_len = 0
         self._plan = self._decode_plan()
+        self._fused_prefill = self._fused_prefill_ok()
 
     def _decode_plan(self) -> list | None:
         """ctypes arguments of the fused C decode step, or None (torch decode)."""
@@ -181,6 +219,56 @@ class FastModel:
             ))  # fmt: skip
         self._out_args = (*w(self.output), h, 1)
         return plan
+
+    def _fused_prefill_ok(self) -> bool:
+        """Whether bf16 prefill can run as oneDNN matmuls + the C kernels of ``prefill.c``."""
+        c = self.config
+        if self.prefill != "bf16" or cpu.load() is None or not self.layers:
+            return False
+        if c.head_dim % 16 or c.head_dim > 128 or c.rope_dim != c.head_dim:
+            return False
+        if c.embedding_length % 16 or (self.layers[0].w13.out_features // 2) % 16:
+            return False
+        lins = [w for ly in self.layers for w in (ly.wqkv, ly.wo, ly.w13, ly.w2)]
+        return all(w.has_bf16 for w in lins)
+
+    def _prefill_fused(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
+        """Prefill of ``t`` tokens: bf16 oneDNN matmuls, 3 C calls per layer between them.
+
+        The residual stream ``h`` stays float32; matmul inputs and outputs are bf16:
+        add + RmsNorm -> qkv matmul -> RoPE, KV write, attention -> wo matmul ->
+        add + RmsNorm -> gate/up matmul -> SwiGLU -> down matmul (its add is fused
+        into the next RmsNorm).
+        """
+        c, lib = self.config, cpu.load()
+        t, k = ids.numel(), c.embedding_length
+        n_ff = self.layers[0].w13.out_features // 2
+        bf = torch.bfloat16
+        h = self.embed(ids).contiguous()
+        a, y, g = (torch.empty(t, n, dtype=bf) for n in (k, c.head_count * c.head_dim, n_ff))
+        norm, swiglu, attn = lib.qlib_add_rmsnorm, lib.qlib_swiglu_bf16, lib.qlib_attn_prefill
+        eps, hp, ap, yp, gp = c.rms_norm_eps, h.data_ptr(), a.data_ptr(), y.data_ptr(), g.data_ptr()
+        tail = (pos, c.head_count, c.head_count_kv, c.head_dim, self.max_seq_len,
+                self.cos.data_ptr(), self.sin.data_ptr(), int(c.rope_is_neox), yp)  # fmt: skip
+        norm(hp, None, t, k, self.layers[0].attn_norm.data_ptr(), eps, ap, 1)
+        d = None
+        for i, ly in enumerate(self.layers):
+            if d is not None:
+                norm(hp, d.data_ptr(), t, k, ly.attn_norm.data_ptr(), eps, ap, 1)
+            qkv = ly.wqkv.linear_bf16(a)
+            if attn(qkv.data_ptr(), t, self.cache[i, 0].data_ptr(), self.cache[i, 1].data_ptr(),
+                    *tail):  # fmt: skip
+                raise RuntimeError("qlib_attn_prefill failed")
+            o = ly.wo.linear_bf16(y)
+            norm(hp, o.data_ptr(), t, k, ly.ffn_norm.data_ptr(), eps, ap, 1)
+            gu = ly.w13.linear_bf16(a)  # held: the C call reads it
+            swiglu(gu.data_ptr(), t, n_ff, gp)
+            d = ly.w2.linear_bf16(g)
+        r0 = 0 if all_logits else t - 1  # the last row only, unless every position is wanted
+        hn = torch.empty(t - r0, k)
+        norm(h[r0:].data_ptr(), d[r0:].data_ptr(), t - r0, k, self.norm.data_ptr(), eps,
+             hn.data_ptr(), 0)  # fmt: skip
+        return self.output.quantized(hn)
 
     def _decode_c(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         """One token through the fused C kernels: 5 calls per layer, no torch ops."""
@@ -305,6 +393,11 @@ class FastModel:
         if t == 1 and self._plan is not None:
             with span("model"):
                 logits = self._decode_c(x.reshape(-1).cpu(), index_pos)
+            self._kv_len = end
+            return logits[None] if all_logits else logits
+        if self._fused_prefill and t >= rows:
+            with span("model"):
+                logits = self._prefill_fused(x.reshape(-1).cpu(), index_pos, all_logits)
             self._kv_len = end
             return logits[None] if all_logits else logits
         with span("model"):

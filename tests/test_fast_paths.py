@@ -5,6 +5,12 @@ Kernels: ``qlib.quants.cpu.qgemm`` equals the literal ggml transcription
 order of the float32 block sums differs); the repacked bf16 weights equal the
 float32 dequantized values rounded to bf16, bit for bit.
 
+Prefill kernels (``prefill.c``): ``add_rmsnorm`` and ``swiglu_bf16`` equal
+``F.rms_norm`` / ``F.silu(g) * u`` in float32 rounded to bf16 (at most one bf16
+ulp apart: another summation order, another exp); ``attn_prefill`` writes the
+cache rows exactly as torch's RoPE (1e-6) and its output equals SDPA in
+float32 to the bf16 rounding of the output (2 bf16 ulps of the largest value).
+
 Models: with ``prefill="int8"`` FastModel has ggml semantics everywhere, as the
 faithful ``quantized`` form, so logits agree to float rounding (2e-5 x the
 logit scale). One caveat: a one-ulp difference in an activation (another float
@@ -56,6 +62,96 @@ def test_pack_stacked_and_bf16(type_name):
     x = torch.randn(2, 128, generator=g)
     y = cpu.qgemm(x, pw)
     assert torch.allclose(y[:, :8], cpu.qgemm(x, cpu.pack(a)), rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+def test_exp_kernel():
+    x = torch.linspace(-80, 88, 16 * 500)
+    ref = torch.exp(x.double())
+    assert ((cpu.exp(x).double() - ref).abs() / ref).max() <= 2e-7
+    assert cpu.exp(torch.full((16,), -1e4)).max() <= 2e-38  # clamped, no inf/nan/denormal
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 units of the last place (same-sign finite values)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@needs_kernels
+@pytest.mark.parametrize("t", [1, 7, 203])
+def test_add_rmsnorm_matches_torch(t):
+    g = torch.Generator().manual_seed(5)
+    k = 576
+    h = torch.randn(t, k, generator=g) * 3
+    delta = torch.randn(t, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(k, generator=g)
+    h1 = h.clone()
+    out = cpu.add_rmsnorm(h1, delta, w, 1e-5, torch.empty(t, k, dtype=torch.bfloat16))
+    assert torch.equal(h1, h + delta.float())  # the residual add is exact float32
+    ref = torch.nn.functional.rms_norm(h + delta.float(), (k,), w, 1e-5)
+    assert _bf16_ulps(out, ref.to(torch.bfloat16)).max() <= 1
+    out32 = cpu.add_rmsnorm(h.clone(), None, w, 1e-5, torch.empty(t, k))
+    ref = torch.nn.functional.rms_norm(h, (k,), w, 1e-5)
+    torch.testing.assert_close(out32, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@needs_kernels
+def test_swiglu_matches_torch():
+    g = torch.Generator().manual_seed(6)
+    gu = (torch.randn(33, 2 * 1536, generator=g) * 4).to(torch.bfloat16)
+    gu[0, :16] = torch.tensor([-200.0, 200.0, 0.0, -0.0] * 4)  # saturating exp, both signs
+    out = cpu.swiglu_bf16(gu)
+    f = gu.float()
+    ref = torch.nn.functional.silu(f[:, :1536]) * f[:, 1536:]
+    assert torch.isfinite(out.float()).all()
+    big = ref.abs() > 1e-30  # silu(-200): torch 0, the kernel -6e-37 (e^x saturates at 88.7)
+    assert _bf16_ulps(out[big], ref[big].to(torch.bfloat16)).max() <= 1
+    assert out.float()[~big].abs().max() <= 1e-30
+
+
+def _attn_reference(qkv, kc, vc, pos, n_head, n_kv, cos, sin, neox):
+    """RoPE, cache write and masked SDPA in float32 torch ops (as the faithful path)."""
+    from qlib.quantized_llama import rope_i, rope_neox
+
+    t, d = qkv.shape[0], kc.shape[-1]
+    x = qkv.float().view(t, n_head + 2 * n_kv, d).transpose(0, 1)[None]  # (1, heads, t, d)
+    c, s = cos[pos : pos + t], sin[pos : pos + t]
+    rope = rope_neox if neox else rope_i
+    q, k = rope(x[:, :n_head], c, s), rope(x[:, n_head : n_head + n_kv], c, s)
+    kc, vc = kc.clone(), vc.clone()
+    kc[:, pos : pos + t] = k[0]
+    vc[:, pos : pos + t] = x[0, n_head + n_kv :]
+    L = pos + t
+    mask = torch.arange(L)[None, :] <= (torch.arange(t)[:, None] + pos)
+    y = torch.nn.functional.scaled_dot_product_attention(
+        q, kc[None, :, :L], vc[None, :, :L], attn_mask=mask, enable_gqa=True
+    )
+    return y[0].transpose(0, 1).reshape(t, -1), kc, vc
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "t,pos,n_head,n_kv,d,neox",
+    [(203, 0, 9, 3, 64, False), (5, 40, 9, 3, 64, False), (1, 0, 4, 4, 32, True),
+     (70, 3, 8, 1, 128, True), (33, 0, 10, 2, 48, False), (17, 2, 6, 2, 48, True)],
+)  # fmt: skip
+def test_attn_prefill_matches_sdpa(t, pos, n_head, n_kv, d, neox):
+    from qlib.quantized_llama import precompute_freqs_cis
+
+    g = torch.Generator().manual_seed(7)
+    max_seq = 256
+    cos, sin = precompute_freqs_cis(d, 10000.0, "cpu")
+    cos, sin = cos[:max_seq].contiguous(), sin[:max_seq].contiguous()
+    kc = torch.randn(n_kv, max_seq, d, generator=g)
+    vc = torch.randn(n_kv, max_seq, d, generator=g)
+    qkv = (torch.randn(t, (n_head + 2 * n_kv) * d, generator=g) * 2).to(torch.bfloat16)
+    ref, kref, vref = _attn_reference(qkv, kc, vc, pos, n_head, n_kv, cos, sin, neox)
+    out = torch.full((t, n_head * d), float("nan"), dtype=torch.bfloat16)
+    cpu.attn_prefill(qkv, kc, vc, pos, n_head, n_kv, cos, sin, neox, out=out)
+    torch.testing.assert_close(kc, kref, rtol=1e-6, atol=1e-6)  # rows < pos kept, rest roped
+    assert torch.equal(vc, vref)
+    scale = ref.abs().max().item()
+    assert (out.float() - ref).abs().max() <= 2 * 2**-8 * scale
 
 
 def test_unsupported_shapes_are_refused():
@@ -119,6 +215,29 @@ def test_bf16_prefill_close_to_f32(tiny):
         a = fm.forward(ids, 0, all_logits=True)[0]
         b = ref.forward(ids, 0, all_logits=True)[0]
     assert (a - b).abs().max() <= 0.05 * b.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+
+
+@needs_kernels
+def test_fused_prefill_matches_unfused(tiny):
+    """The C prefill kernels vs the same bf16 prefill in torch ops (``_fused_prefill`` off)."""
+    wt, path = tiny
+    fm = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2)
+    if wt != "F32":
+        assert fm._fused_prefill
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        a = fm.forward(ids[:, :30], 0, all_logits=True)[0]
+        a2 = fm.forward(ids[:, 30:], 30, all_logits=True)[0]  # a chunk after a prefix
+        a3 = fm.forward(ids[:, 39:40], 40)  # a C decode step over the prefilled cache
+        fm._fused_prefill = False
+        b = fm.forward(ids[:, :30], 0, all_logits=True)[0]
+        b2 = fm.forward(ids[:, 30:], 30, all_logits=True)[0]
+        b3 = fm.forward(ids[:, 39:40], 40)
+    # both round matmul inputs to bf16; the fused path also rounds matmul outputs
+    scale = b.abs().max()
+    for x, y in ((a, b), (a2, b2), (a3, b3)):
+        assert (x - y).abs().max() <= 0.02 * scale
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
 
 

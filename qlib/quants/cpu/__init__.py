@@ -1,6 +1,8 @@
 """AVX-512 VNNI kernels for the CPU quantized matmul (Q4_0, Q4_1, Q8_0 weights).
 
-``kernels.c`` (shipped as source, ~150 lines) is compiled on first use with the
+``kernels.c`` (the quantized GEMM/GEMV and the decode attention step) and
+``prefill.c`` (RmsNorm, SwiGLU, RoPE + KV write + causal attention between the
+bf16 prefill matmuls), shipped as source, are compiled on first use with the
 system C compiler (``$CC`` or ``cc``) into a cache directory
 (``$QLIB_CACHE_DIR`` or ``~/.cache/qlib``), keyed by a hash of the source and
 the flags, and loaded with ctypes. Semantics are ggml's (activations quantized
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels.c")
+SOURCES = [Path(__file__).with_name("kernels.c"), Path(__file__).with_name("prefill.c")]
 CFLAGS = [
     "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
     "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
@@ -58,7 +60,7 @@ def _compile() -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (set CC)")
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in SOURCES)
     key = hashlib.sha256(src + " ".join([cc, *CFLAGS]).encode()).hexdigest()[:16]
     out = cache_dir() / f"qlib_kernels_{key}.so"
     if out.is_file():
@@ -67,7 +69,7 @@ def _compile() -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
         proc = subprocess.run(
-            [cc, *CFLAGS, "-o", str(tmp_so), str(SOURCE)], capture_output=True, text=True
+            [cc, *CFLAGS, "-o", str(tmp_so), *map(str, SOURCES)], capture_output=True, text=True
         )
         if proc.returncode:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
@@ -99,6 +101,14 @@ def load() -> ctypes.CDLL | None:
         lib.qlib_repack.restype = None
         lib.qlib_dequant_bf16.argtypes = [i, p, p, p, i, i, p]
         lib.qlib_dequant_bf16.restype = None
+        lib.qlib_add_rmsnorm.argtypes = [p, p, i, i, p, f, p, i]
+        lib.qlib_add_rmsnorm.restype = None
+        lib.qlib_swiglu_bf16.argtypes = [p, i, i, p]
+        lib.qlib_swiglu_bf16.restype = None
+        lib.qlib_attn_prefill.argtypes = [p, i, p, p, i, i, i, i, i, p, p, i, p]
+        lib.qlib_attn_prefill.restype = i
+        lib.qlib_exp.argtypes = [p, i, p]
+        lib.qlib_exp.restype = None
         _lib = lib
     except (OSError, RuntimeError) as e:
         _reason = str(e)
@@ -204,4 +214,112 @@ def qgemm(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) ->
     )
     if rc:
         raise RuntimeError("qlib_qgemm failed (k % 64 != 0 or out of memory)")
+    return y
+
+
+# -- prefill kernels (prefill.c): float32 arithmetic, bf16 matmul inputs/outputs -----------
+
+
+def _lib_or_raise() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"C kernels unavailable: {_reason}")
+    return lib
+
+
+def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name}: need a contiguous CPU {dtype} tensor, got {t.dtype}")
+
+
+def add_rmsnorm(
+    h: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``h += delta`` (in place, when given), then ``out = rms_norm(h) * weight``.
+
+    ``h``: ``[t, k]`` float32; ``delta``: ``[t, k]`` bfloat16; ``out``: ``[t, k]``
+    bfloat16 or float32. ``k % 16 == 0``.
+    """
+    lib = _lib_or_raise()
+    t, k = h.shape
+    _check(h, torch.float32, "h")
+    _check(weight, torch.float32, "weight")
+    if k % 16 or out.shape != h.shape or weight.numel() != k:
+        raise ValueError("add_rmsnorm: shapes (k % 16 == 0, out like h, weight [k])")
+    if delta is not None:
+        _check(delta, torch.bfloat16, "delta")
+        if delta.shape != h.shape:
+            raise ValueError("add_rmsnorm: delta must be like h")
+    _check(out, out.dtype, "out")
+    if out.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError("add_rmsnorm: out is bfloat16 or float32")
+    dp = delta.data_ptr() if delta is not None else None
+    bf16 = int(out.dtype == torch.bfloat16)
+    lib.qlib_add_rmsnorm(h.data_ptr(), dp, t, k, weight.data_ptr(), eps, out.data_ptr(), bf16)
+    return out
+
+
+def swiglu_bf16(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gu``: ``[t, 2 n_ff]`` bfloat16 (gate | up) -> ``silu(gate) * up`` ``[t, n_ff]`` bf16."""
+    lib = _lib_or_raise()
+    _check(gu, torch.bfloat16, "gu")
+    t, n2 = gu.shape
+    if n2 % 32:
+        raise ValueError("swiglu_bf16: n_ff % 16 == 0 needed")
+    out = out if out is not None else torch.empty(t, n2 // 2, dtype=torch.bfloat16)
+    _check(out, torch.bfloat16, "out")
+    lib.qlib_swiglu_bf16(gu.data_ptr(), t, n2 // 2, out.data_ptr())
+    return out
+
+
+def attn_prefill(
+    qkv: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    pos: int,
+    n_head: int,
+    n_kv: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    neox: bool,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RoPE + KV-cache write + causal GQA attention of one layer's prefill chunk.
+
+    ``qkv``: ``[t, (n_head + 2 n_kv) d]`` bfloat16 (positions ``pos..pos+t-1``);
+    ``kc``, ``vc``: float32 caches ``[n_kv, max_seq, d]`` (rows ``pos..pos+t-1``
+    are written, rows before ``pos`` are read); ``cos``, ``sin``: ``[max_seq, d/2]``
+    tables from position 0. Returns ``[t, n_head d]`` bfloat16.
+    """
+    lib = _lib_or_raise()
+    _check(qkv, torch.bfloat16, "qkv")
+    for name, c in (("kc", kc), ("vc", vc), ("cos", cos), ("sin", sin)):
+        _check(c, torch.float32, name)
+    t = qkv.shape[0]
+    n_kv_c, max_seq, d = kc.shape
+    if (n_kv_c != n_kv or vc.shape != kc.shape or qkv.shape[1] != (n_head + 2 * n_kv) * d
+            or pos + t > max_seq or cos.shape[0] < pos + t or cos.shape[1] != d // 2):  # fmt: skip
+        raise ValueError("attn_prefill: shapes")
+    out = out if out is not None else torch.empty(t, n_head * d, dtype=torch.bfloat16)
+    _check(out, torch.bfloat16, "out")
+    rc = lib.qlib_attn_prefill(qkv.data_ptr(), t, kc.data_ptr(), vc.data_ptr(), pos, n_head,
+                               n_kv, d, max_seq, cos.data_ptr(), sin.data_ptr(), int(neox),
+                               out.data_ptr())  # fmt: skip
+    if rc:
+        raise RuntimeError("qlib_attn_prefill failed (d % 16, d > 128, heads, memory)")
+    return out
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' vector ``e^x`` (float32, numel % 16 == 0), for tests."""
+    lib = _lib_or_raise()
+    x = x.contiguous().float()
+    if x.numel() % 16:
+        raise ValueError("exp: numel % 16 == 0 needed")
+    y = torch.empty_like(x)
+    lib.qlib_exp(x.data_ptr(), x.numel(), y.data_ptr())
     return y
