@@ -1,0 +1,133 @@
+"""Peak RSS of loading and running the default model, bounded relative to the file size.
+
+A child process imports qlib, notes its RSS, loads SmolLM2 (default form),
+notes ``ru_maxrss``, runs a 64-token prefill and 32 decode steps and notes
+``ru_maxrss`` again. What loading may hold, in MiB:
+
+* the file's tensor blocks, once (``Content.tensor`` reads each tensor into one
+  buffer that the QTensor keeps; nothing else keeps a copy): <= the file size;
+* the token embedding dequantized to float32 (candle does the same), built a
+  few rows at a time so no full-size temporaries exist;
+* the metadata as Python objects (the 49,152-token vocabulary and merges,
+  about 9 MiB), RoPE tables (1 MiB), allocator slack: ``LOAD_MARGIN_MIB``.
+
+A second full copy of the file (about 94 MiB) or of the float32 embedding
+(108 MiB) during loading breaks the bound. Running adds what the quantized
+matmul caches per weight on first use (``qlib.quants.matmul``): the C kernels'
+repacked planes (the same bytes as the blocks: 77 MiB here), or without them
+(``QLIB_NO_CKERNELS=1``) the torch path's int8 codes and float32 scales (about
+3x the blocks: 184 MiB); the child reports that figure, and the run bound is
+load bound + cache + ``RUN_MARGIN_MIB`` (KV cache, activations, thread pools;
+``RUN_MARGIN_TORCH_MIB`` on the torch path, whose first use of a weight holds its
+unpacked codes twice for a moment: 54 MiB for the tied 49,152 x 576 output).
+
+Measured on the 2-core dev machine (SmolLM2 Q4_1, 93.8 MiB file, 108 MiB f32
+embedding): loading +218 MiB at peak (steady RSS after loading also +218,
+bound 233.8); running +324 to +330 MiB at peak with the C kernels (cache 92 MiB,
+bound 341.8), +417 to +429 without them (cache 157 MiB, bound 453.7).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from qlib import models
+from qlib.gguf_file import Content
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="/proc and ru_maxrss in KiB")
+
+MIB = 1 << 20
+LOAD_MARGIN_MIB = 32
+RUN_MARGIN_MIB = 48  # with the C kernels
+RUN_MARGIN_TORCH_MIB = 96  # torch path: unpacking the 27 MiB tied output makes two code copies
+
+CHILD = r"""
+import json, resource, sys
+import torch
+from qlib.quantized_llama import load
+
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+def peak_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+torch.set_num_threads(2)
+out = {"rss_before_load": rss_mib(), "peak_before_load": peak_mib()}
+model, content = load(sys.argv[1])
+out["rss_after_load"], out["peak_after_load"] = rss_mib(), peak_mib()
+with torch.inference_mode():
+    ids = torch.arange(1, 65).reshape(1, -1)
+    logits = model.forward(ids, 0)
+    for pos in range(64, 96):
+        nxt = logits.argmax(-1, keepdim=True)
+        logits = model.forward(nxt, pos)
+out["rss_after_run"], out["peak_after_run"] = rss_mib(), peak_mib()
+# what the quantized matmul caches per weight after first use (C kernels' packed planes,
+# or the torch path's unpacked int8 codes and scales)
+from qlib.quants import matmul as mm
+caches = [getattr(mm, name, {}) for name in ("_CACHE", "_PACKED")]
+out["kernel_cache_mib"] = sum(v[1].nbytes() for c in caches for v in list(c.values())) / 2**20
+out["c_kernels"] = bool(getattr(mm, "_PACKED", None))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    try:
+        return models.path()
+    except models.ModelNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def measured(model_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(model_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    content = Content.read_path(model_path)
+    emb = content.tensor_infos["token_embd.weight"]
+    m["file_mib"] = model_path.stat().st_size / MIB
+    m["embedding_f32_mib"] = emb.n_elements * 4 / MIB
+    m["load_peak_mib"] = m["peak_after_load"] - m["rss_before_load"]
+    m["load_steady_mib"] = m["rss_after_load"] - m["rss_before_load"]
+    m["run_peak_mib"] = m["peak_after_run"] - m["rss_before_load"]
+    print("\nmemory:", json.dumps({k: round(v, 1) for k, v in m.items()}))  # -s shows it
+    return m
+
+
+def test_loading_holds_each_tensor_once(measured):
+    m = measured
+    bound = m["file_mib"] + m["embedding_f32_mib"] + LOAD_MARGIN_MIB
+    assert m["load_peak_mib"] <= bound, (
+        f"loading took {m['load_peak_mib']:.1f} MiB at peak, more than the file "
+        f"({m['file_mib']:.1f}) + the f32 embedding ({m['embedding_f32_mib']:.1f}) + "
+        f"{LOAD_MARGIN_MIB}: a second copy of the data? {m}"
+    )
+    # what stays after loading is the same, and not much below (the data is really there)
+    assert m["load_steady_mib"] <= bound
+    assert m["load_steady_mib"] >= m["file_mib"] * 0.9 + m["embedding_f32_mib"]
+
+
+def test_running_peak_is_bounded(measured):
+    m = measured
+    cache = m["kernel_cache_mib"]
+    assert cache <= 3.5 * m["file_mib"]
+    margin = RUN_MARGIN_MIB if m["c_kernels"] else RUN_MARGIN_TORCH_MIB
+    bound = m["file_mib"] + m["embedding_f32_mib"] + cache + margin
+    assert m["run_peak_mib"] <= bound, (
+        f"loading and running took {m['run_peak_mib']:.1f} MiB at peak, more than the "
+        f"file ({m['file_mib']:.1f}) + the f32 embedding ({m['embedding_f32_mib']:.1f}) + "
+        f"the matmul caches ({cache:.1f}) + {margin}: {m}"
+    )
