@@ -238,7 +238,8 @@ class FastModel:
         The residual stream ``h`` stays float32; matmul inputs and outputs are bf16:
         add + RmsNorm -> qkv matmul -> RoPE, KV write, attention -> wo matmul ->
         add + RmsNorm -> gate/up matmul -> SwiGLU -> down matmul (its add is fused
-        into the next RmsNorm).
+        into the next RmsNorm). Unless ``all_logits``, the last layer computes
+        attention, wo and the FFN for the last row only.
         """
         c, lib = self.config, cpu.load()
         t, k = ids.numel(), c.embedding_length
@@ -248,26 +249,31 @@ class FastModel:
         a, y, g = (torch.empty(t, n, dtype=bf) for n in (k, c.head_count * c.head_dim, n_ff))
         norm, swiglu, attn = lib.qlib_add_rmsnorm, lib.qlib_swiglu_bf16, lib.qlib_attn_prefill
         eps, hp, ap, yp, gp = c.rms_norm_eps, h.data_ptr(), a.data_ptr(), y.data_ptr(), g.data_ptr()
+        # (every C call below reads tensors that stay referenced until it returns)
         tail = (pos, c.head_count, c.head_count_kv, c.head_dim, self.max_seq_len,
-                self.cos.data_ptr(), self.sin.data_ptr(), int(c.rope_is_neox), yp)  # fmt: skip
+                self.cos.data_ptr(), self.sin.data_ptr(), int(c.rope_is_neox))  # fmt: skip
         norm(hp, None, t, k, self.layers[0].attn_norm.data_ptr(), eps, ap, 1)
-        d = None
+        d, r0, last = None, 0, len(self.layers) - 1
         for i, ly in enumerate(self.layers):
             if d is not None:
                 norm(hp, d.data_ptr(), t, k, ly.attn_norm.data_ptr(), eps, ap, 1)
             qkv = ly.wqkv.linear_bf16(a)
+            if i == last and not all_logits:
+                # the last layer: every row's k, v go to the cache, but only the last
+                # row's attention output, wo and FFN feed the logits
+                r0 = t - 1
             if attn(qkv.data_ptr(), t, self.cache[i, 0].data_ptr(), self.cache[i, 1].data_ptr(),
-                    *tail):  # fmt: skip
+                    *tail, r0, yp):  # fmt: skip
                 raise RuntimeError("qlib_attn_prefill failed")
-            o = ly.wo.linear_bf16(y)
-            norm(hp, o.data_ptr(), t, k, ly.ffn_norm.data_ptr(), eps, ap, 1)
-            gu = ly.w13.linear_bf16(a)  # held: the C call reads it
-            swiglu(gu.data_ptr(), t, n_ff, gp)
-            d = ly.w2.linear_bf16(g)
-        r0 = 0 if all_logits else t - 1  # the last row only, unless every position is wanted
-        hn = torch.empty(t - r0, k)
-        norm(h[r0:].data_ptr(), d[r0:].data_ptr(), t - r0, k, self.norm.data_ptr(), eps,
-             hn.data_ptr(), 0)  # fmt: skip
+            m = t - r0  # rows from here on: h[r0:], the first m rows of a, y, g
+            o = ly.wo.linear_bf16(y[:m])
+            norm(h[r0:].data_ptr(), o.data_ptr(), m, k, ly.ffn_norm.data_ptr(), eps, ap, 1)
+            gu = ly.w13.linear_bf16(a[:m])  # held: the C call reads it
+            swiglu(gu.data_ptr(), m, n_ff, gp)
+            d = ly.w2.linear_bf16(g[:m])
+        m = t - r0
+        hn = torch.empty(m, k)
+        norm(h[r0:].data_ptr(), d.data_ptr(), m, k, self.norm.data_ptr(), eps, hn.data_ptr(), 0)
         return self.output.quantized(hn)
 
     def _decode_c(self, token: torch.Tensor, pos: int) -> torch.Tensor:

@@ -152,6 +152,13 @@ def test_attn_prefill_matches_sdpa(t, pos, n_head, n_kv, d, neox):
     assert torch.equal(vc, vref)
     scale = ref.abs().max().item()
     assert (out.float() - ref).abs().max() <= 2 * 2**-8 * scale
+    q_from = t // 2  # the output of the last rows only (the cache gets every row)
+    kc2, vc2 = torch.randn(n_kv, max_seq, d, generator=g), torch.randn(n_kv, max_seq, d)
+    kc2[:, :pos], vc2[:, :pos] = kc[:, :pos], vc[:, :pos]
+    part = cpu.attn_prefill(qkv, kc2, vc2, pos, n_head, n_kv, cos, sin, neox, q_from=q_from)
+    assert part.shape == (t - q_from, n_head * d)
+    assert torch.equal(part, out[q_from:])
+    assert torch.equal(kc2[:, : pos + t], kc[:, : pos + t])
 
 
 def test_unsupported_shapes_are_refused():
@@ -230,6 +237,8 @@ def test_fused_prefill_matches_unfused(tiny):
         a = fm.forward(ids[:, :30], 0, all_logits=True)[0]
         a2 = fm.forward(ids[:, 30:], 30, all_logits=True)[0]  # a chunk after a prefix
         a3 = fm.forward(ids[:, 39:40], 40)  # a C decode step over the prefilled cache
+        last = fm.forward(ids[:, :30], 0)  # the last layer for the last row only
+        assert torch.allclose(last[0], a[-1], rtol=1e-5, atol=1e-5 * a.abs().max().item())
         fm._fused_prefill = False
         b = fm.forward(ids[:, :30], 0, all_logits=True)[0]
         b2 = fm.forward(ids[:, 30:], 30, all_logits=True)[0]

@@ -105,7 +105,7 @@ def load() -> ctypes.CDLL | None:
         lib.qlib_add_rmsnorm.restype = None
         lib.qlib_swiglu_bf16.argtypes = [p, i, i, p]
         lib.qlib_swiglu_bf16.restype = None
-        lib.qlib_attn_prefill.argtypes = [p, i, p, p, i, i, i, i, i, p, p, i, p]
+        lib.qlib_attn_prefill.argtypes = [p, i, p, p, i, i, i, i, i, p, p, i, i, p]
         lib.qlib_attn_prefill.restype = i
         lib.qlib_exp.argtypes = [p, i, p]
         lib.qlib_exp.restype = None
@@ -287,13 +287,15 @@ def attn_prefill(
     sin: torch.Tensor,
     neox: bool,
     out: torch.Tensor | None = None,
+    q_from: int = 0,
 ) -> torch.Tensor:
     """RoPE + KV-cache write + causal GQA attention of one layer's prefill chunk.
 
     ``qkv``: ``[t, (n_head + 2 n_kv) d]`` bfloat16 (positions ``pos..pos+t-1``);
     ``kc``, ``vc``: float32 caches ``[n_kv, max_seq, d]`` (rows ``pos..pos+t-1``
     are written, rows before ``pos`` are read); ``cos``, ``sin``: ``[max_seq, d/2]``
-    tables from position 0. Returns ``[t, n_head d]`` bfloat16.
+    tables from position 0. Returns ``[t - q_from, n_head d]`` bfloat16: the
+    attention output of rows ``q_from..t-1`` (all rows go to the cache).
     """
     lib = _lib_or_raise()
     _check(qkv, torch.bfloat16, "qkv")
@@ -302,13 +304,16 @@ def attn_prefill(
     t = qkv.shape[0]
     n_kv_c, max_seq, d = kc.shape
     if (n_kv_c != n_kv or vc.shape != kc.shape or qkv.shape[1] != (n_head + 2 * n_kv) * d
-            or pos + t > max_seq or cos.shape[0] < pos + t or cos.shape[1] != d // 2):  # fmt: skip
+            or pos + t > max_seq or cos.shape[0] < pos + t or cos.shape[1] != d // 2
+            or not 0 <= q_from < t):  # fmt: skip
         raise ValueError("attn_prefill: shapes")
-    out = out if out is not None else torch.empty(t, n_head * d, dtype=torch.bfloat16)
+    out = out if out is not None else torch.empty(t - q_from, n_head * d, dtype=torch.bfloat16)
     _check(out, torch.bfloat16, "out")
+    if out.shape != (t - q_from, n_head * d):
+        raise ValueError("attn_prefill: out shape")
     rc = lib.qlib_attn_prefill(qkv.data_ptr(), t, kc.data_ptr(), vc.data_ptr(), pos, n_head,
                                n_kv, d, max_seq, cos.data_ptr(), sin.data_ptr(), int(neox),
-                               out.data_ptr())  # fmt: skip
+                               q_from, out.data_ptr())  # fmt: skip
     if rc:
         raise RuntimeError("qlib_attn_prefill failed (d % 16, d > 128, heads, memory)")
     return out

@@ -104,8 +104,12 @@ void qlib_swiglu_bf16(const uint16_t *gu, int t, int n_ff, uint16_t *out) {
         const uint16_t *g = gu + (size_t)i * 2 * n_ff, *u = g + n_ff;
         for (int e = 0; e < n_ff; e += 16) {
             const __m512 x = bf16x16_load(g + e);
-            const __m512 s = _mm512_div_ps(
-                x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+            /* 1 / (1 + e^-x): rcp14 and one Newton step (~2^-23 relative), not a divide */
+            const __m512 y = _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                           exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+            __m512 r = _mm512_rcp14_ps(y);
+            r = _mm512_mul_ps(r, _mm512_fnmadd_ps(y, r, _mm512_set1_ps(2.0f)));
+            const __m512 s = _mm512_mul_ps(x, r);
             bf16x16_store(out + (size_t)i * n_ff + e, _mm512_mul_ps(s, bf16x16_load(u + e)));
         }
     }
@@ -225,13 +229,15 @@ static inline __attribute__((always_inline)) void attn_values(
  * neox pairs (i, i+d/2), else (2i, 2i+1)) of q and k; k, v (float32) into the caches
  * kc, vc [n_kv, max_seq, d] at those positions; then row i, query head h:
  * out[i, h] = softmax(q k^T / sqrt(d)) v over cache positions 0..pos+i of KV head
- * h / (n_head / n_kv). out: [t, n_head d] bf16. Returns 0, or -1 (d, memory).
+ * h / (n_head / n_kv), for rows q_from <= i < t only (the rows whose output is used; the
+ * cache gets all t): out: [t - q_from, n_head d] bf16, row i at i - q_from.
+ * Returns 0, or -1 (d, heads, q_from, memory).
  * Work item: one KV head, two adjacent query rows, up to 4 of its query heads (their
  * scores share every key load). */
 int qlib_attn_prefill(const uint16_t *qkv, int t, float *kc, float *vc, int pos, int n_head,
                       int n_kv, int d, int max_seq, const float *cos, const float *sin,
-                      int neox, uint16_t *out) {
-    if (d % 16 || d > 128 || n_head % n_kv) return -1;
+                      int neox, int q_from, uint16_t *out) {
+    if (d % 16 || d > 128 || n_head % n_kv || q_from < 0 || q_from >= t) return -1;
     const int rep = n_head / n_kv, L = pos + t, ld = (L + 31) / 32 * 32;
     const int row = (n_head + 2 * n_kv) * d;
     const float scale = 1.0f / sqrtf((float)d);
@@ -242,7 +248,7 @@ int qlib_attn_prefill(const uint16_t *qkv, int t, float *kc, float *vc, int pos,
         free(qf), free(Kt), free(sbuf);
         return -1;
     }
-    const int pairs = (t + 1) / 2, chunks = (rep + 3) / 4;
+    const int pairs = (t - q_from + 1) / 2, chunks = (rep + 3) / 4;
 #pragma omp parallel
     {
         FTZ_BEGIN
@@ -252,7 +258,7 @@ int qlib_attn_prefill(const uint16_t *qkv, int t, float *kc, float *vc, int pos,
             float c[128], s[128];
             rope_tables(cos + (size_t)(pos + i) * (d / 2), sin + (size_t)(pos + i) * (d / 2), d,
                         neox, c, s);
-            for (int h = 0; h < n_head; h++)
+            for (int h = 0; h < n_head && i >= q_from; h++)
                 head_in(x + (size_t)h * d, d, c, s, neox, scale, qf + ((size_t)i * n_head + h) * d);
             for (int g = 0; g < n_kv; g++) {
                 const size_t at = ((size_t)g * max_seq + pos + i) * d;
@@ -275,7 +281,7 @@ int qlib_attn_prefill(const uint16_t *qkv, int t, float *kc, float *vc, int pos,
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < n_kv * pairs * chunks; task++) {
             const int g = task % n_kv, pc = task / n_kv, chunk = pc % chunks;
-            const int i0 = t - 1 - 2 * (pc / chunks), nr = i0 > 0 ? 2 : 1; /* rows i0, i0 - 1 */
+            const int i0 = t - 1 - 2 * (pc / chunks), nr = i0 > q_from ? 2 : 1; /* i0, i0 - 1 */
             const int h0 = g * rep + 4 * chunk, R = rep - 4 * chunk < 4 ? rep - 4 * chunk : 4;
             const int Lq = pos + i0 + 1, nq = R * nr;
             const float *kt = Kt + (size_t)g * d * ld, *V = vc + (size_t)g * max_seq * d;
@@ -294,7 +300,7 @@ int qlib_attn_prefill(const uint16_t *qkv, int t, float *kc, float *vc, int pos,
                 float inv[4];
                 for (int j = 0; j < R; j++) inv[j] = softmax_row(sc + (size_t)(r * R + j) * ld, Lq - r);
                 const float *p = sc + (size_t)r * R * ld;
-                uint16_t *o = out + ((size_t)(i0 - r) * n_head + h0) * d;
+                uint16_t *o = out + ((size_t)(i0 - r - q_from) * n_head + h0) * d;
                 switch (R * 16 + d / 16) { /* R in 1..4, d / 16 in 1..8 */
 #define QLIB_PV(R_, DV_) \
     case R_ * 16 + DV_: attn_values(R_, DV_, p, ld, inv, V, Lq - r, o); break;
