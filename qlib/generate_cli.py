@@ -18,8 +18,12 @@ from .qtensor import FORMS
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, mps (default: cpu)")
-    p.add_argument("--form", choices=FORMS, default=None,
-                   help="QMatMul form for every projection (default: candle's rule)")
+    p.add_argument(
+        "--form",
+        choices=FORMS,
+        default=None,
+        help="QMatMul form for every projection (default: candle's rule)",
+    )
     p.add_argument("--attention", choices=("auto", "naive", "sdpa"), default="auto")
 
 
@@ -84,8 +88,9 @@ def run_logits(args: argparse.Namespace) -> int:
     from .quantized_llama import load
     from .tokenizer import Tokenizer
 
-    model, content = load(_model_path(args.model), args.device, form=args.form,
-                          attention=args.attention)
+    model, content = load(
+        _model_path(args.model), args.device, form=args.form, attention=args.attention
+    )
     tokenizer = Tokenizer.from_metadata(content.metadata)
     ids = tokenizer.encode(args.text_file.read_text(), add_special_tokens=False)
     if args.max_tokens is not None:
@@ -99,6 +104,8 @@ def run_logits(args: argparse.Namespace) -> int:
     logits = logits[0].float().cpu().numpy().astype(np.float32)
     elapsed = time.perf_counter() - start
     np.save(args.out, logits)
-    print(f"{args.out}: logits {list(logits.shape)} for {len(ids)} tokens in {elapsed:.2f} s",
-          file=sys.stderr)
+    print(
+        f"{args.out}: logits {list(logits.shape)} for {len(ids)} tokens in {elapsed:.2f} s",
+        file=sys.stderr,
+    )
     return 0

@@ -66,8 +66,10 @@ def test_teacher_forced_logits_match_transformers(hf, qlib_f32, passage_ids):
         ours = model.forward(torch.tensor([passage_ids]), 0, all_logits=True)[0]
         ref = hf[1](torch.tensor([passage_ids])).logits[0].float()
     diff = (ours - ref).abs()
-    print(f"\nteacher forcing {len(passage_ids)} tokens: max|diff| {diff.max():.3g}, "
-          f"mean {diff.mean():.3g}, max|ref| {ref.abs().max():.1f}")
+    print(
+        f"\nteacher forcing {len(passage_ids)} tokens: max|diff| {diff.max():.3g}, "
+        f"mean {diff.mean():.3g}, max|ref| {ref.abs().max():.1f}"
+    )
     assert diff.max().item() <= LOGIT_TOL
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
@@ -86,16 +88,32 @@ def test_greedy_chat_matches_transformers(hf, qlib_f32):
     ours = generate(model, prompt_ids, 20)
     with torch.inference_mode():
         out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=20, do_sample=False)
-    theirs = out[0, len(prompt_ids):].tolist()
+    theirs = out[0, len(prompt_ids) :].tolist()
     print(f"\n{tokenizer.decode(ours)!r}")
     assert ours == theirs
 
 
 def test_cli_generate_json(model_path):
     out = subprocess.run(
-        [sys.executable, "-m", "qlib", "generate", "--model", str(model_path), "--prompt",
-         "What is Rust?", "--chat", "--steps", "5", "--form", "f32", "--json"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "qlib",
+            "generate",
+            "--model",
+            str(model_path),
+            "--prompt",
+            "What is Rust?",
+            "--chat",
+            "--steps",
+            "5",
+            "--form",
+            "f32",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     result = json.loads(out.stdout)
     assert len(result["ids"]) == 5 and len(result["prompt_ids"]) > 20
@@ -108,9 +126,22 @@ def test_cli_logits(model_path, tmp_path):
     text.write_text("The lighthouse at the end of the northern breakwater")
     out = tmp_path / "l.npy"
     subprocess.run(
-        [sys.executable, "-m", "qlib", "logits", "--model", str(model_path), "--text-file",
-         str(text), "--out", str(out), "--form", "f32"],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "qlib",
+            "logits",
+            "--model",
+            str(model_path),
+            "--text-file",
+            str(text),
+            "--out",
+            str(out),
+            "--form",
+            "f32",
+        ],
+        check=True,
+        capture_output=True,
     )
     logits = np.load(out)
     assert logits.dtype == np.float32 and logits.shape[1] == 49152 and logits.shape[0] > 5

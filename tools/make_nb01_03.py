@@ -35,7 +35,7 @@ def nb(cells):
 NB01 = [
     (
         "params",
-        '''
+        """
 model_path = None  # GGUF file; None: the embedded SmolLM2 (qlib.models.path())
 device = "cpu"  # cpu, cuda or mps; on a GPU the CPU rounds run too, for comparison
 prompt = "What is Rust?"  # the user's message, wrapped in the chat template
@@ -45,7 +45,7 @@ rounds = 3  # rounds in this one process
 form = None  # QMatMul form: None (the engine's default), "quantized", "f32" or "f16"
 threads = 1  # torch CPU threads; None: torch's default (notebook 02 compares thread counts)
 seed = 0
-''',
+""",
     ),
     (
         "md",
@@ -146,7 +146,7 @@ rows.round(1)
 steps_df = w.save_table(phases.step_rows(all_rounds), "decode_steps",
                         caption="ms of each decode step, per round")
 fig, axes = plt.subplots(1, len(devices), figsize=(5 * len(devices), 3), squeeze=False)
-for ax, dev in zip(axes[0], devices):
+for ax, dev in zip(axes[0], devices, strict=True):
     d = steps_df[steps_df.device == dev]
     for rnd, g in d.groupby("round"):
         ax.plot(g.step, g.ms, marker="o", ms=3, label=f"round {rnd}")
@@ -271,7 +271,7 @@ pd.DataFrame(w.meta["seed_references"])[["what", "seed", "ours", "unit"]].rename
 NB02 = [
     (
         "params",
-        '''
+        """
 model_path = None  # GGUF file; None: the embedded SmolLM2 (qlib.models.path())
 device = "cpu"  # cpu, cuda or mps; on a GPU also: spans enqueued vs synchronized, return vs sync
 prompt = "What is Rust?"  # the user's message, wrapped in the chat template
@@ -285,7 +285,7 @@ thread_counts = None  # thread counts to compare; None: 1, 2 and doubling up to 
 forward_reps = 3  # timed forwards per thread count, after one warm-up
 form = None  # QMatMul form: None (the engine's default), "quantized", "f32" or "f16"
 seed = 0
-''',
+""",
     ),
     (
         "md",
@@ -390,7 +390,7 @@ spans[spans.device == "cpu"].round(3)
 cpu_spans = spans[(spans.device == "cpu")]
 passes = list(dict.fromkeys(cpu_spans["pass"]))
 fig, axes = plt.subplots(1, len(passes), figsize=(10, 3))
-for ax, name in zip(axes, passes):
+for ax, name in zip(axes, passes, strict=True):
     d = cpu_spans[cpu_spans["pass"] == name].sort_values("self_ms")
     ax.barh(d.name + " ×" + d["count"].astype(str), d.self_ms, color="#4c72b0")
     ax.set(xlabel="self time, ms", title=f"CPU {name}")
@@ -449,7 +449,7 @@ wide.round(1)
 c = ops[ops.device == "cpu"]
 fig, axes = plt.subplots(1, len(replay_contexts), figsize=(5 * len(replay_contexts), 4),
                          squeeze=False)
-for ax, ctx in zip(axes[0], replay_contexts):
+for ax, ctx in zip(axes[0], replay_contexts, strict=True):
     d = c[c.context == ctx]
     names = list(dict.fromkeys(d.op))
     groups = list(d.groupby("variant", sort=False))
@@ -624,7 +624,7 @@ pd.DataFrame(w.meta["seed_references"])[["what", "seed", "ours", "unit"]].rename
 NB03 = [
     (
         "params",
-        '''
+        """
 model_path = None  # GGUF file; None: the embedded SmolLM2 (qlib.models.path())
 device = "cpu"  # cpu, cuda or mps; on a GPU the CPU parts run too
 prefill_sizes = [1, 4, 16, 64, 128, 256, 512]  # prompt lengths T, at index_pos 0
@@ -638,7 +638,7 @@ replay_reps = 200  # passes of the one-layer op replay
 threads = 1  # torch CPU threads; None: torch's default (notebook 02 compares thread counts)
 form = None  # QMatMul form: None (the engine's default), "quantized", "f32" or "f16"
 seed = 0
-''',
+""",
     ),
     (
         "md",
@@ -749,7 +749,7 @@ dec = w.save_table(dec_rows, "decode", key=True, caption=(
     "per KV cache and attention variant"))
 w.save_table(fill_rows, "cache_fill", caption="the one prefill that fills the cache (ms)")
 fig, axes = plt.subplots(1, len(devices), figsize=(5 * len(devices), 3.2), squeeze=False)
-for ax, dev in zip(axes[0], devices):
+for ax, dev in zip(axes[0], devices, strict=True):
     for name, g in dec[dec.device == dev].groupby("variant", sort=False):
         ax.plot(g.context, g.ms_per_token, marker="o", label=name)
     ax.set(xscale="log", xlabel="context (cached positions)", ylabel="ms / token",
@@ -786,7 +786,7 @@ core = w.save_table(core_rows, "attention_core", key=True, caption=(
     "one layer's attention core of a decode step (µs, median), its copying part, and times the "
     "block count (ms per token)"))
 fig, axes = plt.subplots(1, len(devices), figsize=(5 * len(devices), 3.2), squeeze=False)
-for ax, dev in zip(axes[0], devices):
+for ax, dev in zip(axes[0], devices, strict=True):
     for (cache, attention), g in core[core.device == dev].groupby(["cache", "attention"],
                                                                  sort=False):
         line, = ax.plot(g.context, g.layer_us, marker="o", label=f"{cache} + {attention}")

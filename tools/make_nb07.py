@@ -1,18 +1,20 @@
 """Writes notebooks/07_qmatmul_forms.ipynb (outputs cleared)."""
+
 import nbformat as nbf
 
 nb = nbf.v4.new_notebook()
 c = []
-p = nbf.v4.new_code_cell('''device = "cpu"  # cpu, cuda or mps: the GPU part runs when this is not cpu
+p = nbf.v4.new_code_cell("""device = "cpu"  # cpu, cuda or mps: the GPU part runs when this is not cpu
 types = ["Q8_0", "Q4_K", "Q4_0"]
 ms = [1, 2, 4, 8, 16, 64, 256]  # input rows
 n = 8192  # weight rows (outputs)
 k = 4096  # weight columns (inputs): about one projection of a 7B model
 repeats = 3  # timed calls after one untimed call; the minimum is reported
-dtype_ms = [1, 16]  # rows for the f16/bf16 input check''')
+dtype_ms = [1, 16]  # rows for the f16/bf16 input check""")
 p.metadata["tags"] = ["parameters"]
 c.append(p)
-c.append(nbf.v4.new_markdown_cell('''# QMatMul's three forms
+c.append(
+    nbf.v4.new_markdown_cell("""# QMatMul's three forms
 
 Follows the seed chapter **QTensor 与 QMatMul**: one 8192 x 4096 weight (about a projection of a
 7B model) in Q8_0, Q4_K and Q4_0, multiplied by m input rows in the three forms of candle's
@@ -21,8 +23,10 @@ the block dots are integer, as ggml does), **f32** and **f16** (dequantized once
 One row reads the whole weight once, so decode speed is bytes over bandwidth; many rows turn it
 into arithmetic, where the dense forms reuse each weight. The notebook finds the row count where
 the dense form starts to win on this CPU, reports effective GB/s, and checks f16 and bf16
-inputs on every path (a correct result or a clear error, never a silently wrong one).'''))
-c.append(nbf.v4.new_code_cell('''import matplotlib.pyplot as plt
+inputs on every path (a correct result or a clear error, never a silently wrong one).""")
+)
+c.append(
+    nbf.v4.new_code_cell("""import matplotlib.pyplot as plt
 import pandas as pd
 
 from qlib.experiments import qmatmul_forms as qf
@@ -32,17 +36,21 @@ w = ResultWriter("07_qmatmul_forms", params=dict(device=device, types=types, ms=
                                                  repeats=repeats, dtype_ms=dtype_ms))
 devices = ["cpu"] + ([device] if device != "cpu" else [])
 if device == "cpu":
-    print(w.skipped("GPU forms", "device is cpu (run with -p device cuda on a GPU machine)"))'''))
+    print(w.skipped("GPU forms", "device is cpu (run with -p device cuda on a GPU machine)"))""")
+)
 c.append(nbf.v4.new_markdown_cell("## Time per call by rows, form and format"))
-c.append(nbf.v4.new_code_cell('''rows = []
+c.append(
+    nbf.v4.new_code_cell("""rows = []
 for dev in devices:
     rows += qf.run_grid(types, ms, n=n, k=k, device=dev, repeats=repeats)
 df = pd.DataFrame(rows)
 df["device"] = df["device"].str.split(":").str[0]
 w.save_table(df, "forms", key=True,
              caption=f"{n}x{k} weight: min time per call (ms) and GB/s of weight bytes read")
-df.pivot_table(index=["device", "type", "m"], columns="form", values="ms").round(3)'''))
-c.append(nbf.v4.new_code_cell('''fig, axes = plt.subplots(len(devices), len(types), figsize=(4 * len(types), 3.2 * len(devices)),
+df.pivot_table(index=["device", "type", "m"], columns="form", values="ms").round(3)""")
+)
+c.append(
+    nbf.v4.new_code_cell("""fig, axes = plt.subplots(len(devices), len(types), figsize=(4 * len(types), 3.2 * len(devices)),
                          squeeze=False, sharex=True)
 for i, dev in enumerate(devices):
     for j, t in enumerate(types):
@@ -56,14 +64,18 @@ for i, dev in enumerate(devices):
         ax.set_ylabel("ms per call")
         ax.legend(fontsize=7)
 fig.tight_layout()
-w.save_plot(fig, "forms", caption="time per call against input rows (log-log)")'''))
+w.save_plot(fig, "forms", caption="time per call against input rows (log-log)")""")
+)
 c.append(nbf.v4.new_markdown_cell("## One row: bytes over bandwidth"))
-c.append(nbf.v4.new_code_cell('''one = df[df.m == 1][["device", "type", "form", "ms", "weight_bytes", "gbps"]].copy()
+c.append(
+    nbf.v4.new_code_cell("""one = df[df.m == 1][["device", "type", "form", "ms", "weight_bytes", "gbps"]].copy()
 one["weight_mb"] = one["weight_bytes"] / 1e6
 w.save_table(one, "one_row", caption="m = 1: weight bytes read and effective GB/s")
-one.round(3)'''))
+one.round(3)""")
+)
 c.append(nbf.v4.new_markdown_cell("## Where the dense form starts to win (CPU)"))
-c.append(nbf.v4.new_code_cell('''cpu = df[df.device == "cpu"]
+c.append(
+    nbf.v4.new_code_cell("""cpu = df[df.device == "cpu"]
 cross = pd.DataFrame([dict(type=t, crossover_m=qf.crossover(rows=cpu.to_dict("records"), type_name=t),
                            quantized_ms_m1=float(cpu[(cpu.type == t) & (cpu.form == "quantized") & (cpu.m == 1)].ms.iloc[0]),
                            f32_ms_m1=float(cpu[(cpu.type == t) & (cpu.form == "f32") & (cpu.m == 1)].ms.iloc[0]),
@@ -72,16 +84,24 @@ cross = pd.DataFrame([dict(type=t, crossover_m=qf.crossover(rows=cpu.to_dict("re
                       for t in types])
 w.save_table(cross, "crossover", caption="smallest m where the f32 form beats the quantized form on CPU",
              timing=["crossover_m"])
-cross'''))
-c.append(nbf.v4.new_markdown_cell("## f16 and bf16 inputs on every path\n\nRelative error of the output against the same form with an f32 input, in units of the input dtype's epsilon; an exception counts as a clear error."))
-c.append(nbf.v4.new_code_cell('''checks = []
+cross""")
+)
+c.append(
+    nbf.v4.new_markdown_cell(
+        "## f16 and bf16 inputs on every path\n\nRelative error of the output against the same form with an f32 input, in units of the input dtype's epsilon; an exception counts as a clear error."
+    )
+)
+c.append(
+    nbf.v4.new_code_cell("""checks = []
 for dev in devices:
     checks += qf.dtype_check(types, dtype_ms, device=dev, n=1024, k=k)
 chk = pd.DataFrame(checks)
 w.save_table(chk, "dtypes", caption="f16/bf16 inputs: correct result or clear error on every path")
-chk[["device", "type", "form", "m", "dtype", "ok", "out_dtype", "rel_error_in_eps", "correct", "error"]].round(3)'''))
+chk[["device", "type", "form", "m", "dtype", "ok", "out_dtype", "rel_error_in_eps", "correct", "error"]].round(3)""")
+)
 c.append(nbf.v4.new_markdown_cell("## Findings"))
-c.append(nbf.v4.new_code_cell('''q1 = one[(one.device == "cpu") & (one.form == "quantized")].set_index("type")
+c.append(
+    nbf.v4.new_code_cell("""q1 = one[(one.device == "cpu") & (one.form == "quantized")].set_index("type")
 f1 = one[(one.device == "cpu") & (one.form == "f32")].set_index("type")
 best = (f1["ms"] / q1["ms"]).idxmax()
 w.finding("one_row", "With one input row on CPU, the quantized {t} form is {x:.1f}x faster than "
@@ -102,9 +122,15 @@ w.finding("dtypes", "{good} of {total} f16/bf16 input checks gave a correct resu
           "clear error and {bad} were wrong.", table="dtypes", good=int(chk.correct.sum()),
           total=len(chk), err=int((~chk.ok).sum()), bad=len(bad))
 for f in w.meta["findings"]:
-    print(f["sentence"])'''))
-c.append(nbf.v4.new_markdown_cell("## The seed's figures, for reference only\n\nMeasured on an M2 Max CPU with candle 0.11.0 (accelerate): other hardware, a label beside ours."))
-c.append(nbf.v4.new_code_cell('''def ours(t, form, m):
+    print(f["sentence"])""")
+)
+c.append(
+    nbf.v4.new_markdown_cell(
+        "## The seed's figures, for reference only\n\nMeasured on an M2 Max CPU with candle 0.11.0 (accelerate): other hardware, a label beside ours."
+    )
+)
+c.append(
+    nbf.v4.new_code_cell("""def ours(t, form, m):
     r = cpu[(cpu.type == t) & (cpu.form == form) & (cpu.m == m)]
     return float(r.ms.iloc[0]) if len(r) else None
 
@@ -117,7 +143,8 @@ w.seed_reference("q8_0_m256_f32", "CPU Q8_0 f32 form, m = 256 (ms)", 10.657,
 w.seed_reference("crossover", "CPU crossover rows (quantized vs f32)", "16 to 64",
                  ours=", ".join(f"{r.type}: {r.crossover_m}" for r in cross.itertuples()),
                  source="QTensor 与 QMatMul: qmv cpu")
-pd.DataFrame(w.meta["seed_references"])'''))
+pd.DataFrame(w.meta["seed_references"])""")
+)
 nb.cells = c
 nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
 nbf.write(nb, "notebooks/07_qmatmul_forms.ipynb")

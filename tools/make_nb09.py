@@ -1,9 +1,10 @@
 """Writes notebooks/09_speed_vs_pytorch.ipynb (outputs cleared)."""
+
 import nbformat as nbf
 
 nb = nbf.v4.new_notebook()
 cells = []
-params = nbf.v4.new_code_cell('''model_path = None  # GGUF file; None: the embedded SmolLM2 (qlib.models.path())
+params = nbf.v4.new_code_cell("""model_path = None  # GGUF file; None: the embedded SmolLM2 (qlib.models.path())
 device = "cpu"  # cpu, cuda or mps
 threads = [1, 2]  # CPU thread counts (ignored on a GPU)
 prompt_tokens = 203  # the DESIGN.md protocol: first 203 tokens of data/passage.txt
@@ -11,10 +12,11 @@ steps = 128  # greedy decode steps, no stop at EOS
 reps = 3  # timed runs after the untimed first run (min and median reported)
 qlib_forms = ["fast", "quantized", "f32"]  # fast: qlib.fast (CPU) / qlib.fast_cuda (CUDA)
 transformers_dtypes = ["f32", "bf16"]
-peers = True  # also run transformers and llama.cpp (when installed)''')
+peers = True  # also run transformers and llama.cpp (when installed)""")
 params.metadata["tags"] = ["parameters"]
 cells.append(params)
-cells.append(nbf.v4.new_markdown_cell('''# Speed vs PyTorch
+cells.append(
+    nbf.v4.new_markdown_cell("""# Speed vs PyTorch
 
 Follows the seed chapter **速度 (speed)**: the same generation task on every engine, each
 configuration in a new process. Prompt: the first 203 tokens of `data/passage.txt` (no chat
@@ -24,8 +26,10 @@ separately), then `reps` runs on a fresh KV cache; min and median.
 
 Engines: qlib (QMatMul forms), transformers on the same GGUF (hand-written loop with
 `DynamicCache` and `logits_to_keep=1`) and llama.cpp through llama-cpp-python when installed.
-Compare ratios within this run, never absolute times across runs or machines.'''))
-cells.append(nbf.v4.new_code_cell('''import matplotlib.pyplot as plt
+Compare ratios within this run, never absolute times across runs or machines.""")
+)
+cells.append(
+    nbf.v4.new_code_cell("""import matplotlib.pyplot as plt
 import pandas as pd
 
 from qlib import models
@@ -41,9 +45,11 @@ configs = speed.default_configs(device, tuple(threads), tuple(qlib_forms),
                                 tuple(transformers_dtypes), peers)
 if peers and not speed.llama_cpp_available():
     print(w.skipped("llama.cpp", "llama-cpp-python is not installed (the `peers` extra)"))
-[c.label for c in configs]'''))
+[c.label for c in configs]""")
+)
 cells.append(nbf.v4.new_markdown_cell("## The matrix\n\nOne process per row."))
-cells.append(nbf.v4.new_code_cell('''rows = speed.run_matrix(configs, model=model_path, prompt_tokens=prompt_tokens, steps=steps,
+cells.append(
+    nbf.v4.new_code_cell("""rows = speed.run_matrix(configs, model=model_path, prompt_tokens=prompt_tokens, steps=steps,
                        reps=reps)
 df = pd.DataFrame(rows)
 w.save_table(df, "speed", key=True, caption="prefill (ms for the prompt) and decode (ms/token), "
@@ -53,15 +59,23 @@ if len(failed):
     print("failed configurations:\\n" + failed[["config", "error"]].to_string())
 ok = df[~df["error"].astype(bool)].copy()
 ok[["config", "prefill_ms_min", "prefill_ms_median", "decode_ms_min", "decode_ms_median",
-    "first_prefill_ms", "first_decode_ms", "load_ms", "peak_rss_mb"]].round(2)'''))
-cells.append(nbf.v4.new_markdown_cell("## Ratios to transformers f32\n\nBelow 1: faster than the baseline, measured side by side in this run."))
-cells.append(nbf.v4.new_code_cell('''most = max(threads) if device == "cpu" else None
+    "first_prefill_ms", "first_decode_ms", "load_ms", "peak_rss_mb"]].round(2)""")
+)
+cells.append(
+    nbf.v4.new_markdown_cell(
+        "## Ratios to transformers f32\n\nBelow 1: faster than the baseline, measured side by side in this run."
+    )
+)
+cells.append(
+    nbf.v4.new_code_cell("""most = max(threads) if device == "cpu" else None
 baseline = speed.Config("transformers", device, most, dtype="f32").label
 rat = pd.DataFrame(speed.ratios(rows, baseline))
 if len(rat):
     w.save_table(rat, "ratios", caption=f"time / time of {baseline}", timing=True)
-rat.round(3) if len(rat) else print(w.skipped("ratios", f"baseline {baseline} did not run"))'''))
-cells.append(nbf.v4.new_code_cell('''fig, axes = plt.subplots(1, 2, figsize=(10, 0.35 * len(ok) + 1.5), sharey=True)
+rat.round(3) if len(rat) else print(w.skipped("ratios", f"baseline {baseline} did not run"))""")
+)
+cells.append(
+    nbf.v4.new_code_cell("""fig, axes = plt.subplots(1, 2, figsize=(10, 0.35 * len(ok) + 1.5), sharey=True)
 axes[0].barh(ok["config"], ok["prefill_ms_min"], color="#4c72b0")
 axes[0].set_xlabel(f"prefill {prompt_tokens} tokens (ms, min)")
 axes[1].barh(ok["config"], ok["decode_ms_min"], color="#dd8452")
@@ -69,17 +83,21 @@ axes[1].set_xlabel("decode (ms/token, min)")
 axes[0].invert_yaxis()
 fig.suptitle(f"speed on {device}", fontsize=10)
 fig.tight_layout()
-w.save_plot(fig, "speed", caption="prefill and decode time per configuration (lower is better)")'''))
+w.save_plot(fig, "speed", caption="prefill and decode time per configuration (lower is better)")""")
+)
 cells.append(nbf.v4.new_markdown_cell("## First run vs steady state"))
-cells.append(nbf.v4.new_code_cell('''ok["first_over_steady_prefill"] = ok["first_prefill_ms"] / ok["prefill_ms_min"]
+cells.append(
+    nbf.v4.new_code_cell("""ok["first_over_steady_prefill"] = ok["first_prefill_ms"] / ok["prefill_ms_min"]
 ok["first_over_steady_decode"] = ok["first_decode_ms"] / ok["decode_ms_min"]
 first = ok[["config", "first_prefill_ms", "prefill_ms_min", "first_over_steady_prefill",
             "first_decode_ms", "decode_ms_min", "first_over_steady_decode"]]
 w.save_table(first, "first_run", caption="the untimed first run against the best steady run",
              timing=True)
-first.round(2)'''))
+first.round(2)""")
+)
 cells.append(nbf.v4.new_markdown_cell("## Findings"))
-cells.append(nbf.v4.new_code_cell('''fastest = ok.loc[ok["decode_ms_min"].idxmin()]
+cells.append(
+    nbf.v4.new_code_cell("""fastest = ok.loc[ok["decode_ms_min"].idxmin()]
 w.finding("fastest_decode", "The fastest decode here is {cfg} at {ms:.2f} ms/token "
           "({tps:.0f} tokens/s).", table="speed", cfg=fastest["config"],
           ms=fastest["decode_ms_min"], tps=fastest["decode_tok_s"])
@@ -99,9 +117,15 @@ w.finding("first_run", "The first run costs most for {cfg}: its first prefill ta
           "{x:.2f}x the steady one.", table="first_run", cfg=worst["config"],
           x=worst["first_over_steady_prefill"])
 for f in w.meta["findings"]:
-    print(f["sentence"])'''))
-cells.append(nbf.v4.new_markdown_cell("## The seed's figures, for reference only\n\nMeasured on an M2 Max with candle 0.11.0 and PyTorch 2.15 (accelerate BLAS, 8 performance cores): other hardware, shown beside ours only as a label."))
-cells.append(nbf.v4.new_code_cell('''def ours(cfg, col):
+    print(f["sentence"])""")
+)
+cells.append(
+    nbf.v4.new_markdown_cell(
+        "## The seed's figures, for reference only\n\nMeasured on an M2 Max with candle 0.11.0 and PyTorch 2.15 (accelerate BLAS, 8 performance cores): other hardware, shown beside ours only as a label."
+    )
+)
+cells.append(
+    nbf.v4.new_code_cell("""def ours(cfg, col):
     r = ok[ok["config"] == cfg]
     return float(r.iloc[0][col]) if len(r) else None
 
@@ -112,7 +136,8 @@ w.seed_reference("torch_f32_decode_1t", "transformers f32 decode, 1 thread (ms/t
 w.seed_reference("torch_f32_prefill", "transformers f32 prefill of 203 tokens (ms)", 81,
                  ours=ours(baseline, "prefill_ms_min"), unit="ms",
                  source="速度: summary (prefill torch 81 ms, candle 117 ms)")
-pd.DataFrame(w.meta["seed_references"])'''))
+pd.DataFrame(w.meta["seed_references"])""")
+)
 nb.cells = cells
 nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
 nbf.write(nb, "notebooks/09_speed_vs_pytorch.ipynb")

@@ -74,17 +74,33 @@ def dtype_check(
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device)
                 ref = mm(x).float()
                 for dtype in dtypes:
-                    row = {"type": type_name, "form": form, "m": m, "dtype": str(dtype)[6:],
-                           "device": device}
+                    row = {
+                        "type": type_name,
+                        "form": form,
+                        "m": m,
+                        "dtype": str(dtype)[6:],
+                        "device": device,
+                    }
                     try:
                         y = mm(x.to(dtype))
                         rel = float((y.float() - ref).norm() / ref.norm())
                         eps = torch.finfo(dtype).eps
-                        row.update(ok=True, out_dtype=str(y.dtype)[6:], rel_error=rel,
-                                   rel_error_in_eps=rel / eps, correct=rel < 8 * eps, error="")
+                        row.update(
+                            ok=True,
+                            out_dtype=str(y.dtype)[6:],
+                            rel_error=rel,
+                            rel_error_in_eps=rel / eps,
+                            correct=rel < 8 * eps,
+                            error="",
+                        )
                     except Exception as e:  # a clear error is an accepted outcome
-                        row.update(ok=False, out_dtype="", rel_error=float("nan"),
-                                   rel_error_in_eps=float("nan"), correct=False,
-                                   error=f"{type(e).__name__}: {e}")
+                        row.update(
+                            ok=False,
+                            out_dtype="",
+                            rel_error=float("nan"),
+                            rel_error_in_eps=float("nan"),
+                            correct=False,
+                            error=f"{type(e).__name__}: {e}",
+                        )
                     rows.append(row)
     return rows
