@@ -127,6 +127,12 @@ class FastLinear:
             return torch.ops.mkldnn._linear_pointwise(x, self.bf16_packed, None, "none", [], "")
         return F.linear(x, self.bf16)
 
+    def bf16_io(self, x: torch.Tensor, bf16_min_rows: int) -> torch.Tensor:
+        """bf16 in, bf16 out: the bf16 matmul, or for few rows the packed kernel (fewer bytes)."""
+        if x.shape[0] < bf16_min_rows and self.packed is not None:
+            return cpu.qgemm(x.float(), self.packed).to(torch.bfloat16)
+        return self.linear_bf16(x)
+
     def forward(self, x: torch.Tensor, bf16_min_rows: int) -> torch.Tensor:
         if self.has_bf16 and x.shape[0] >= bf16_min_rows:
             return self.linear_bf16(x.to(torch.bfloat16)).float()
@@ -239,9 +245,10 @@ class FastModel:
         add + RmsNorm -> qkv matmul -> RoPE, KV write, attention -> wo matmul ->
         add + RmsNorm -> gate/up matmul -> SwiGLU -> down matmul (its add is fused
         into the next RmsNorm). Unless ``all_logits``, the last layer computes
-        attention, wo and the FFN for the last row only.
+        attention, wo and the FFN for the last row only (wo and the FFN then in the
+        packed GEMV kernel, which reads a quarter of the bf16 bytes).
         """
-        c, lib = self.config, cpu.load()
+        c, lib, rows = self.config, cpu.load(), self.bf16_min_rows
         t, k = ids.numel(), c.embedding_length
         n_ff = self.layers[0].w13.out_features // 2
         bf = torch.bfloat16
@@ -266,11 +273,11 @@ class FastModel:
                     *tail, r0, yp):  # fmt: skip
                 raise RuntimeError("qlib_attn_prefill failed")
             m = t - r0  # rows from here on: h[r0:], the first m rows of a, y, g
-            o = ly.wo.linear_bf16(y[:m])
+            o = ly.wo.bf16_io(y[:m], rows)
             norm(h[r0:].data_ptr(), o.data_ptr(), m, k, ly.ffn_norm.data_ptr(), eps, ap, 1)
-            gu = ly.w13.linear_bf16(a[:m])  # held: the C call reads it
+            gu = ly.w13.bf16_io(a[:m], rows)  # held: the C call reads it
             swiglu(gu.data_ptr(), m, n_ff, gp)
-            d = ly.w2.linear_bf16(g[:m])
+            d = ly.w2.bf16_io(g[:m], rows)
         m = t - r0
         hn = torch.empty(m, k)
         norm(h[r0:].data_ptr(), d.data_ptr(), m, k, self.norm.data_ptr(), eps, hn.data_ptr(), 0)

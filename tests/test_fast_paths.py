@@ -237,8 +237,11 @@ def test_fused_prefill_matches_unfused(tiny):
         a = fm.forward(ids[:, :30], 0, all_logits=True)[0]
         a2 = fm.forward(ids[:, 30:], 30, all_logits=True)[0]  # a chunk after a prefix
         a3 = fm.forward(ids[:, 39:40], 40)  # a C decode step over the prefilled cache
-        last = fm.forward(ids[:, :30], 0)  # the last layer for the last row only
-        assert torch.allclose(last[0], a[-1], rtol=1e-5, atol=1e-5 * a.abs().max().item())
+        # the last layer for the last row only: its wo and FFN in the packed Q8-activation
+        # kernel when the weights are quantized (ggml semantics), else the same bf16 matmuls
+        last = fm.forward(ids[:, :30], 0)
+        tol = 1e-5 if wt == "F32" else 0.02
+        assert (last[0] - a[-1]).abs().max() <= tol * a.abs().max()
         fm._fused_prefill = False
         b = fm.forward(ids[:, :30], 0, all_logits=True)[0]
         b2 = fm.forward(ids[:, 30:], 30, all_logits=True)[0]
