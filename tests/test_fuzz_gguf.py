@@ -8,7 +8,8 @@ a failure: any other exception, an empty message, a forward call that fails
 on a model that loaded, a crash of the worker, a case running longer than
 ``CASE_TIMEOUT_S``, an allocation refused by the worker's address-space limit
 (``RLIMIT_AS``: ``AS_BUDGET_MB`` above what the warmed-up worker maps) or a
-peak RSS that grew by more than ``RSS_BUDGET_MB`` during the case. The files
+peak RSS (``VmHWM``, reset before each case) more than ``RSS_BUDGET_MB`` above
+the RSS before the case. The files
 are at most a few KB, so either budget is far more than a file justifies. A
 dead or hung worker is replaced; the failure names the case, so hypothesis
 shrinks it like any other.
@@ -35,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import resource
 import select
 import struct
 import subprocess
@@ -92,6 +92,7 @@ def fuzz_settings(strategy: str):
 def _worker_main() -> None:  # pragma: no cover - runs in the child
     """Serve cases from stdin: 4-byte length + pickle((bytes, stream)) -> pickle(result)."""
     import io
+    import resource
     import tempfile
     import traceback
 
@@ -172,8 +173,21 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child
                     return int(line.split()[1]) * 1024
         raise RuntimeError("no VmSize")
 
-    def maxrss_mb() -> float:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    def status_mb(key: str) -> float:
+        with open("/proc/self/status") as st_:
+            for line in st_:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+        raise RuntimeError(f"no {key}")
+
+    def reset_peak() -> bool:
+        """Reset VmHWM to the current RSS (Linux >= 4.0), so each case has its own peak."""
+        try:
+            with open("/proc/self/clear_refs", "w") as cr:
+                cr.write("5")
+            return True
+        except OSError:
+            return False
 
     def recv():
         head = inp.read(4)
@@ -192,14 +206,15 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child
         send(run(*first))
     limit = vm_size_bytes() + AS_BUDGET_MB * (1 << 20)
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    send({"as_limit_mb": limit >> 20, "maxrss_mb": maxrss_mb()})
+    send({"as_limit_mb": limit >> 20, "rss_mb": round(status_mb("VmRSS"), 1)})
     while (msg := recv()) is not None:
-        before = maxrss_mb()
+        # not ru_maxrss: it keeps the parent's high-water mark across fork + exec
+        before = status_mb("VmRSS") if reset_peak() else status_mb("VmHWM")
         try:
             status, text = run(*msg)
         except MemoryError:
             status, text = "fail", "MemoryError outside the loader"
-        grew = maxrss_mb() - before
+        grew = status_mb("VmHWM") - before
         if status != "fail" and grew > RSS_BUDGET_MB:
             status, text = "fail", f"peak RSS grew by {grew:.1f} MB during the case ({text})"
         send((status, text))
