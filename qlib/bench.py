@@ -65,28 +65,18 @@ def measure(run_once: Callable[[], tuple[float, float]], reps: int) -> dict:
 def bench_qlib(args: argparse.Namespace) -> dict:
     import torch
 
+    from . import engines
     from .devices import synchronize
     from .gguf_file import Content
-    from .quantized_llama import ModelWeights
     from .tokenizer import Tokenizer
 
     start = time.perf_counter()
     with open(args.model, "rb") as f:
         content = Content.read(f)
-        if args.form == "fast" and torch.device(args.device).type == "cuda":
-            from .fast_cuda import CudaFastModel  # fused Triton kernels, CUDA graphs
-
-            kw = {"prefill": args.prefill} if args.prefill else {}
-            model = CudaFastModel.from_gguf(content, f, args.device, **kw)
-        elif args.form == "fast":  # qlib.fast: C kernels, bf16 prefill, static KV cache
-            from .fast import FastModel
-
-            kw = {"prefill": args.prefill} if args.prefill else {}
-            model = FastModel.from_gguf(content, f, args.device, **kw)
-        else:
-            model = ModelWeights.from_gguf(
-                content, f, args.device, form=args.form, attention=args.attention
-            )
+        kwargs = {"prefill": args.prefill} if args.prefill else {}
+        if args.form != "fast":
+            kwargs = {"attention": args.attention}
+        model = engines.from_gguf(content, f, args.device, args.form, **kwargs)
     synchronize(model.device)
     load_ms = (time.perf_counter() - start) * 1e3
     tokenizer = Tokenizer.from_metadata(content.metadata)

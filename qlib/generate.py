@@ -170,8 +170,8 @@ def generate_timed(
     ``buffered=False`` opens the file unbuffered, as the seed's Rust program
     does (one system call per read).
     """
+    from . import engines
     from .gguf_file import Content
-    from .quantized_llama import ModelWeights
     from .tokenizer import Tokenizer
 
     timings = Timings()
@@ -180,7 +180,7 @@ def generate_timed(
         content = Content.read(f)
         timings.read_ms = (time.perf_counter() - start) * 1e3
         start = time.perf_counter()
-        model = ModelWeights.from_gguf(content, f, device, form=form, **model_kwargs)
+        model = engines.from_gguf(content, f, device, form, **model_kwargs)
         synchronize(model.device)
         timings.build_ms = (time.perf_counter() - start) * 1e3
     tokenizer = Tokenizer.from_metadata(content.metadata)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import models
-from .qtensor import FORMS
+from .engines import ENGINE_FORMS, FAST
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -20,9 +20,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, mps (default: cpu)")
     p.add_argument(
         "--form",
-        choices=FORMS,
+        choices=ENGINE_FORMS,
         default=None,
-        help="QMatMul form for every projection (default: candle's rule)",
+        help="QMatMul form for every projection (default: candle's rule), or fast: the "
+        "fast path of the device (qlib.fast on CPU, qlib.fast_cuda on CUDA)",
     )
     p.add_argument("--attention", choices=("auto", "naive", "sdpa"), default="auto")
 
@@ -54,6 +55,11 @@ def _model_path(arg: str | None) -> Path:
     return Path(arg) if arg else models.path()
 
 
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    """``--attention`` belongs to the faithful path; the fast paths have their own attention."""
+    return {} if args.form == FAST else {"attention": args.attention}
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from .generate import LogitsProcessor, generate_timed
 
@@ -68,7 +74,7 @@ def run_generate(args: argparse.Namespace) -> int:
         processor=processor,
         stop_at_eos=args.stop_at_eos,
         buffered=not args.unbuffered,
-        attention=args.attention,
+        **_engine_kwargs(args),
     )
     if args.json:
         print(json.dumps(result.as_dict()))
@@ -85,12 +91,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_logits(args: argparse.Namespace) -> int:
-    from .quantized_llama import load
+    from .engines import load
     from .tokenizer import Tokenizer
 
-    model, content = load(
-        _model_path(args.model), args.device, form=args.form, attention=args.attention
-    )
+    model, content = load(_model_path(args.model), args.device, args.form, **_engine_kwargs(args))
     tokenizer = Tokenizer.from_metadata(content.metadata)
     ids = tokenizer.encode(args.text_file.read_text(), add_special_tokens=False)
     if args.max_tokens is not None:

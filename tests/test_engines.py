@@ -1,0 +1,65 @@
+"""``qlib.engines``: one entry point for the faithful path and the fast path of each device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from synthetic import write_tiny_llama
+
+from qlib import engines
+from qlib.fast import FastModel
+from qlib.fast_cuda import CudaFastModel
+from qlib.quantized_llama import ModelError, ModelWeights
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("m") / "m.gguf", weight_type="Q8_0")
+
+
+@pytest.mark.parametrize("form", [None, "quantized", "f32", "f16"])
+def test_faithful_forms_build_model_weights(tiny, form):
+    model, _ = engines.load(tiny, "cpu", form)
+    assert isinstance(model, ModelWeights)
+
+
+def test_fast_on_cpu_is_fast_model_and_agrees_with_the_quantized_form(tiny):
+    fast, _ = engines.load(tiny, "cpu", "fast", prefill="int8")
+    ref, _ = engines.load(tiny, "cpu", "quantized")
+    assert isinstance(fast, FastModel)
+    x = torch.tensor([[1, 2, 3, 4]])
+    a, b = fast.forward(x, 0), ref.forward(x, 0)
+    assert (a - b).abs().max() <= 5e-3 * b.abs().max()  # as tests/test_fast_paths.py
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fast_on_cuda_is_cuda_fast_model(tiny):
+    model, _ = engines.load(tiny, "cuda", "fast")
+    assert isinstance(model, CudaFastModel)
+
+
+def test_fast_elsewhere_is_a_clear_error(tiny, monkeypatch):
+    monkeypatch.setattr(engines, "as_device", lambda d: torch.device("mps"))
+    with pytest.raises(ModelError, match="no fast path on mps"):
+        engines.load(tiny, "mps", "fast")
+
+
+def test_generate_cli_takes_the_fast_form(capsys):
+    import json
+
+    from qlib import models
+    from qlib.__main__ import main
+
+    try:
+        path = models.path()
+    except models.ModelNotFoundError as e:
+        pytest.skip(str(e))
+    argv = ["generate", "--model", str(path), "--prompt", "What is Rust?", "--chat", "--steps", "8",
+            "--json", "--form"]  # fmt: skip
+    assert main([*argv, "fast"]) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert main([*argv, "f32"]) == 0
+    f32 = json.loads(capsys.readouterr().out)
+    assert fast["prompt_ids"] == f32["prompt_ids"] and len(fast["ids"]) == 8
+    # bf16 prefill + Q8 activations vs float32: the first greedy tokens agree on this prompt
+    assert fast["ids"][:4] == f32["ids"][:4]
