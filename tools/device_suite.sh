@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the experiment suite on the GPU machine (see ../shared/device/README.md).
 # Stage the model first: split-model writes .stage/part.aa and .stage/part.ab; the first
-# device call copies part.aa to /root/stage, the second carries part.ab and .whl/ and runs:
+# device call copies part.aa to /root/stage, the second carries part.ab and .whl/ (or .whl/ goes
+# to /root/whl in a call of its own when both do not fit in one) and runs:
 #   bash tools/device_suite.sh [suite args...]
 # Results come back as $OUT/results_cuda.tgz (the device folder allows only a few files).
 set -uo pipefail
@@ -10,7 +11,9 @@ model=$stage/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$model" ]; then
   cat $stage/part.aa .stage/part.ab > "$model" || exit 1
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+# the wheels come with this call (.whl/) or were copied to /root/whl by an earlier one
+wheels=.whl; [ -d .whl ] || wheels=/root/whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $wheels/*.whl \
   2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD QLIB_MODELS_DIR=$stage PYTHONUNBUFFERED=1
 export QLIB_COMMIT=${QLIB_COMMIT:-unknown}
