@@ -19,6 +19,9 @@ none of candle's sharp edges. What differs from the faithful path:
   the KV cache and all arithmetic outside the matmuls stay float32.
   ``prefill="int8"`` keeps ggml semantics for every row instead (the C kernel
   over all rows; no extra memory, slower);
+* **huge pages**: after load, the large resident anonymous mappings (the
+  weights) are advised and collapsed onto 2 MB pages (``hugepages=False`` to
+  skip; ``cpu.collapse_hugepages``);
 * **static KV cache**: one preallocated ``[layers, 2, n_kv, max_seq_len, d]``
   float32 buffer (pages are touched only as positions are written), no cat;
 * **attention**: GQA without ``repeat_kv`` copies (query heads grouped per KV
@@ -169,6 +172,7 @@ class FastModel:
         prefill: str = "bf16",
         bf16_min_rows: int = 16,
         max_seq_len: int = MAX_SEQ_LEN,
+        hugepages: bool = True,
     ):
         self.config = config
         self.device = torch.device("cpu")
@@ -190,6 +194,8 @@ class FastModel:
         self._kv_len = 0
         self._plan = self._decode_plan()
         self._fused_prefill = self._fused_prefill_ok()
+        if hugepages:  # the weights on 2 MB pages: fewer TLB misses when they stream
+            cpu.collapse_hugepages()
 
     def _decode_plan(self) -> list | None:
         """ctypes arguments of the fused C decode step, or None (torch decode)."""
@@ -311,6 +317,7 @@ class FastModel:
         prefill: str = "bf16",
         bf16_min_rows: int = 16,
         max_seq_len: int = MAX_SEQ_LEN,
+        hugepages: bool = True,
     ) -> FastModel:
         """Build from a parsed ``gguf_file.Content`` and its open file (CPU only)."""
         if as_device(device).type != "cpu":
@@ -331,7 +338,8 @@ class FastModel:
         output = FastLinear([out_w], bf16=False)  # prefill needs only the last row
         norm = get("output_norm.weight").dequantize()
         return cls(config, tok_embd, layers, norm, output, prefill=prefill,
-                   bf16_min_rows=bf16_min_rows, max_seq_len=max_seq_len)  # fmt: skip
+                   bf16_min_rows=bf16_min_rows, max_seq_len=max_seq_len,
+                   hugepages=hugepages)  # fmt: skip
 
     # -- state -------------------------------------------------------------
 

@@ -161,6 +161,13 @@ def test_attn_prefill_matches_sdpa(t, pos, n_head, n_kv, d, neox):
     assert torch.equal(kc2[:, : pos + t], kc[:, : pos + t])
 
 
+def test_collapse_hugepages_keeps_data():
+    x = torch.arange(8 << 20, dtype=torch.float32)  # 32 MB, resident
+    before = x.clone()
+    done = cpu.collapse_hugepages()
+    assert done >= 0 and torch.equal(x, before)
+
+
 def test_unsupported_shapes_are_refused():
     w = QTensor.quantize(torch.randn(4, 96), "Q8_0")  # k % 64 != 0
     assert not cpu.supports("Q8_0", 96) and not cpu.supports("Q4_K", 256)
