@@ -243,8 +243,12 @@ class CudaFastModel:
                     row += p.n
                 fused.rope_store(self._qkv[None], self._q[None], kc, vc, self._pos, self.cos,
                                  self.sin, heads=self.heads, neox=c.rope_is_neox)  # fmt: skip
-            attend(self._q, kc, vc, self._att, self._pos)
-            fused.norm_gemv(self._att, ly.wo.parts[0], h, epilogue=fused.EPI_ADD)
+            wo = ly.wo.parts[0]
+            if self.attention == "split" and attend.fusable(wo):  # combine + wo in one kernel
+                attend.attend_project(self._q, kc, vc, wo, h, self._pos)
+            else:
+                attend(self._q, kc, vc, self._att, self._pos)
+                fused.norm_gemv(self._att, wo, h, epilogue=fused.EPI_ADD)
             if len(ly.w13.parts) == 1:
                 fused.norm_gemv(h, ly.w13.parts[0], self._g, norm=ly.ffn_norm, eps=eps,
                                 epilogue=fused.EPI_SWIGLU)  # fmt: skip

@@ -84,6 +84,22 @@ def test_gqa_groups_and_untied_output(tmp_path, n_kv_head):
 
 
 @needs_kernels
+@pytest.mark.parametrize("attention", ["split", "single"])
+@pytest.mark.parametrize(("n_embd", "n_head", "n_kv_head"), [(128, 4, 2), (192, 3, 1)])
+def test_attention_paths(tmp_path, attention, n_embd, n_head, n_kv_head):
+    """Head dims 32 and 64 (the split attention's combine folded into the output projection),
+    a head count that is not a power of two, and the one-program-per-head kernel."""
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_0", n_embd=n_embd,
+                            n_head=n_head, n_kv_head=n_kv_head)  # fmt: skip
+    ref, fast = load_pair(path, attention=attention)
+    if attention == "split":
+        fused = pytest.importorskip("qlib.quants.cuda.fused")
+        split = fused.SplitAttention(fast.heads, fast.max_seq_len, fast.device)
+        assert split.fusable(fast.layers[0].wo.parts[0])
+    run_script(ref, fast)
+
+
+@needs_kernels
 def test_mixed_types_take_the_unfused_kernels(tmp_path):
     """attn_v and ffn_up in another type than their neighbours (as in Q4_K_M files)."""
     floats = tiny_llama_float_weights()
