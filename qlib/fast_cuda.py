@@ -48,7 +48,9 @@ from .quants.gpu import NATIVE, Prepared, repack
 from .spans import span
 
 PREFILL_MODES = ("f32", "packed")
-ATTENTION_MODES = ("split", "single")  # decode attention: blocks in parallel, or one loop
+# decode attention: blocks of positions in parallel whose combine is folded into the output
+# projection ("split"), or done by a kernel of its own ("split-combine"); one loop per head
+ATTENTION_MODES = ("split", "split-combine", "single")
 GRAPH_CACHE = 4  # prefill graphs kept (one per prompt length)
 
 
@@ -221,7 +223,7 @@ class CudaFastModel:
 
         c, h = self.config, self._h
         eps = c.rms_norm_eps
-        if self.attention == "split":
+        if self.attention.startswith("split"):
             if self._split_attention is None:
                 self._split_attention = fused.SplitAttention(
                     self.heads, self.max_seq_len, self.device

@@ -84,7 +84,7 @@ def test_gqa_groups_and_untied_output(tmp_path, n_kv_head):
 
 
 @needs_kernels
-@pytest.mark.parametrize("attention", ["split", "single"])
+@pytest.mark.parametrize("attention", ["split", "split-combine", "single"])
 @pytest.mark.parametrize(("n_embd", "n_head", "n_kv_head"), [(128, 4, 2), (192, 3, 1)])
 def test_attention_paths(tmp_path, attention, n_embd, n_head, n_kv_head):
     """Head dims 32 and 64 (the split attention's combine folded into the output projection),

@@ -23,8 +23,9 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--prompt-tokens", type=int, default=203)
+    ap.add_argument("--attention", default="split", help="CudaFastModel's decode attention")
     args = ap.parse_args()
-    model, _ = load(args.model or models.path(), "cuda")
+    model, _ = load(args.model or models.path(), "cuda", attention=args.attention)
     ids = torch.arange(100, 100 + args.prompt_tokens, device="cuda")[None]
     report: dict = {}
     with torch.inference_mode():
