@@ -48,9 +48,7 @@ from .quants.gpu import NATIVE, Prepared, repack
 from .spans import span
 
 PREFILL_MODES = ("f32", "packed")
-# decode attention: blocks of positions in parallel whose combine is folded into the output
-# projection ("split"), or done by a kernel of its own ("split-combine"); one loop per head
-ATTENTION_MODES = ("split", "split-combine", "single")
+ATTENTION_MODES = ("split", "single")  # decode attention: blocks in parallel, or one loop
 GRAPH_CACHE = 4  # prefill graphs kept (one per prompt length)
 
 
@@ -223,7 +221,7 @@ class CudaFastModel:
 
         c, h = self.config, self._h
         eps = c.rms_norm_eps
-        if self.attention.startswith("split"):
+        if self.attention == "split":
             if self._split_attention is None:
                 self._split_attention = fused.SplitAttention(
                     self.heads, self.max_seq_len, self.device
@@ -245,12 +243,8 @@ class CudaFastModel:
                     row += p.n
                 fused.rope_store(self._qkv[None], self._q[None], kc, vc, self._pos, self.cos,
                                  self.sin, heads=self.heads, neox=c.rope_is_neox)  # fmt: skip
-            wo = ly.wo.parts[0]
-            if self.attention == "split" and attend.fusable(wo):  # combine + wo in one kernel
-                attend.attend_project(self._q, kc, vc, wo, h, self._pos)
-            else:
-                attend(self._q, kc, vc, self._att, self._pos)
-                fused.norm_gemv(self._att, wo, h, epilogue=fused.EPI_ADD)
+            attend(self._q, kc, vc, self._att, self._pos)
+            fused.norm_gemv(self._att, ly.wo.parts[0], h, epilogue=fused.EPI_ADD)
             if len(ly.w13.parts) == 1:
                 fused.norm_gemv(h, ly.w13.parts[0], self._g, norm=ly.ffn_norm, eps=eps,
                                 epilogue=fused.EPI_SWIGLU)  # fmt: skip

@@ -268,63 +268,6 @@ def _attn_combine_kernel(
     tl.store(out + h * D + dd, acc / den)
 
 
-@triton.jit(do_not_specialize=["NS", "N", "G"])
-def _attn_out_kernel(
-    y, pm, pl, pacc, pos_ptr, NS, qs, qh, d, dm, sc, mn, N, G,
-    qs_stride, qh_stride, d_stride, sc_stride,
-    FMT: tl.constexpr, HAS_OFF: tl.constexpr, NQ: tl.constexpr, NQB: tl.constexpr,
-    GPH: tl.constexpr, BL: tl.constexpr, NSB: tl.constexpr, BN: tl.constexpr,
-):  # fmt: skip
-    """``y[rows] += combine(attention blocks) @ Wo[rows].T``: the split attention's combine step
-    (every program merges the blocks of all heads itself, ~14 KB from L2) fused with the output
-    projection and the residual add. The attention output is held as ``[head, group, 16]``
-    tiles, the layout of the weight's 32-element groups (``GPH`` groups per head)."""
-    n = tl.load(pos_ptr).to(tl.int64) + 1
-    hh = tl.arange(0, NQB)[:, None, None, None]  # [head, block, group, element]
-    sb = tl.arange(0, NSB)[None, :, None, None]
-    gg = tl.arange(0, GPH)[None, None, :, None]
-    i = tl.arange(0, 16)[None, None, None, :]
-    live = hh < NQ
-    big = tl.full([NQB, 1, 1, 1], float("-inf"), tl.float32)
-    den = tl.zeros([NQB, 1, 1, 1], tl.float32)
-    x_lo = tl.zeros([NQB, 1, GPH, 16], tl.float32)
-    x_hi = tl.zeros([NQB, 1, GPH, 16], tl.float32)
-    for s0 in range(0, tl.cdiv(n, BL), NSB):  # NSB blocks at once: one round trip to L2
-        s = s0 + sb
-        ok = live & (s * BL < n)
-        slot = hh * NS + s
-        m = tl.load(pm + slot, mask=ok, other=float("-inf"))
-        big_new = tl.maximum(big, tl.max(m, 1, keep_dims=True))
-        big_new = tl.where(live, big_new, 0.0)
-        alpha = tl.exp(big - big_new)
-        w = tl.where(ok, tl.exp(m - big_new), 0.0)
-        den = den * alpha + tl.sum(w * tl.load(pl + slot, mask=ok, other=0.0), 1, keep_dims=True)
-        base = slot * (GPH * 32) + gg * 32 + i
-        a_lo = tl.load(pacc + base, mask=ok, other=0.0)
-        a_hi = tl.load(pacc + base + 16, mask=ok, other=0.0)
-        x_lo = x_lo * alpha + tl.sum(w * a_lo, 1, keep_dims=True)
-        x_hi = x_hi * alpha + tl.sum(w * a_hi, 1, keep_dims=True)
-        big = big_new
-    den = tl.where(live, den, 1.0)
-    x_lo = tl.reshape(x_lo / den, [1, NQB, GPH, 16])
-    x_hi = tl.reshape(x_hi / den, [1, NQB, GPH, 16])
-    i = tl.arange(0, 16)[None, None, :]
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    row = tl.minimum(rows, N - 1).to(tl.int64)
-    # the weight group of each (head, group) slot; padded heads read the last one, times x = 0
-    g = tl.minimum(tl.arange(0, NQB)[:, None] * GPH + tl.arange(0, GPH)[None, :], G - 1)
-    lo, hi = _codes(qs, qh, row[:, None, None, None], g[None, :, :, None], i[None, :, :, :],
-                    qs_stride, qh_stride, FMT)  # fmt: skip
-    s_lo, s_hi, off = _scales(d, dm, sc, mn, row[:, None, None], g[None, :, :], d_stride,
-                              sc_stride, FMT)  # fmt: skip
-    acc = tl.sum(lo.to(tl.float32) * x_lo, 3) * s_lo + tl.sum(hi.to(tl.float32) * x_hi, 3) * s_hi
-    if HAS_OFF:
-        acc += off * tl.sum(x_lo + x_hi, 3)
-    out = tl.sum(tl.sum(acc, 2), 1)
-    mask = rows < N
-    tl.store(y + rows, out + tl.load(y + rows, mask=mask, other=0.0), mask=mask)
-
-
 @triton.jit(do_not_specialize=["K", "G"])
 def _embed_kernel(
     ids, out, qs, qh, d, dm, sc, mn, K, G, qs_stride, qh_stride, d_stride, sc_stride,
@@ -488,30 +431,6 @@ class SplitAttention:
         _attn_combine_kernel[(nq,)](
             out, self.m, self.l, self.acc, pos, self.ns, D=hd, BL=self.bl, NSB=nsb, num_warps=2
         )
-
-    def fusable(self, wo: Prepared) -> bool:
-        """Whether ``attend_project`` can fold the combine into ``wo``'s GEMV (d = 32 x 2^j)."""
-        groups = self.heads[2] // 32
-        return (
-            self.heads[2] % 32 == 0
-            and groups & (groups - 1) == 0
-            and wo.k == self.heads[0] * self.heads[2]
-        )
-
-    def attend_project(self, q, kc, vc, wo: Prepared, h, pos, *, bn: int = 4, nsb: int = 8) -> None:
-        """``h += attention(q, K, V) @ Wo.T``: the block kernel, then combine + GEMV + residual."""
-        nq, nkv, hd = self.heads
-        _attn_split_kernel[(nq, self.ns)](
-            q, kc, vc, self.m, self.l, self.acc, pos, kc.shape[1], self.ns, hd**-0.5,
-            GROUP=nq // nkv, D=hd, BL=self.bl, num_warps=4,
-        )  # fmt: skip
-        planes, strides = _args(wo)
-        fmt = wo.format_id
-        _attn_out_kernel[(triton.cdiv(wo.n, bn),)](
-            h, self.m, self.l, self.acc, pos, self.ns, *planes, wo.n, wo.groups, *strides,
-            FMT=fmt, HAS_OFF=fmt in _HAS_OFFSET, NQ=nq, NQB=_np2(nq), GPH=hd // 32, BL=self.bl,
-            NSB=nsb, BN=bn, num_warps=4,
-        )  # fmt: skip
 
 
 def embed(ids: torch.Tensor, w: Prepared, out: torch.Tensor) -> None:
