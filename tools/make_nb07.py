@@ -104,9 +104,11 @@ c.append(
     nbf.v4.new_code_cell("""q1 = one[(one.device == "cpu") & (one.form == "quantized")].set_index("type")
 f1 = one[(one.device == "cpu") & (one.form == "f32")].set_index("type")
 best = (f1["ms"] / q1["ms"]).idxmax()
-w.finding("one_row", "With one input row on CPU, the quantized {t} form is {x:.1f}x faster than "
+speedup = f1.loc[best, "ms"] / q1.loc[best, "ms"]
+w.finding("one_row", "With one input row on CPU, the quantized {t} form is {x:.1f}x {how} than "
           "the f32 form ({q:.3f} ms vs {f:.3f} ms): it reads {mb:.0f} MB instead of {fmb:.0f} MB.",
-          table="one_row", t=best, x=f1.loc[best, "ms"] / q1.loc[best, "ms"], q=q1.loc[best, "ms"],
+          table="one_row", t=best, x=max(speedup, 1 / speedup),
+          how="faster" if speedup >= 1 else "slower", q=q1.loc[best, "ms"],
           f=f1.loc[best, "ms"], mb=q1.loc[best, "weight_mb"], fmb=f1.loc[best, "weight_mb"])
 for r in cross.itertuples():
     if r.crossover_m is None:
