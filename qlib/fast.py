@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from .devices import DeviceLike, as_device
 from .qtensor import QTensor
 from .quantized_llama import (
+    FUSED_STACKS,
     MAX_SEQ_LEN,
     IndexPosError,
     LlamaConfig,
@@ -148,12 +149,14 @@ class FastLinear:
 
 
 class FastLayer:
+    wqkv: FastLinear
+    wo: FastLinear
+    w13: FastLinear
+    w2: FastLinear
+
     def __init__(self, get, p: str, eps: float, bf16: bool):
-        self.wqkv = FastLinear([get(f"{p}.attn_q.weight"), get(f"{p}.attn_k.weight"),
-                                get(f"{p}.attn_v.weight")], bf16)  # fmt: skip
-        self.wo = FastLinear([get(f"{p}.attn_output.weight")], bf16)
-        self.w13 = FastLinear([get(f"{p}.ffn_gate.weight"), get(f"{p}.ffn_up.weight")], bf16)
-        self.w2 = FastLinear([get(f"{p}.ffn_down.weight")], bf16)
+        for attr, names in FUSED_STACKS.items():  # wqkv, wo, w13, w2
+            setattr(self, attr, FastLinear([get(f"{p}.{n}.weight") for n in names], bf16))
         self.attn_norm = get(f"{p}.attn_norm.weight").dequantize()
         self.ffn_norm = get(f"{p}.ffn_norm.weight").dequantize()
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from .devices import DeviceLike, as_device
 from .qtensor import QTensor
 from .quantized_llama import (
+    FUSED_STACKS,
     MAX_SEQ_LEN,
     IndexPosError,
     LlamaConfig,
@@ -102,12 +103,14 @@ class CudaLinear:
 
 
 class CudaLayer:
+    wqkv: CudaLinear
+    wo: CudaLinear
+    w13: CudaLinear
+    w2: CudaLinear
+
     def __init__(self, get, p: str, dense: bool):
-        self.wqkv = CudaLinear([get(f"{p}.attn_q.weight"), get(f"{p}.attn_k.weight"),
-                                get(f"{p}.attn_v.weight")], dense)  # fmt: skip
-        self.wo = CudaLinear([get(f"{p}.attn_output.weight")], dense)
-        self.w13 = CudaLinear([get(f"{p}.ffn_gate.weight"), get(f"{p}.ffn_up.weight")], dense)
-        self.w2 = CudaLinear([get(f"{p}.ffn_down.weight")], dense)
+        for attr, names in FUSED_STACKS.items():  # wqkv, wo, w13, w2
+            setattr(self, attr, CudaLinear([get(f"{p}.{n}.weight") for n in names], dense))
         self.attn_norm = get(f"{p}.attn_norm.weight").dequantize()
         self.ffn_norm = get(f"{p}.ffn_norm.weight").dequantize()
 

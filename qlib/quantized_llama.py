@@ -57,6 +57,14 @@ NEOX_ARCHITECTURES = frozenset(
 )
 
 ATTENTION_MODES = ("auto", "naive", "sdpa")
+# The fast paths (qlib.fast, qlib.fast_cuda) stack a layer's projections that read the
+# same input into one matrix: attribute -> the GGUF tensors (blk.N.<name>.weight), by rows.
+FUSED_STACKS: dict[str, tuple[str, ...]] = {
+    "wqkv": ("attn_q", "attn_k", "attn_v"),
+    "wo": ("attn_output",),
+    "w13": ("ffn_gate", "ffn_up"),
+    "w2": ("ffn_down",),
+}
 
 
 class ModelError(ValueError):
