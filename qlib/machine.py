@@ -82,13 +82,17 @@ def package_versions() -> dict[str, str | None]:
 def git_commit(repo: Path = REPO_ROOT) -> dict[str, object] | None:
     """Short sha of the checkout and whether tracked files differ from it.
 
-    In a copy without ``.git`` (a GPU machine's), ``$QLIB_COMMIT`` names the
-    commit (dirty unknown); None when neither is there.
+    ``$QLIB_COMMIT``, when set, names the commit instead (dirty unknown): a copy of
+    the tree on a GPU machine may carry no ``.git``, or a stale one (the device
+    tool's copy had the session's first commit under a newer tree). None when
+    neither is there.
     """
+    env = os.environ.get("QLIB_COMMIT")
+    if env:
+        return {"commit": env[:7] if len(env) == 40 else env, "dirty": None}
     sha = _run(["git", "rev-parse", "--short", "HEAD"], cwd=repo)
     if sha is None:
-        env = os.environ.get("QLIB_COMMIT")
-        return {"commit": env, "dirty": None} if env else None
+        return None
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
     return {"commit": sha, "dirty": bool(status)}
 

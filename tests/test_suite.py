@@ -457,3 +457,11 @@ def test_code_version_names_the_checkout():
         pytest.skip("not a git checkout and no $QLIB_COMMIT")
     assert code["commit"] == info["commit"] and code["dirty"] == info["dirty"]
     assert (code["diff"] is not None) == bool(info["dirty"])
+
+
+def test_qlib_commit_names_the_code_of_a_copied_tree(monkeypatch):
+    """On the GPU machine the tree is a copy whose .git (if any) is stale: $QLIB_COMMIT wins."""
+    from qlib.machine import git_commit
+
+    monkeypatch.setenv("QLIB_COMMIT", "68804f18f0f52c94578c8fb83d27df304bfd65cb")
+    assert git_commit() == {"commit": "68804f1", "dirty": None}
