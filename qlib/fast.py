@@ -37,7 +37,7 @@ raises ``IndexPosError``.
 from __future__ import annotations
 
 import math
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +61,22 @@ from .spans import span
 
 PREFILL_MODES = ("bf16", "int8")
 PREPACK_BATCH = 256  # oneDNN's row-count hint for the prepacked bf16 weights
+
+
+def check_input(x: torch.Tensor, index_pos: int, kv_len: int, max_seq_len: int) -> int:
+    """The fast paths' contract for ``forward``: one ``(1, t)`` sequence, ``index_pos`` equal to
+    the cache length or 0 (start over), ``index_pos + t <= max_seq_len``. Returns ``t``."""
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ShapeError(f"the fast path takes one sequence (1, seq_len), got {list(x.shape)}")
+    if index_pos != 0 and index_pos != kv_len:
+        raise IndexPosError(
+            f"index_pos {index_pos} disagrees with the KV cache, which holds "
+            f"{kv_len} positions: pass index_pos={kv_len} or 0"
+        )
+    t = x.shape[1]
+    if index_pos + t > max_seq_len:
+        raise ModelError(f"{index_pos + t} positions exceed max_seq_len {max_seq_len}")
+    return t
 
 
 def _stack(qtensors: list[QTensor]) -> QTensor:
@@ -400,17 +416,8 @@ class FastModel:
 
         ``all_logits=True`` gives every position: ``(1, seq_len, vocab)``.
         """
-        if x.dim() != 2 or x.shape[0] != 1:
-            raise ShapeError(f"the fast path takes one sequence (1, seq_len), got {list(x.shape)}")
-        if index_pos != 0 and index_pos != self._kv_len:
-            raise IndexPosError(
-                f"index_pos {index_pos} disagrees with the KV cache, which holds "
-                f"{self._kv_len} positions: pass index_pos={self._kv_len} or 0"
-            )
+        t = check_input(x, index_pos, self._kv_len, self.max_seq_len)
         c = self.config
-        t = x.shape[1]
-        if index_pos + t > self.max_seq_len:
-            raise ModelError(f"{index_pos + t} positions exceed max_seq_len {self.max_seq_len}")
         nq, nkv, hd = c.head_count * c.head_dim, c.head_count_kv * c.head_dim, c.head_dim
         eps, dims, rows = c.rms_norm_eps, (c.embedding_length,), self.bf16_min_rows
         end = index_pos + t
@@ -446,13 +453,3 @@ class FastModel:
         return logits[None] if all_logits else logits
 
     __call__ = forward
-
-
-def load(path, device: DeviceLike = "cpu", **kwargs) -> tuple[FastModel, Any]:
-    """Read a GGUF file and build the fast model: returns ``(model, content)``."""
-    from .gguf_file import Content
-
-    with open(path, "rb") as f:
-        content = Content.read(f)
-        model = FastModel.from_gguf(content, f, device, **kwargs)
-    return model, content

@@ -29,20 +29,19 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import torch
 import torch.nn.functional as F
 
 from .devices import DeviceLike, as_device
+from .fast import check_input
 from .qtensor import QTensor
 from .quantized_llama import (
     FUSED_STACKS,
     MAX_SEQ_LEN,
-    IndexPosError,
     LlamaConfig,
     ModelError,
-    ShapeError,
     precompute_freqs_cis,
 )
 from .quants.gpu import NATIVE, Prepared, repack
@@ -355,16 +354,7 @@ class CudaFastModel:
 
         ``all_logits=True`` gives every position: ``(1, seq_len, vocab)``.
         """
-        if x.dim() != 2 or x.shape[0] != 1:
-            raise ShapeError(f"the fast path takes one sequence (1, seq_len), got {list(x.shape)}")
-        if index_pos != 0 and index_pos != self._kv_len:
-            raise IndexPosError(
-                f"index_pos {index_pos} disagrees with the KV cache, which holds "
-                f"{self._kv_len} positions: pass index_pos={self._kv_len} or 0"
-            )
-        t = x.shape[1]
-        if index_pos + t > self.max_seq_len:
-            raise ModelError(f"{index_pos + t} positions exceed max_seq_len {self.max_seq_len}")
+        t = check_input(x, index_pos, self._kv_len, self.max_seq_len)
         ids = x.reshape(-1).to(self.device, torch.int64)
         with span("model"):
             if t == 1:
@@ -375,13 +365,3 @@ class CudaFastModel:
         return logits[None] if all_logits else logits
 
     __call__ = forward
-
-
-def load(path, device: DeviceLike = "cuda", **kwargs) -> tuple[CudaFastModel, Any]:
-    """Read a GGUF file and build the fast CUDA model: returns ``(model, content)``."""
-    from .gguf_file import Content
-
-    with open(path, "rb") as f:
-        content = Content.read(f)
-        model = CudaFastModel.from_gguf(content, f, device, **kwargs)
-    return model, content

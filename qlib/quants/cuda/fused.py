@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..gpu import Prepared
-from .kernels import _HAS_OFFSET, Q6_K, _args, _codes, _scales
+from .kernels import _HAS_OFFSET, _args, _codes, _dot_rows, _scales
 
 EPI_STORE, EPI_ADD, EPI_SWIGLU, EPI_GATE = 0, 1, 2, 3
 
@@ -36,42 +36,6 @@ def _rstd(x, K, eps, KB: tl.constexpr):
     k = tl.arange(0, KB)
     v = tl.load(x + k, mask=k < K, other=0.0)
     return 1.0 / tl.sqrt(tl.sum(v * v, 0) / K + eps)
-
-
-@triton.jit
-def _dot_rows(
-    x, nw, rstd, row, qs, qh, d, dm, sc, mn, G, qs_stride, qh_stride, d_stride, sc_stride,
-    FMT: tl.constexpr, HAS_OFF: tl.constexpr, NORM: tl.constexpr, BN: tl.constexpr,
-    NG: tl.constexpr,
-):  # fmt: skip
-    """``(x * rstd * nw) @ W[row].T`` (or ``x @ W[row].T``) for the int64 rows ``row`` ``[BN]``."""
-    gi = tl.arange(0, NG)
-    i = tl.arange(0, 16)
-    acc = tl.zeros([BN, NG], dtype=tl.float32)
-    for g0 in range(0, G, NG):
-        g = g0 + gi
-        gmask = (g < G)[:, None]
-        g = tl.minimum(g, G - 1)
-        xo = g[:, None] * 32 + i[None, :]
-        x_lo = tl.load(x + xo, mask=gmask, other=0.0)
-        x_hi = tl.load(x + xo + 16, mask=gmask, other=0.0)
-        if NORM:
-            x_lo = x_lo * rstd * tl.load(nw + xo, mask=gmask, other=0.0)
-            x_hi = x_hi * rstd * tl.load(nw + xo + 16, mask=gmask, other=0.0)
-        lo, hi = _codes(
-            qs, qh, row[:, None, None], g[None, :, None], i[None, None, :],
-            qs_stride, qh_stride, FMT,
-        )  # fmt: skip
-        s_lo, s_hi, off = _scales(d, dm, sc, mn, row[:, None], g[None, :], d_stride, sc_stride, FMT)
-        if FMT == Q6_K:
-            acc += tl.sum(lo.to(tl.float32) * x_lo[None, :, :], 2) * s_lo
-            acc += tl.sum(hi.to(tl.float32) * x_hi[None, :, :], 2) * s_hi
-        else:
-            part = lo.to(tl.float32) * x_lo[None, :, :] + hi.to(tl.float32) * x_hi[None, :, :]
-            acc += tl.sum(part, 2) * s_lo
-        if HAS_OFF:
-            acc += off * tl.sum(x_lo + x_hi, 1)[None, :]
-    return tl.sum(acc, 1)
 
 
 @triton.jit(do_not_specialize=["eps"])

@@ -87,27 +87,28 @@ def _scales(d, dm, sc, mn, row, g, d_stride, sc_stride, FMT: tl.constexpr):
     return s_lo, s_hi, off
 
 
-@triton.jit(do_not_specialize=["N", "G"])
-def _gemv_kernel(
-    x, y, qs, qh, d, dm, sc, mn, N, G, x_stride, y_stride,
-    qs_stride, qh_stride, d_stride, sc_stride,
-    FMT: tl.constexpr, HAS_OFF: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
+@triton.jit
+def _dot_rows(
+    x, nw, rstd, row, qs, qh, d, dm, sc, mn, G, qs_stride, qh_stride, d_stride, sc_stride,
+    FMT: tl.constexpr, HAS_OFF: tl.constexpr, NORM: tl.constexpr, BN: tl.constexpr,
+    NG: tl.constexpr,
 ):  # fmt: skip
-    """``y[r, rows] = x[r] @ W[rows].T``: BN weight rows, NG groups a step, f32 FMAs."""
-    r = tl.program_id(0).to(tl.int64)  # x rows vary fastest: they share the weight tile in L2
-    rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    row = tl.minimum(rows, N - 1).to(tl.int64)
+    """``x @ W[row].T`` for one row of x and the int64 weight rows ``row`` ``[BN]``, float32 FMAs,
+    NG groups a step; ``NORM``: x is RmsNorm'ed on the fly (``x * rstd * nw``, float32 ``nw``).
+    """
     gi = tl.arange(0, NG)
     i = tl.arange(0, 16)
-    xr = x + r * x_stride
     acc = tl.zeros([BN, NG], dtype=tl.float32)
     for g0 in range(0, G, NG):
         g = g0 + gi
         gmask = (g < G)[:, None]
         g = tl.minimum(g, G - 1)  # out-of-range groups read group G-1 and meet x = 0
-        xo = xr + g[:, None] * 32 + i[None, :]
-        x_lo = tl.load(xo, mask=gmask, other=0.0).to(tl.float32)
-        x_hi = tl.load(xo + 16, mask=gmask, other=0.0).to(tl.float32)
+        xo = g[:, None] * 32 + i[None, :]
+        x_lo = tl.load(x + xo, mask=gmask, other=0.0).to(tl.float32)
+        x_hi = tl.load(x + xo + 16, mask=gmask, other=0.0).to(tl.float32)
+        if NORM:
+            x_lo = x_lo * rstd * tl.load(nw + xo, mask=gmask, other=0.0)
+            x_hi = x_hi * rstd * tl.load(nw + xo + 16, mask=gmask, other=0.0)
         lo, hi = _codes(
             qs, qh, row[:, None, None], g[None, :, None], i[None, None, :],
             qs_stride, qh_stride, FMT,
@@ -121,7 +122,22 @@ def _gemv_kernel(
             acc += tl.sum(part, 2) * s_lo
         if HAS_OFF:
             acc += off * tl.sum(x_lo + x_hi, 1)[None, :]
-    out = tl.sum(acc, 1)
+    return tl.sum(acc, 1)
+
+
+@triton.jit(do_not_specialize=["N", "G"])
+def _gemv_kernel(
+    x, y, qs, qh, d, dm, sc, mn, N, G, x_stride, y_stride,
+    qs_stride, qh_stride, d_stride, sc_stride,
+    FMT: tl.constexpr, HAS_OFF: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
+):  # fmt: skip
+    """``y[r, rows] = x[r] @ W[rows].T``: BN weight rows, NG groups a step, f32 FMAs."""
+    r = tl.program_id(0).to(tl.int64)  # x rows vary fastest: they share the weight tile in L2
+    rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    row = tl.minimum(rows, N - 1).to(tl.int64)
+    xr = x + r * x_stride
+    out = _dot_rows(xr, xr, 1.0, row, qs, qh, d, dm, sc, mn, G, qs_stride, qh_stride, d_stride,
+                    sc_stride, FMT, HAS_OFF, False, BN, NG)  # fmt: skip
     tl.store(y + r * y_stride + rows, out.to(y.dtype.element_ty), mask=rows < N)
 
 
