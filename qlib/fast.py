@@ -79,6 +79,13 @@ def check_input(x: torch.Tensor, index_pos: int, kv_len: int, max_seq_len: int) 
     return t
 
 
+def _amx_layer_shapes_ok(c: LlamaConfig, n_ff: int) -> bool:
+    """Whether ``qlib_prefill_layer`` takes this model: widths % 32, rope over the whole head."""
+    widths = (c.embedding_length, c.head_count * c.head_dim, n_ff,
+              (c.head_count + 2 * c.head_count_kv) * c.head_dim, c.head_dim)  # fmt: skip
+    return all(w % 32 == 0 for w in widths) and c.head_dim <= 128 and c.rope_dim == c.head_dim
+
+
 def _stack(qtensors: list[QTensor]) -> QTensor:
     """Several 2-D QTensors of one type and row length, stacked by rows."""
     if len(qtensors) == 1:
@@ -107,7 +114,8 @@ def _prepack_bf16(w: torch.Tensor) -> torch.Tensor | None:
 class FastLinear:
     """``y = x @ W.T`` for one (possibly stacked) weight: C kernel, fallback, bf16 copy."""
 
-    def __init__(self, qtensors: list[QTensor], bf16: bool):
+    def __init__(self, qtensors: list[QTensor], bf16: bool, amx: bool = False,
+                 interleave: bool = False):  # fmt: skip
         names = {q.dtype.name for q in qtensors}
         if len(names) != 1 or len({q.shape[-1] for q in qtensors}) != 1:
             raise ModelError("fused weights need one type and one row length")
@@ -119,17 +127,22 @@ class FastLinear:
             self.packed = cpu.pack(qtensors)
         else:
             self.prepared = prepare(_stack(qtensors))
-        # the bf16 copy for prefill: oneDNN-prepacked when possible (then no plain copy)
+        # the bf16 copy for prefill: AMX tiles for the C layer kernel, else oneDNN-prepacked
+        # when possible (then no plain copy)
         self.bf16: torch.Tensor | None = None
         self.bf16_packed: torch.Tensor | None = None
+        self.amx_tiles: torch.Tensor | None = None
         if bf16:
             w = (
                 cpu.dequantize_bf16(self.packed)
                 if self.packed is not None
                 else torch.cat([q.dequantize(dtype=torch.bfloat16) for q in qtensors])
             )
-            self.bf16_packed = _prepack_bf16(w)
-            self.bf16 = w if self.bf16_packed is None else None
+            if amx:
+                self.amx_tiles = cpu.pack_amx(w, interleave)
+            else:
+                self.bf16_packed = _prepack_bf16(w)
+                self.bf16 = w if self.bf16_packed is None else None
 
     @property
     def has_bf16(self) -> bool:
@@ -160,8 +173,9 @@ class FastLinear:
 
     def nbytes(self) -> int:
         n = self.packed.nbytes() if self.packed is not None else self.prepared.nbytes()
-        w = self.bf16 if self.bf16 is not None else self.bf16_packed
-        return n + (w.numel() * 2 if w is not None else 0)
+        for w in (self.bf16, self.bf16_packed, self.amx_tiles):
+            n += w.numel() * 2 if w is not None else 0
+        return n
 
 
 class FastLayer:
@@ -170,9 +184,10 @@ class FastLayer:
     w13: FastLinear
     w2: FastLinear
 
-    def __init__(self, get, p: str, eps: float, bf16: bool):
+    def __init__(self, get, p: str, eps: float, bf16: bool, amx: bool = False):
         for attr, names in FUSED_STACKS.items():  # wqkv, wo, w13, w2
-            setattr(self, attr, FastLinear([get(f"{p}.{n}.weight") for n in names], bf16))
+            qtensors = [get(f"{p}.{n}.weight") for n in names]
+            setattr(self, attr, FastLinear(qtensors, bf16, amx, interleave=attr == "w13"))
         self.attn_norm = get(f"{p}.attn_norm.weight").dequantize()
         self.ffn_norm = get(f"{p}.ffn_norm.weight").dequantize()
 
@@ -192,6 +207,7 @@ class FastModel:
         bf16_min_rows: int = 16,
         max_seq_len: int = MAX_SEQ_LEN,
         hugepages: bool = True,
+        amx: bool = True,
     ):
         self.config = config
         self.device = torch.device("cpu")
@@ -200,6 +216,10 @@ class FastModel:
         self.norm = norm
         self.output = output
         self.prefill = prefill
+        # AMX: the layers hold AMX tiles (built by from_gguf) and prefill runs one C call per
+        # layer; else the oneDNN matmuls, with AMX attention when ``amx`` and the CPU has it
+        self.amx = amx
+        self.amx_layers = bool(layers) and layers[0].wqkv.amx_tiles is not None
         self.bf16_min_rows = bf16_min_rows if prefill == "bf16" else 1 << 62
         self.max_seq_len = min(max_seq_len, MAX_SEQ_LEN)
         cos, sin = precompute_freqs_cis(config.rope_dim, config.rope_freq_base, self.device)
@@ -252,10 +272,13 @@ class FastModel:
         return plan
 
     def _fused_prefill_ok(self) -> bool:
-        """Whether bf16 prefill can run as oneDNN matmuls + the C kernels of ``prefill.c``."""
+        """Whether bf16 prefill can run in the C kernels of ``prefill.c``: one call per layer
+        (AMX tiles built at load), or oneDNN matmuls with C calls between them."""
         c = self.config
         if self.prefill != "bf16" or cpu.load() is None or not self.layers:
             return False
+        if self.amx_layers:
+            return True  # from_gguf checked the shapes (_amx_layer_shapes_ok)
         if c.head_dim % 16 or c.head_dim > 128 or c.rope_dim != c.head_dim:
             return False
         if c.embedding_length % 16 or (self.layers[0].w13.out_features // 2) % 16:
@@ -279,11 +302,12 @@ class FastModel:
         bf = torch.bfloat16
         h = self.embed(ids).contiguous()
         a, y, g = (torch.empty(t, n, dtype=bf) for n in (k, c.head_count * c.head_dim, n_ff))
-        norm, swiglu, attn = lib.qlib_add_rmsnorm, lib.qlib_swiglu_bf16, lib.qlib_attn_prefill
+        norm, swiglu, attn = lib.qlib_add_rmsnorm, lib.qlib_swiglu_bf16, lib.qlib_attn_prefill_ex
         eps, hp, ap, yp, gp = c.rms_norm_eps, h.data_ptr(), a.data_ptr(), y.data_ptr(), g.data_ptr()
         # (every C call below reads tensors that stay referenced until it returns)
         tail = (pos, c.head_count, c.head_count_kv, c.head_dim, self.max_seq_len,
                 self.cos.data_ptr(), self.sin.data_ptr(), int(c.rope_is_neox))  # fmt: skip
+        amx = int(self.amx and cpu.amx_available())
         norm(hp, None, t, k, self.layers[0].attn_norm.data_ptr(), eps, ap, 1)
         d, r0, last = None, 0, len(self.layers) - 1
         for i, ly in enumerate(self.layers):
@@ -295,7 +319,7 @@ class FastModel:
                 # row's attention output, wo and FFN feed the logits
                 r0 = t - 1
             if attn(qkv.data_ptr(), t, self.cache[i, 0].data_ptr(), self.cache[i, 1].data_ptr(),
-                    *tail, r0, yp):  # fmt: skip
+                    *tail, r0, yp, amx):  # fmt: skip
                 raise RuntimeError("qlib_attn_prefill failed")
             m = t - r0  # rows from here on: h[r0:], the first m rows of a, y, g
             o = ly.wo.bf16_io(y[:m], rows)
@@ -306,6 +330,37 @@ class FastModel:
         m = t - r0
         hn = torch.empty(m, k)
         norm(h[r0:].data_ptr(), d.data_ptr(), m, k, self.norm.data_ptr(), eps, hn.data_ptr(), 0)
+        return self.output.quantized(hn)
+
+    def _prefill_amx(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
+        """Prefill of ``t`` tokens with one C call per layer (``qlib_prefill_layer``): AMX bf16
+        matmuls with fused epilogues (bf16 out; residual add in float32; SwiGLU), RmsNorm,
+        RoPE + KV write + AMX attention. The residual stream and the KV cache stay float32.
+        Unless ``all_logits``, the last layer's wo and FFN run for the last row only."""
+        c, lib = self.config, cpu.load()
+        t, k = ids.numel(), c.embedding_length
+        l0 = self.layers[0]
+        n_qkv, n_ff, nd = l0.wqkv.out_features, l0.w13.out_features // 2, l0.wo.in_features
+        h = self.embed(ids).contiguous()
+        # bf16 scratch with 32 rows of padding (the kernel's row blocks of 32 read past t)
+        a, qkv, y, g = (torch.empty(t + 32, n, dtype=torch.bfloat16) for n in (k, n_qkv, nd, n_ff))
+        ptrs = (a.data_ptr(), qkv.data_ptr(), y.data_ptr(), g.data_ptr())
+        tail = (pos, c.head_count, c.head_count_kv, c.head_dim, self.max_seq_len,
+                self.cos.data_ptr(), self.sin.data_ptr(), int(c.rope_is_neox))  # fmt: skip
+        last = len(self.layers) - 1
+        for i, ly in enumerate(self.layers):
+            q_from = t - 1 if i == last and not all_logits else 0
+            if lib.qlib_prefill_layer(
+                h.data_ptr(), t, k, ly.attn_norm.data_ptr(), ly.ffn_norm.data_ptr(),
+                c.rms_norm_eps, ly.wqkv.amx_tiles.data_ptr(), n_qkv, ly.wo.amx_tiles.data_ptr(),
+                ly.w13.amx_tiles.data_ptr(), n_ff, ly.w2.amx_tiles.data_ptr(), *ptrs,
+                self.cache[i, 0].data_ptr(), self.cache[i, 1].data_ptr(), *tail, q_from,
+            ):  # fmt: skip
+                raise RuntimeError("qlib_prefill_layer failed (shapes or memory)")
+        r0 = 0 if all_logits else t - 1
+        hn = torch.empty(t - r0, k)
+        lib.qlib_add_rmsnorm(h[r0:].data_ptr(), None, t - r0, k, self.norm.data_ptr(),
+                             c.rms_norm_eps, hn.data_ptr(), 0)  # fmt: skip
         return self.output.quantized(hn)
 
     def _decode_c(self, token: torch.Tensor, pos: int) -> torch.Tensor:
@@ -337,6 +392,7 @@ class FastModel:
         bf16_min_rows: int = 16,
         max_seq_len: int = MAX_SEQ_LEN,
         hugepages: bool = True,
+        amx: bool = True,
     ) -> FastModel:
         """Build from a parsed ``gguf_file.Content`` and its open file (CPU only)."""
         if as_device(device).type != "cpu":
@@ -345,12 +401,16 @@ class FastModel:
             raise ModelError(f"unknown prefill mode {prefill!r}: {', '.join(PREFILL_MODES)}")
         config = LlamaConfig.from_metadata(content.metadata)
         bf16 = prefill == "bf16"
+        gate = content.tensor_infos.get("blk.0.ffn_gate.weight")
+        amx_layers = (bf16 and amx and gate is not None and cpu.amx_available()
+                      and _amx_layer_shapes_ok(config, gate.shape[0]))  # fmt: skip
 
         def get(name: str) -> QTensor:
             return content.tensor(f, name, "cpu")
 
         layers = [
-            FastLayer(get, f"blk.{i}", config.rms_norm_eps, bf16) for i in range(config.block_count)
+            FastLayer(get, f"blk.{i}", config.rms_norm_eps, bf16, amx_layers)
+            for i in range(config.block_count)
         ]
         tok_embd = get("token_embd.weight")
         out_w = get("output.weight") if "output.weight" in content.tensor_infos else tok_embd
@@ -358,7 +418,7 @@ class FastModel:
         norm = get("output_norm.weight").dequantize()
         return cls(config, tok_embd, layers, norm, output, prefill=prefill,
                    bf16_min_rows=bf16_min_rows, max_seq_len=max_seq_len,
-                   hugepages=hugepages)  # fmt: skip
+                   hugepages=hugepages, amx=amx)  # fmt: skip
 
     # -- state -------------------------------------------------------------
 
@@ -427,8 +487,9 @@ class FastModel:
             self._kv_len = end
             return logits[None] if all_logits else logits
         if self._fused_prefill and t >= rows:
+            prefill = self._prefill_amx if self.amx_layers else self._prefill_fused
             with span("model"):
-                logits = self._prefill_fused(x.reshape(-1).cpu(), index_pos, all_logits)
+                logits = prefill(x.reshape(-1).cpu(), index_pos, all_logits)
             self._kv_len = end
             return logits[None] if all_logits else logits
         with span("model"):

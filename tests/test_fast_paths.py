@@ -9,7 +9,11 @@ Prefill kernels (``prefill.c``): ``add_rmsnorm`` and ``swiglu_bf16`` equal
 ``F.rms_norm`` / ``F.silu(g) * u`` in float32 rounded to bf16 (at most one bf16
 ulp apart: another summation order, another exp); ``attn_prefill`` writes the
 cache rows exactly as torch's RoPE (1e-6) and its output equals SDPA in
-float32 to the bf16 rounding of the output (2 bf16 ulps of the largest value).
+float32 to the bf16 rounding of the output (2 bf16 ulps of the largest value), with
+AMX tiles too (scores as three bf16 products of hi/lo splits, ~16 bits; the softmax
+weights and v in bf16: same bound). ``amx_gemm`` equals the float32 product of its bf16
+inputs to float32 summation order (1e-5 relative) before its epilogue: bf16 output
+(one bf16 rounding, 2^-8), float32 residual add, SwiGLU.
 
 Models: with ``prefill="int8"`` FastModel has ggml semantics everywhere, as the
 faithful ``quantized`` form, so logits agree to float rounding (2e-5 x the
@@ -34,6 +38,9 @@ from qlib.quants import cpu, reference
 
 needs_kernels = pytest.mark.skipif(
     not cpu.available(), reason=f"C kernels unavailable: {cpu.unavailable_reason()}"
+)
+needs_amx = pytest.mark.skipif(
+    not cpu.amx_available(), reason=f"AMX unavailable: {cpu.amx_unavailable_reason()}"
 )
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -161,6 +168,76 @@ def test_attn_prefill_matches_sdpa(t, pos, n_head, n_kv, d, neox):
     assert torch.equal(kc2[:, : pos + t], kc[:, : pos + t])
 
 
+@needs_amx
+@pytest.mark.parametrize(
+    "t,pos,n_head,n_kv,d,neox",
+    [(203, 0, 9, 3, 64, False), (5, 40, 9, 3, 64, False), (1, 0, 4, 4, 32, True),
+     (70, 3, 8, 1, 128, True), (33, 17, 6, 2, 96, False)],
+)  # fmt: skip
+def test_attn_prefill_amx_matches_sdpa(t, pos, n_head, n_kv, d, neox):
+    """The AMX attention: same cache writes as the float32 kernel; output within one bf16
+    ulp of the largest value of SDPA in float32, and on average within 1.3x the float32
+    kernel's error (which is the output's bf16 rounding). Scores from one bf16 product
+    (no hi/lo split) miss both: max 7.8e-3, mean 2.3x on the first case."""
+    from qlib.quantized_llama import precompute_freqs_cis
+
+    g = torch.Generator().manual_seed(11)
+    max_seq = 256
+    cos, sin = (x[:max_seq].contiguous() for x in precompute_freqs_cis(d, 10000.0, "cpu"))
+    kc = torch.randn(n_kv, max_seq, d, generator=g)
+    vc = torch.randn(n_kv, max_seq, d, generator=g)
+    qkv = (torch.randn(t, (n_head + 2 * n_kv) * d, generator=g) * 2).to(torch.bfloat16)
+    ref, kref, vref = _attn_reference(qkv, kc, vc, pos, n_head, n_kv, cos, sin, neox)
+    kf, vf = kc.clone(), vc.clone()
+    o32 = cpu.attn_prefill(qkv, kf, vf, pos, n_head, n_kv, cos, sin, neox)  # float32 kernel
+    out = cpu.attn_prefill(qkv, kc, vc, pos, n_head, n_kv, cos, sin, neox, amx=True)
+    assert torch.equal(kc, kf) and torch.equal(vc, vf)
+    err, err32 = (out.float() - ref).abs(), (o32.float() - ref).abs()
+    assert err.max() <= 2**-8 * ref.abs().max()
+    assert err.mean() <= 1.3 * err32.mean() + 1e-7
+    if t > 1:
+        q_from = t // 2
+        kc2, vc2 = kc.clone(), vc.clone()
+        part = cpu.attn_prefill(qkv, kc2, vc2, pos, n_head, n_kv, cos, sin, neox,
+                                q_from=q_from, amx=True)  # fmt: skip
+        assert torch.equal(part, out[q_from:])
+
+
+def test_amx_builds_where_the_cpu_has_it():
+    """A CPU with AMX-BF16 and a working compiler must get the AMX kernels (a broken AMX
+    build would otherwise only show as skipped tests and a slower prefill)."""
+    if not cpu.available() or not {"amx_tile", "amx_bf16"} <= cpu._cpu_flags():
+        pytest.skip("no C kernels or no AMX here")
+    reason = cpu.amx_unavailable_reason() or ""
+    assert "build failed" not in reason, reason
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 17, 32, 203])
+def test_amx_gemm_epilogues(m):
+    g = torch.Generator().manual_seed(m)
+    n, k = 96, 160
+    a = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    ref = a.double() @ w.double().T  # exact products of the bf16 inputs
+    bound = 1e-5 * (a.double().abs() @ w.double().abs().T)  # float32 summation
+    out = cpu.amx_gemm(a, cpu.pack_amx(w))
+    assert out.dtype == torch.bfloat16
+    assert ((out.double() - ref).abs() <= 2**-8 * ref.abs() + bound).all()
+    h = torch.randn(m, n, generator=g)
+    h0 = h.double()
+    cpu.amx_gemm(a, cpu.pack_amx(w), "add", out=h)
+    assert ((h.double() - (h0 + ref)).abs() <= bound + 2**-23 * (h0 + ref).abs()).all()
+    sw = cpu.amx_gemm(a, cpu.pack_amx(w, interleave=True), "swiglu")
+    gate, up = ref[:, : n // 2], ref[:, n // 2 :]
+    want = torch.nn.functional.silu(gate) * up
+    # the products' float32 error, carried through silu (|silu'| <= 1.1) and up, then bf16
+    slack = bound[:, : n // 2] * (up.abs() * 1.1 + gate.abs()) + 1e-6 * want.abs()
+    assert ((sw.double() - want).abs() <= 2**-8 * want.abs() + slack + 1e-30).all()
+    with pytest.raises(ValueError):
+        cpu.pack_amx(w[:, :40])  # k % 32 != 0
+
+
 def test_collapse_hugepages_keeps_data():
     x = torch.arange(8 << 20, dtype=torch.float32)  # 32 MB, resident
     before = x.clone()
@@ -218,6 +295,29 @@ def test_fast_model_without_kernels(tiny, monkeypatch):
     fm = _build(path, fast.FastModel, prefill="int8")
     assert fm._plan is None and all(ly.wqkv.packed is None for ly in fm.layers)
     _check_against_faithful(path, wt, fm)
+
+
+@needs_amx
+def test_amx_layers_match_onednn_prefill(tiny):
+    """The AMX layer kernel (default where AMX is) vs the oneDNN matmuls + C kernels
+    (``amx=False``): both round matmul inputs to bf16; the AMX one keeps matmul outputs that
+    feed the residual (and SwiGLU's inputs) in float32, so they differ by bf16 roundings."""
+    wt, path = tiny
+    fm = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2)
+    fo = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2, amx=False)
+    ref = _build(path, form="f32")
+    assert fm.amx_layers and not fo.amx_layers
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        a, b = (m.forward(ids, 0, all_logits=True)[0] for m in (fm, fo))
+        r = ref.forward(ids, 0, all_logits=True)[0]
+        last = fm.forward(ids, 0)  # the last layer for the last row only
+        a2 = fm.forward(ids[:, :4], 40, all_logits=True)[0]  # a chunk after a prefix
+        b2 = fo.forward(ids[:, :4], 40, all_logits=True)[0]
+    scale = r.abs().max()
+    assert (a - b).abs().max() <= 0.02 * scale and (a2 - b2).abs().max() <= 0.02 * scale
+    assert (a - r).abs().mean() <= 1.5 * (b - r).abs().mean() + 1e-6 * scale
+    assert (last[0] - a[-1]).abs().max() <= 0.02 * scale
 
 
 def test_bf16_prefill_close_to_f32(tiny):

@@ -35,11 +35,14 @@ CFLAGS = [
     "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
     "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
 ]  # fmt: skip
+AMX_CFLAGS = ["-mamx-tile", "-mamx-bf16"]  # only prefill.c's AMX attention uses them
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
+_amx: bool | None = None
+_amx_build_error: str | None = None
 
 
 def _cpu_flags() -> set[str]:
@@ -56,12 +59,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("QLIB_CACHE_DIR") or Path.home() / ".cache" / "qlib")
 
 
-def _compile() -> Path:
+def _compile(flags: list[str]) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (set CC)")
     src = b"".join(p.read_bytes() for p in SOURCES)
-    key = hashlib.sha256(src + " ".join([cc, *CFLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
     out = cache_dir() / f"qlib_kernels_{key}.so"
     if out.is_file():
         return out
@@ -69,7 +72,7 @@ def _compile() -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
         proc = subprocess.run(
-            [cc, *CFLAGS, "-o", str(tmp_so), *map(str, SOURCES)], capture_output=True, text=True
+            [cc, *flags, "-o", str(tmp_so), *map(str, SOURCES)], capture_output=True, text=True
         )
         if proc.returncode:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
@@ -88,7 +91,13 @@ def load() -> ctypes.CDLL | None:
         missing = [f for f in REQUIRED_FLAGS if f not in _cpu_flags()]
         if missing:
             raise RuntimeError(f"CPU lacks {', '.join(missing)}")
-        lib = ctypes.CDLL(str(_compile()))
+        global _amx_build_error
+        try:  # with the AMX kernels when the compiler knows AMX (GCC 11+, clang 12+)
+            so = _compile(CFLAGS + AMX_CFLAGS)
+        except RuntimeError as e:
+            _amx_build_error = str(e)
+            so = _compile(CFLAGS)
+        lib = ctypes.CDLL(str(so))
         p, i = ctypes.c_void_p, ctypes.c_int
         lib.qlib_qgemm.argtypes = [i, p, p, p, i, i, p, i, p]
         lib.qlib_qgemm.restype = i
@@ -107,6 +116,16 @@ def load() -> ctypes.CDLL | None:
         lib.qlib_swiglu_bf16.restype = None
         lib.qlib_attn_prefill.argtypes = [p, i, p, p, i, i, i, i, i, p, p, i, i, p]
         lib.qlib_attn_prefill.restype = i
+        lib.qlib_attn_prefill_ex.argtypes = [p, i, p, p, i, i, i, i, i, p, p, i, i, p, i]
+        lib.qlib_attn_prefill_ex.restype = i
+        lib.qlib_amx_init.argtypes = []
+        lib.qlib_amx_init.restype = i
+        if hasattr(lib, "qlib_prefill_layer"):  # built with AMX
+            lib.qlib_amx_gemm.argtypes = [p, i, i, p, i, i, p, i]
+            lib.qlib_amx_gemm.restype = None
+            lib.qlib_prefill_layer.argtypes = [p, i, i, p, p, f, p, i, p, p, i, p, p, p, p, p,
+                                               p, p, i, i, i, i, i, p, p, i, i]  # fmt: skip
+            lib.qlib_prefill_layer.restype = i
         lib.qlib_exp.argtypes = [p, i, p]
         lib.qlib_exp.restype = None
         _lib = lib
@@ -122,6 +141,85 @@ def available() -> bool:
 def unavailable_reason() -> str | None:
     load()
     return _reason
+
+
+def amx_unavailable_reason() -> str | None:
+    """Why ``amx_available()`` is False (None when it is True)."""
+    if amx_available():
+        return None
+    if load() is None:
+        return f"no C kernels: {_reason}"
+    if os.environ.get("QLIB_NO_AMX", "") not in ("", "0"):
+        return "disabled by QLIB_NO_AMX"
+    if not {"amx_tile", "amx_bf16"} <= _cpu_flags():
+        return "the CPU lacks AMX-BF16"
+    if _amx_build_error:
+        return f"the AMX build failed: {_amx_build_error[-300:]}"
+    return "Linux did not grant the AMX tile state (arch_prctl)"
+
+
+def amx_available() -> bool:
+    """Whether the AMX (bf16 tiles) prefill kernels can run: the CPU has AMX-BF16, the
+    library was built with it, Linux granted the tile state, and ``QLIB_NO_AMX`` is unset."""
+    global _amx
+    if _amx is None:
+        lib = load()
+        _amx = bool(
+            lib is not None
+            and os.environ.get("QLIB_NO_AMX", "") in ("", "0")
+            and {"amx_tile", "amx_bf16"} <= _cpu_flags()
+            and hasattr(lib, "qlib_prefill_layer")
+            and lib.qlib_amx_init() == 0
+        )
+    return _amx
+
+
+AMX_EPILOGUES = {"bf16": 0, "add": 1, "swiglu": 2}
+
+
+def pack_amx(w: torch.Tensor, interleave: bool = False) -> torch.Tensor:
+    """A bf16 weight ``[n, k]`` (n % 32, k % 32 == 0) as AMX B tiles ``[n/16, k/32, 16, 16, 2]``.
+
+    Tile ``(j, c)``, row ``r``, column ``i`` holds ``w[16 j + i, 32 c + 2 r : 32 c + 2 r + 2]``
+    (the VNNI pairs ``_tile_dpbf16ps`` multiplies). ``interleave``: ``w`` is ``[gate; up]``
+    and its tiles are ordered gate 0, up 0, gate 1, up 1, ... (the SwiGLU epilogue's input).
+    """
+    n, k = w.shape
+    if w.dtype != torch.bfloat16 or n % 32 or k % 32:
+        raise ValueError(f"pack_amx: a bf16 [n, k] weight with n, k % 32 == 0, got {list(w.shape)}")
+    if interleave:
+        w = torch.stack([w[: n // 2].reshape(-1, 16, k), w[n // 2 :].reshape(-1, 16, k)], 1)
+    return w.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def amx_gemm(a: torch.Tensor, tiles: torch.Tensor, epilogue: str = "bf16",
+             out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``a @ w.T`` on AMX tiles (``tiles`` from ``pack_amx``), for tests and tools.
+
+    ``a``: ``[m, k]`` bf16. Epilogues: ``"bf16"`` -> a new ``[m, n]`` bf16; ``"add"``: ``out``
+    (``[m, n]`` float32) += the product; ``"swiglu"`` (interleaved tiles) -> ``[m, n/2]`` bf16
+    ``silu(gate) * up``.
+    """
+    lib = _lib_or_raise()
+    if not amx_available():
+        raise RuntimeError("AMX is not available here")
+    m, k = a.shape
+    n = tiles.shape[0] * 16
+    if a.dtype != torch.bfloat16 or tiles.shape[1:] != (k // 32, 16, 16, 2) or k % 32:
+        raise ValueError("amx_gemm: a [m, k] bf16 and tiles [n/16, k/32, 16, 16, 2]")
+    padded = torch.zeros(m + 32, k, dtype=torch.bfloat16)  # row blocks of 32 read past m
+    padded[:m] = a
+    epi = AMX_EPILOGUES[epilogue]
+    if epilogue == "add":
+        if out is None or out.dtype != torch.float32 or out.shape != (m, n):
+            raise ValueError("amx_gemm: 'add' needs out [m, n] float32")
+        _check(out, torch.float32, "out")
+    else:
+        out = torch.empty(m, n // 2 if epilogue == "swiglu" else n, dtype=torch.bfloat16)
+    tiles = tiles.contiguous()
+    lib.qlib_amx_gemm(padded.data_ptr(), m, k, tiles.data_ptr(), n, epi, out.data_ptr(),
+                      out.shape[1])  # fmt: skip
+    return out
 
 
 def supports(type_name: str, k: int) -> bool:
@@ -288,6 +386,7 @@ def attn_prefill(
     neox: bool,
     out: torch.Tensor | None = None,
     q_from: int = 0,
+    amx: bool = False,
 ) -> torch.Tensor:
     """RoPE + KV-cache write + causal GQA attention of one layer's prefill chunk.
 
@@ -296,6 +395,8 @@ def attn_prefill(
     are written, rows before ``pos`` are read); ``cos``, ``sin``: ``[max_seq, d/2]``
     tables from position 0. Returns ``[t - q_from, n_head d]`` bfloat16: the
     attention output of rows ``q_from..t-1`` (all rows go to the cache).
+    ``amx``: the two attention matmuls on AMX tiles (q, k, v and the softmax weights
+    rounded to bf16) when ``amx_available()`` and ``d % 32 == 0``; else float32.
     """
     lib = _lib_or_raise()
     _check(qkv, torch.bfloat16, "qkv")
@@ -311,9 +412,9 @@ def attn_prefill(
     _check(out, torch.bfloat16, "out")
     if out.shape != (t - q_from, n_head * d):
         raise ValueError("attn_prefill: out shape")
-    rc = lib.qlib_attn_prefill(qkv.data_ptr(), t, kc.data_ptr(), vc.data_ptr(), pos, n_head,
-                               n_kv, d, max_seq, cos.data_ptr(), sin.data_ptr(), int(neox),
-                               q_from, out.data_ptr())  # fmt: skip
+    rc = lib.qlib_attn_prefill_ex(qkv.data_ptr(), t, kc.data_ptr(), vc.data_ptr(), pos, n_head,
+                                  n_kv, d, max_seq, cos.data_ptr(), sin.data_ptr(), int(neox),
+                                  q_from, out.data_ptr(), int(amx and amx_available()))  # fmt: skip
     if rc:
         raise RuntimeError("qlib_attn_prefill failed (d % 16, d > 128, heads, memory)")
     return out

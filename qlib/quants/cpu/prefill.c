@@ -317,3 +317,401 @@ int qlib_attn_prefill(const uint16_t *qkv, int t, float *kc, float *vc, int pos,
     free(qf), free(Kt), free(sbuf);
     return 0;
 }
+
+/* ---- AMX (bf16 tiles) prefill attention ------------------------------------------------
+ *
+ * Same contract as qlib_attn_prefill, but the two matmuls of attention (scores q k^T and
+ * the weighted sum p v) run on AMX tiles: q, k, v and the softmax weights p are rounded to
+ * bf16 for them (float32 accumulation); RoPE, the cache (float32), the softmax and the
+ * output scaling stay float32. Built when the compiler has -mamx-tile -mamx-bf16; used when
+ * the CPU has AMX-BF16 and the kernel granted the tile state (qlib_amx_init), d % 32 == 0.
+ *
+ * Layouts (bf16; a "tile" is 16 rows of 64 bytes, 1 KB):
+ *   Qb [n_head][tq16][d]      roped, scaled queries of rows q_from.. (zero rows past t);
+ *   KB [n_kv][L/16][d/32]     tiles of B for the scores: row r, column n = the pair of
+ *                             dims (2r, 2r+1) of chunk c of key n (AMX's VNNI layout);
+ *   VB [n_kv][L/32][d/16]     tiles of B for p v: row r, column n = dim n of keys 2r, 2r+1;
+ * keys past L are zero (their weights are zero; zero times garbage could be NaN). One task
+ * = one query head x 16 query rows; scores of up to 4 key tiles per pass (tiles 4..7),
+ * then softmax per row, then p v into 4 dim tiles per pass. */
+#ifdef __AMX_BF16__
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config_t;
+
+/* Ask the kernel for the AMX tile state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+ * per process, idempotent. 0 = granted. */
+int qlib_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
+
+static void amx_tiles_16x64(void) {
+    amx_config_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* 16 floats -> 16 bf16 in the low halves of 16 uint32 (round to nearest even) */
+/* v rounded to bf16 (nearest even), as float32 */
+static inline __m512 bf16_round(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline __m512i bf16x16_u32(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+}
+
+/* 32 floats -> 32 bf16 in order, as 16 uint32 (pairs) */
+static inline __m512i bf16x32_pairs(__m512 lo, __m512 hi) {
+    const __m512i a = bf16x16_u32(lo), b = bf16x16_u32(hi);
+    /* pair j = (x[2j], x[2j+1]): even lanes from the low half, odd from the high half */
+    const __m512i idx = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i idx1 = _mm512_add_epi32(idx, _mm512_set1_epi32(1));
+    const __m512i even = _mm512_permutex2var_epi32(a, idx, b), odd = _mm512_permutex2var_epi32(a, idx1, b);
+    return _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
+}
+
+static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, int pos,
+                            int n_head, int n_kv, int d, int max_seq, const float *cos,
+                            const float *sin, int neox, int q_from, uint16_t *out) {
+    const int rep = n_head / n_kv, L = pos + t, nk32 = (L + 31) / 32, nk16 = 2 * nk32;
+    const int row = (n_head + 2 * n_kv) * d, nc = d / 32, nd = d / 16;
+    const int tq = t - q_from, tq16 = (tq + 15) / 16 * 16, nqb = tq16 / 16;
+    const int ldS = (nk16 + 3) / 4 * 64, ldP = nk32 * 32; /* floats / bf16 per row */
+    const float scale = 1.0f / sqrtf((float)d);
+    const int nth = omp_get_max_threads();
+    const size_t qsz = (size_t)n_head * tq16 * d, ksz = (size_t)n_kv * nk16 * nc * 512;
+    uint16_t *Qb = aligned_alloc(64, sizeof(uint16_t) * 2 * qsz); /* hi | lo */
+    uint16_t *KB = aligned_alloc(64, sizeof(uint16_t) * 2 * ksz); /* hi | lo */
+    uint16_t *VB = aligned_alloc(64, sizeof(uint16_t) * (size_t)n_kv * nk32 * nd * 512);
+    const size_t per_thread = 16 * (size_t)ldS * 4 + 16 * (size_t)ldP * 2 + 16 * (size_t)d * 4;
+    char *work = aligned_alloc(64, (per_thread + 63) / 64 * 64 * nth);
+    if (!Qb || !KB || !VB || !work) {
+        free(Qb), free(KB), free(VB), free(work);
+        return -1;
+    }
+#pragma omp parallel
+    {
+        FTZ_BEGIN
+        /* 1. RoPE; k, v -> float32 cache; scaled q -> bf16 rows of Qb */
+#pragma omp for schedule(static)
+        for (int i = 0; i < tq16 + q_from; i++) {
+            if (i >= t) { /* padding rows of the last query block */
+                for (int h = 0; h < n_head; h++) {
+                    memset(Qb + ((size_t)h * tq16 + i - q_from) * d, 0, sizeof(uint16_t) * d);
+                    memset(Qb + qsz + ((size_t)h * tq16 + i - q_from) * d, 0, sizeof(uint16_t) * d);
+                }
+                continue;
+            }
+            const uint16_t *x = qkv + (size_t)i * row;
+            float c[128], s[128], buf[128];
+            rope_tables(cos + (size_t)(pos + i) * (d / 2), sin + (size_t)(pos + i) * (d / 2), d,
+                        neox, c, s);
+            for (int h = 0; h < n_head && i >= q_from; h++) {
+                head_in(x + (size_t)h * d, d, c, s, neox, scale, buf);
+                uint16_t *dst = Qb + ((size_t)h * tq16 + i - q_from) * d;
+                for (int e = 0; e < d; e += 16) {
+                    const __m512 v = _mm512_loadu_ps(buf + e), hi = bf16_round(v);
+                    bf16x16_store(dst + e, hi);
+                    bf16x16_store(dst + qsz + e, _mm512_sub_ps(v, hi));
+                }
+            }
+            for (int g = 0; g < n_kv; g++) {
+                const size_t at = ((size_t)g * max_seq + pos + i) * d;
+                head_in(x + (size_t)(n_head + g) * d, d, c, s, neox, 1.0f, kc + at);
+                head_in(x + (size_t)(n_head + n_kv + g) * d, d, NULL, NULL, 0, 1.0f, vc + at);
+            }
+        }
+        /* 2. the cache (positions 0..L-1) -> bf16 tiles KB, VB */
+#pragma omp for schedule(static)
+        for (int gb = 0; gb < n_kv * nk32; gb++) {
+            const int g = gb / nk32, b = gb % nk32; /* keys 32 b .. 32 b + 31 */
+            const float *k = kc + (size_t)g * max_seq * d, *v = vc + (size_t)g * max_seq * d;
+            const __m512i rows16 = _mm512_mullo_epi32(
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                _mm512_set1_epi32(16));
+            for (int half = 0; half < 2; half++) {
+                const int kb = 2 * b + half;
+                for (int c = 0; c < nc; c++) {
+                    uint32_t *tile = (uint32_t *)(KB + (((size_t)g * nk16 + kb) * nc + c) * 512);
+                    uint32_t *tlo = tile + ksz / 2;
+                    for (int n = 0; n < 16; n++) {
+                        const int l = 16 * kb + n;
+                        __m512i p = _mm512_setzero_si512(), plo = p;
+                        if (l < L) {
+                            const float *kr = k + (size_t)l * d + 32 * c;
+                            const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16);
+                            const __m512 h0 = bf16_round(k0), h1 = bf16_round(k1);
+                            p = bf16x32_pairs(h0, h1);
+                            plo = bf16x32_pairs(_mm512_sub_ps(k0, h0), _mm512_sub_ps(k1, h1));
+                        }
+                        _mm512_i32scatter_epi32(tile + n, rows16, p, 4); /* column n */
+                        _mm512_i32scatter_epi32(tlo + n, rows16, plo, 4);
+                    }
+                }
+            }
+            for (int db = 0; db < nd; db++) {
+                uint32_t *tile = (uint32_t *)(VB + (((size_t)g * nk32 + b) * nd + db) * 512);
+                for (int r = 0; r < 16; r++) {
+                    const int l0 = 32 * b + 2 * r;
+                    const __m512 v0 = l0 < L ? _mm512_loadu_ps(v + (size_t)l0 * d + 16 * db)
+                                             : _mm512_setzero_ps();
+                    const __m512 v1 = l0 + 1 < L ? _mm512_loadu_ps(v + (size_t)(l0 + 1) * d + 16 * db)
+                                                 : _mm512_setzero_ps();
+                    _mm512_storeu_si512(tile + 16 * r, _mm512_or_si512(
+                        bf16x16_u32(v0), _mm512_slli_epi32(bf16x16_u32(v1), 16)));
+                }
+            }
+        }
+        /* 3. one query head x 16 rows per task, longest (last) blocks first */
+        char *mine = work + (per_thread + 63) / 64 * 64 * omp_get_thread_num();
+        float *S = (float *)mine;
+        uint16_t *P = (uint16_t *)(mine + 16 * (size_t)ldS * 4);
+        float *O = (float *)(mine + 16 * (size_t)ldS * 4 + 16 * (size_t)ldP * 2);
+        amx_tiles_16x64();
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < n_head * nqb; task++) {
+            const int h = task % n_head, qb = nqb - 1 - task / n_head, g = h / rep;
+            const int i0 = q_from + 16 * qb, rows = t - i0 < 16 ? t - i0 : 16;
+            const int Lmax = pos + i0 + rows, m16 = (Lmax + 15) / 16, m32 = (Lmax + 31) / 32;
+            const uint16_t *q = Qb + ((size_t)h * tq16 + 16 * qb) * d;
+            const uint16_t *kg = KB + (size_t)g * nk16 * nc * 512;
+            const uint16_t *vg = VB + (size_t)g * nk32 * nd * 512;
+#define KT(kb, c) (kg + ((size_t)(kb) * nc + (c)) * 512)
+            /* scores in three bf16 products, q k ~ qh kh + ql kh + qh kl (hi/lo splits: about
+             * 16 significant bits; one bf16 product alone skews the softmax) */
+#define QK3(j, acc) /* acc: tile 4 + j, a literal (the intrinsics paste it into asm) */ \
+    if (kb + j < m16) { \
+        _tile_loadd(1, KT(kb + j, c), 64); \
+        _tile_loadd(2, KT(kb + j, c) + ksz, 64); \
+        _tile_dpbf16ps(acc, 0, 1); \
+        _tile_dpbf16ps(acc, 3, 1); \
+        _tile_dpbf16ps(acc, 0, 2); \
+    }
+            for (int kb = 0; kb < m16; kb += 4) {
+                _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+                for (int c = 0; c < nc; c++) {
+                    _tile_loadd(0, q + 32 * c, d * 2);
+                    _tile_loadd(3, q + qsz + 32 * c, d * 2);
+                    QK3(0, 4) QK3(1, 5) QK3(2, 6) QK3(3, 7)
+                }
+                _tile_stored(4, S + 16 * kb, ldS * 4);
+                if (kb + 1 < m16) _tile_stored(5, S + 16 * (kb + 1), ldS * 4);
+                if (kb + 2 < m16) _tile_stored(6, S + 16 * (kb + 2), ldS * 4);
+                if (kb + 3 < m16) _tile_stored(7, S + 16 * (kb + 3), ldS * 4);
+            }
+#undef QK3
+#undef KT
+            float inv[16];
+            for (int r = 0; r < 16; r++) {
+                uint16_t *pr = P + (size_t)r * ldP;
+                if (r >= rows) {
+                    memset(pr, 0, sizeof(uint16_t) * 32 * m32);
+                    continue;
+                }
+                const int Lq = pos + i0 + r + 1, nb = (Lq + 15) / 16;
+                float *sr = S + (size_t)r * ldS;
+                inv[r] = softmax_row(sr, Lq); /* zero past Lq up to 16 nb */
+                for (int b = 0; b < 2 * m32; b++)
+                    bf16x16_store(pr + 16 * b, b < nb ? _mm512_loadu_ps(sr + 16 * b) : _mm512_setzero_ps());
+            }
+#define VT(kb, db) (vg + ((size_t)(kb) * nd + (db)) * 512)
+            for (int db = 0; db < nd; db += 4) {
+                _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+                for (int kb = 0; kb < m32; kb++) {
+                    _tile_loadd(0, P + 32 * kb, ldP * 2);
+                    _tile_loadd(1, VT(kb, db), 64);
+                    _tile_dpbf16ps(4, 0, 1);
+                    if (db + 1 < nd) { _tile_loadd(2, VT(kb, db + 1), 64); _tile_dpbf16ps(5, 0, 2); }
+                    if (db + 2 < nd) { _tile_loadd(3, VT(kb, db + 2), 64); _tile_dpbf16ps(6, 0, 3); }
+                    if (db + 3 < nd) { _tile_loadd(1, VT(kb, db + 3), 64); _tile_dpbf16ps(7, 0, 1); }
+                }
+                _tile_stored(4, O + 16 * db, d * 4);
+                if (db + 1 < nd) _tile_stored(5, O + 16 * (db + 1), d * 4);
+                if (db + 2 < nd) _tile_stored(6, O + 16 * (db + 2), d * 4);
+                if (db + 3 < nd) _tile_stored(7, O + 16 * (db + 3), d * 4);
+            }
+#undef VT
+            for (int r = 0; r < rows; r++) {
+                uint16_t *o = out + ((size_t)(i0 + r - q_from) * n_head + h) * d;
+                const __m512 w = _mm512_set1_ps(inv[r]);
+                for (int e = 0; e < d; e += 16)
+                    bf16x16_store(o + e, _mm512_mul_ps(_mm512_loadu_ps(O + (size_t)r * d + e), w));
+            }
+        }
+        _tile_release();
+        FTZ_END
+    }
+    free(Qb), free(KB), free(VB), free(work);
+    return 0;
+}
+
+/* ---- AMX GEMM and the whole prefill layer -----------------------------------------------
+ *
+ * Weights for the layer kernel are bf16 packed as AMX B tiles: W [N, K] ->
+ * [N / 16][K / 32][16][16][2] (tile (j, c): row r, column n = W[16 j + n][32 c + 2r + {0,1}]);
+ * the gate/up weight interleaves its tiles (gate tile j, up tile j, ...) so that one 32-column
+ * block holds matching gate and up columns. Activations (A) are bf16 rows of K; row blocks of
+ * 32 read whole blocks, so A buffers need 32 rows of padding past the last row used.
+ * One microkernel: 32 rows x 32 columns (tiles 0-1 = A, 2-3 = B, 4-7 = C), float32
+ * accumulation, then an epilogue on the 32 x 32 block; threads split the column blocks. */
+
+enum { EPI_BF16 = 0, EPI_ADD = 1, EPI_SWIGLU = 2 };
+
+static inline __m512 silu16(__m512 x) {
+    const __m512 y = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+    __m512 r = _mm512_rcp14_ps(y);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(y, r, _mm512_set1_ps(2.0f)));
+    return _mm512_mul_ps(x, r);
+}
+
+/* Inside a parallel region (tiles configured): rows 0..M-1 of A [*, K] bf16 times the packed
+ * weight's N columns; column blocks of 32 split over the threads (omp for, ends with a barrier).
+ * EPI_BF16: out bf16 [M, ldo] = C; EPI_ADD: out float32 [M, ldo] += C; EPI_SWIGLU: out bf16
+ * [M, ldo] column 16 b + n = silu(C[:, 32 b + n]) * C[:, 32 b + 16 + n] (gate | up tiles). */
+static void amx_gemm(const uint16_t *A, int M, int K, const uint16_t *Bp, int N, int epi,
+                     void *out, int ldo) {
+    const int nkc = K / 32, nb32 = N / 32;
+    float buf[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+    for (int nb = 0; nb < nb32; nb++) {
+        const uint16_t *b0 = Bp + (size_t)(2 * nb) * nkc * 512, *b1 = b0 + (size_t)nkc * 512;
+        for (int mb = 0; mb < M; mb += 32) {
+            const uint16_t *a0 = A + (size_t)mb * K, *a1 = a0 + (size_t)16 * K;
+            _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+            for (int kc = 0; kc < nkc; kc++) {
+                _tile_loadd(0, a0 + 32 * kc, K * 2);
+                _tile_loadd(2, b0 + (size_t)kc * 512, 64);
+                _tile_loadd(3, b1 + (size_t)kc * 512, 64);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(5, 0, 3);
+                _tile_loadd(1, a1 + 32 * kc, K * 2);
+                _tile_dpbf16ps(6, 1, 2);
+                _tile_dpbf16ps(7, 1, 3);
+            }
+            _tile_stored(4, buf[0], 64);
+            _tile_stored(5, buf[1], 64);
+            _tile_stored(6, buf[2], 64);
+            _tile_stored(7, buf[3], 64);
+            const int rows = M - mb < 32 ? M - mb : 32;
+            for (int r = 0; r < rows; r++) {
+                const __m512 c0 = _mm512_load_ps(buf[(r >> 4) * 2] + (r & 15) * 16);
+                const __m512 c1 = _mm512_load_ps(buf[(r >> 4) * 2 + 1] + (r & 15) * 16);
+                const size_t row = (size_t)(mb + r) * ldo;
+                if (epi == EPI_BF16) {
+                    uint16_t *o = (uint16_t *)out + row + 32 * nb;
+                    bf16x16_store(o, c0);
+                    bf16x16_store(o + 16, c1);
+                } else if (epi == EPI_ADD) {
+                    float *o = (float *)out + row + 32 * nb;
+                    _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), c0));
+                    _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_loadu_ps(o + 16), c1));
+                } else {
+                    bf16x16_store((uint16_t *)out + row + 16 * nb, _mm512_mul_ps(silu16(c0), c1));
+                }
+            }
+        }
+    }
+}
+
+/* RmsNorm of rows 0..t-1 of h [*, k] -> bf16 out rows (omp for, ends with a barrier) */
+static void rmsnorm_rows_bf16(const float *h, int t, int k, const float *w, float eps, uint16_t *out) {
+#pragma omp for schedule(static)
+    for (int i = 0; i < t; i++) {
+        const float *x = h + (size_t)i * k;
+        __m512 ss = _mm512_setzero_ps();
+        for (int e = 0; e < k; e += 16) {
+            const __m512 v = _mm512_loadu_ps(x + e);
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)k + eps));
+        for (int e = 0; e < k; e += 16)
+            bf16x16_store(out + (size_t)i * k + e,
+                          _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + e), r), _mm512_loadu_ps(w + e)));
+    }
+}
+
+/* Test hook: out = A [M, K] x W^T through amx_gemm (A with 32 rows of padding). */
+void qlib_amx_gemm(const uint16_t *A, int M, int K, const uint16_t *Bp, int N, int epi, void *out,
+                   int ldo) {
+#pragma omp parallel
+    {
+        FTZ_BEGIN
+        amx_tiles_16x64();
+        amx_gemm(A, M, K, Bp, N, epi, out, ldo);
+        _tile_release();
+        FTZ_END
+    }
+}
+
+/* One llama layer of a prefill chunk of t rows (positions pos..pos+t-1), AMX throughout:
+ *   a = RmsNorm(h) (bf16) -> qkv = a Wqkv^T (bf16) -> RoPE, KV cache, attention (rows
+ *   q_from..t-1) -> y; h[q_from:] += y Wo^T (float32) -> a = RmsNorm(h[q_from:]) ->
+ *   g = silu(a Wg^T) * (a Wu^T) (bf16) -> h[q_from:] += g Wd^T.
+ * h [t, k] float32 (the residual stream); a [t + 32, k], qkv [t + 32, n_qkv], y [t + 32,
+ * n_head d], g [t + 32, n_ff] bf16 scratch. Weights packed as above (w13 interleaved).
+ * Needs k, n_qkv, n_head d, n_ff % 32 == 0 and d % 32 == 0. Returns 0 or -1. */
+int qlib_prefill_layer(float *h, int t, int k, const float *attn_norm, const float *ffn_norm,
+                       float eps, const uint16_t *wqkv, int n_qkv, const uint16_t *wo,
+                       const uint16_t *w13, int n_ff, const uint16_t *w2, uint16_t *a,
+                       uint16_t *qkv, uint16_t *y, uint16_t *g, float *kc, float *vc, int pos,
+                       int n_head, int n_kv, int d, int max_seq, const float *cos,
+                       const float *sin, int neox, int q_from) {
+    const int nd = n_head * d;
+    if (k % 32 || n_qkv % 32 || nd % 32 || n_ff % 32 || d % 32 || q_from < 0 || q_from >= t ||
+        n_qkv != (n_head + 2 * n_kv) * d)
+        return -1;
+#pragma omp parallel
+    {
+        FTZ_BEGIN
+        amx_tiles_16x64();
+        rmsnorm_rows_bf16(h, t, k, attn_norm, eps, a);
+        amx_gemm(a, t, k, wqkv, n_qkv, EPI_BF16, qkv, n_qkv);
+        _tile_release();
+        FTZ_END
+    }
+    if (attn_prefill_amx(qkv, t, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox, q_from, y))
+        return -1;
+    const int m = t - q_from;
+    float *hm = h + (size_t)q_from * k;
+#pragma omp parallel
+    {
+        FTZ_BEGIN
+        amx_tiles_16x64();
+        amx_gemm(y, m, nd, wo, k, EPI_ADD, hm, k);
+        rmsnorm_rows_bf16(hm, m, k, ffn_norm, eps, a);
+        amx_gemm(a, m, k, w13, 2 * n_ff, EPI_SWIGLU, g, n_ff);
+        amx_gemm(g, m, n_ff, w2, k, EPI_ADD, hm, k);
+        _tile_release();
+        FTZ_END
+    }
+    return 0;
+}
+#else
+int qlib_amx_init(void) { return -1; }
+#endif
+
+/* qlib_attn_prefill with AMX tiles when amx != 0, the build has them and d % 32 == 0;
+ * otherwise the float32 kernel. */
+int qlib_attn_prefill_ex(const uint16_t *qkv, int t, float *kc, float *vc, int pos, int n_head,
+                         int n_kv, int d, int max_seq, const float *cos, const float *sin,
+                         int neox, int q_from, uint16_t *out, int amx) {
+#ifdef __AMX_BF16__
+    if (amx && d % 32 == 0 && d <= 128 && n_head % n_kv == 0 && q_from >= 0 && q_from < t)
+        return attn_prefill_amx(qkv, t, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox,
+                                q_from, out);
+#endif
+    (void)amx;
+    return qlib_attn_prefill(qkv, t, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox,
+                             q_from, out);
+}
