@@ -80,6 +80,18 @@ def _compile(flags: list[str]) -> Path:
     return out
 
 
+def _compiler_knows_amx() -> bool:
+    """Whether the C compiler compiles an AMX intrinsic (GCC 11+, clang 12+)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    probe = "#include <immintrin.h>\nvoid f(void) { _tile_zero(0); }\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.c"
+        src.write_text(probe)
+        proc = subprocess.run([cc, *AMX_CFLAGS, "-c", "-o", str(Path(tmp) / "probe.o"), str(src)],
+                              capture_output=True)  # fmt: skip
+    return proc.returncode == 0
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None (see ``unavailable_reason``)."""
     global _lib, _reason
@@ -95,7 +107,11 @@ def load() -> ctypes.CDLL | None:
         try:  # with the AMX kernels when the compiler knows AMX (GCC 11+, clang 12+)
             so = _compile(CFLAGS + AMX_CFLAGS)
         except RuntimeError as e:
-            _amx_build_error = str(e)
+            _amx_build_error = (
+                f"the AMX build failed: {str(e)[-300:]}"
+                if _compiler_knows_amx()
+                else f"the compiler does not take {' '.join(AMX_CFLAGS)}"
+            )
             so = _compile(CFLAGS)
         lib = ctypes.CDLL(str(so))
         p, i = ctypes.c_void_p, ctypes.c_int
@@ -154,7 +170,7 @@ def amx_unavailable_reason() -> str | None:
     if not {"amx_tile", "amx_bf16"} <= _cpu_flags():
         return "the CPU lacks AMX-BF16"
     if _amx_build_error:
-        return f"the AMX build failed: {_amx_build_error[-300:]}"
+        return _amx_build_error
     return "Linux did not grant the AMX tile state (arch_prctl)"
 
 
