@@ -12,13 +12,17 @@ none of candle's sharp edges. What differs from the faithful path:
 * **fused weights**: q, k, v stacked into one matrix, gate and up into another
   (one activation quantization and one kernel call each);
 * **prefill** (``prefill="bf16"``, default): a bfloat16 copy of every layer
-  weight, made at load and prepacked in oneDNN's blocked layout, and oneDNN bf16
-  matmuls (AMX here) with bf16 inputs and outputs; between them one C call each
-  (``qlib/quants/cpu/prefill.c``): residual add + RmsNorm -> bf16, RoPE + KV-cache
-  write + causal GQA attention -> bf16, SwiGLU -> bf16. The residual stream,
-  the KV cache and all arithmetic outside the matmuls stay float32.
-  ``prefill="int8"`` keeps ggml semantics for every row instead (the C kernel
-  over all rows; no extra memory, slower);
+  weight, made at load. Where the CPU has AMX-BF16 (``cpu.amx_available()``) it
+  is packed as AMX tiles and each layer is one C call (``qlib_prefill_layer`` in
+  ``qlib/quants/cpu/prefill.c``): RmsNorm -> bf16, our AMX GEMM with fused
+  epilogues (qkv -> bf16; wo and down added to the float32 residual; gate/up ->
+  SwiGLU -> bf16), RoPE + KV-cache write + AMX attention (scores from hi/lo bf16
+  splits, ~16 bits). Elsewhere (or ``amx=False``, ``QLIB_NO_AMX=1``) the copy is
+  prepacked in oneDNN's blocked layout and oneDNN bf16 matmuls run with one C
+  call between each pair (add + RmsNorm, RoPE + KV write + float32 attention,
+  SwiGLU). The residual stream, the KV cache and all arithmetic outside the
+  matmuls stay float32. ``prefill="int8"`` keeps ggml semantics for every row
+  instead (the C kernel over all rows; no extra memory, slower);
 * **huge pages**: after load, the large resident anonymous mappings (the
   weights) are advised and collapsed onto 2 MB pages (``hugepages=False`` to
   skip; ``cpu.collapse_hugepages``);

@@ -2,7 +2,8 @@
 
 ``kernels.c`` (the quantized GEMM/GEMV and the decode attention step) and
 ``prefill.c`` (RmsNorm, SwiGLU, RoPE + KV write + causal attention between the
-bf16 prefill matmuls), shipped as source, are compiled on first use with the
+bf16 prefill matmuls; with AMX, an AMX GEMM and the whole prefill layer), shipped
+as source, are compiled on first use with the
 system C compiler (``$CC`` or ``cc``) into a cache directory
 (``$QLIB_CACHE_DIR`` or ``~/.cache/qlib``), keyed by a hash of the source and
 the flags, and loaded with ctypes. Semantics are ggml's (activations quantized
@@ -11,7 +12,9 @@ so results equal ``qlib.quants.reference.matmul`` to float rounding.
 
 ``available()`` is False (with ``unavailable_reason()``) when the CPU lacks
 AVX-512 F/BW/VL/VNNI or F16C, no compiler works, or ``QLIB_NO_CKERNELS`` is
-set; callers then fall back to ``qlib.quants.matmul``. The library is linked
+set; callers then fall back to ``qlib.quants.matmul``. ``amx_available()`` adds
+AMX-BF16 (CPU, compiler, Linux's tile-state permission; ``QLIB_NO_AMX`` turns it
+off) for the prefill kernels. The library is linked
 with ``-fopenmp``; imported after torch it shares torch's ``libgomp`` (same
 soname), so its parallel loops use torch's OpenMP thread pool and follow
 ``torch.set_num_threads``.

@@ -1,8 +1,10 @@
-/* qlib CPU prefill kernels: the elementwise and attention work between the bf16 matmuls.
+/* qlib CPU prefill kernels.
  *
- * FastModel's bf16 prefill runs its matmuls in oneDNN (AMX) on bfloat16 activations;
- * everything between them is here, one call each, parallel over OpenMP threads (torch's
- * pool: the library shares torch's libgomp):
+ * With AMX-BF16 (built with -mamx-tile -mamx-bf16, see the second half), FastModel's bf16
+ * prefill is one call per layer, qlib_prefill_layer: our AMX GEMM with fused epilogues,
+ * RmsNorm, RoPE + KV write + AMX attention. Without AMX it runs its matmuls in oneDNN on
+ * bfloat16 activations and everything between them is here, one call each, parallel over
+ * OpenMP threads (torch's pool: the library shares torch's libgomp):
  *   qlib_add_rmsnorm   h += delta (bf16, the previous matmul's output), then RmsNorm(h) * w
  *                      -> bf16 (the next matmul's input) or float32;
  *   qlib_swiglu_bf16   silu(gate) * up -> bf16, from the fused gate/up matmul's output;
