@@ -157,6 +157,13 @@ int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint
         const uint8_t *cj = codes + (size_t)j * row_bytes;
         const uint16_t *dj = dw + (size_t)j * G;
         const uint16_t *mj = mw ? mw + (size_t)j * G : NULL;
+        if (jb + 2 < nblk) { /* codes two groups ahead into L2 (rows are short: 288 bytes for
+                              * Q4_1 at k = 576; the hardware prefetcher alone left decode
+                              * ~17% slower) */
+            const char *ahead = (const char *)(cj + 8 * row_bytes);
+            for (size_t off = 0; off < 4 * row_bytes; off += 64)
+                _mm_prefetch(ahead + off, _MM_HINT_T1);
+        }
         for (int i = 0; i < m; i++) {
             float out[4];
             const int8_t *qi = aq + (size_t)i * k;
