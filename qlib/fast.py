@@ -377,7 +377,8 @@ class FastModel:
                 int(c.rope_is_neox), self._att.data_ptr())  # fmt: skip
         for qkv, kv, wo, w13, w2 in self._plan:
             gemm(*qkv)
-            attn(*kv, *tail)
+            if attn(*kv, *tail):
+                raise MemoryError("qlib_attn_decode: out of memory")
             gemm(*wo)
             gemm(*w13)
             gemm(*w2)

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name("kernels.c"), Path(__file__).with_name("prefill.c")]
+HEADERS = [Path(__file__).with_name("simd.h")]  # included by both: part of the build's hash
 CFLAGS = [
     "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
     "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
@@ -66,7 +67,7 @@ def _compile(flags: list[str]) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (set CC)")
-    src = b"".join(p.read_bytes() for p in SOURCES)
+    src = b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
     key = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
     out = cache_dir() / f"qlib_kernels_{key}.so"
     if out.is_file():
@@ -124,7 +125,7 @@ def load() -> ctypes.CDLL | None:
         lib.qlib_qgemm_ex.argtypes = [i, p, p, p, i, i, p, i, p, p, f, i, i]
         lib.qlib_qgemm_ex.restype = i
         lib.qlib_attn_decode.argtypes = [p, p, p, i, i, i, i, i, p, p, i, p]
-        lib.qlib_attn_decode.restype = None
+        lib.qlib_attn_decode.restype = i
         lib.qlib_repack.argtypes = [i, p, i, i, p, p, p]
         lib.qlib_repack.restype = None
         lib.qlib_dequant_bf16.argtypes = [i, p, p, p, i, i, p]

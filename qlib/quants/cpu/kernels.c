@@ -18,10 +18,13 @@
  * Requires k % 64 == 0.
  */
 #include <immintrin.h>
+#include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <math.h>
 #include <string.h>
+
+#include "simd.h"
 
 enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q8_0 = 8 };
 
@@ -199,9 +202,11 @@ static inline float dot16(const float *a, const float *b, int d) { /* d % 16 == 
  * qkv: [n_head + 2 n_kv heads of d] (q, k, v), rotated in place (cos/sin: row pos of the
  * tables, d/2 each; neox pairs (i, i+d/2), else (2i, 2i+1)); k and v go to position pos
  * of the caches kc, vc [n_kv, max_seq, d]; out [n_head, d] = softmax(q k^T / sqrt(d)) v
- * over positions 0..pos. Query head h reads KV head h / (n_head / n_kv). d % 16 == 0. */
-void qlib_attn_decode(float *qkv, float *kc, float *vc, int pos, int n_head, int n_kv, int d,
-                      int max_seq, const float *cos, const float *sin, int neox, float *out) {
+ * over positions 0..pos. Query head h reads KV head h / (n_head / n_kv). d % 16 == 0.
+ * Query heads are split over the OpenMP threads; e^x is the vector exp16 (~1 ulp), the
+ * sum of p v is scaled by 1 / sum p once per head. Returns 0, or -1 (out of memory). */
+int qlib_attn_decode(float *qkv, float *kc, float *vc, int pos, int n_head, int n_kv, int d,
+                     int max_seq, const float *cos, const float *sin, int neox, float *out) {
     for (int h = 0; h < n_head + n_kv; h++) {
         float *x = qkv + (size_t)h * d;
         for (int i = 0; i < d / 2; i++) {
@@ -216,29 +221,45 @@ void qlib_attn_decode(float *qkv, float *kc, float *vc, int pos, int n_head, int
         memcpy(vc + ((size_t)h * max_seq + pos) * d, qkv + (size_t)(n_head + n_kv + h) * d,
                4 * d);
     }
-    const int L = pos + 1, rep = n_head / n_kv;
+    const int L = pos + 1, L16 = (L + 15) / 16 * 16, rep = n_head / n_kv;
     const float scale = 1.0f / sqrtf((float)d);
-    float *p = malloc(sizeof(float) * (size_t)L);
+    float *pbuf = malloc(sizeof(float) * (size_t)L16 * n_head);
+    if (!pbuf) return -1;
+#pragma omp parallel for schedule(static) if (L * n_head >= 256) /* else fork > work */
     for (int h = 0; h < n_head; h++) {
+        FTZ_BEGIN
+        float *p = pbuf + (size_t)h * L16;
         const float *q = qkv + (size_t)h * d;
         const float *K = kc + (size_t)(h / rep) * max_seq * d;
         const float *V = vc + (size_t)(h / rep) * max_seq * d;
-        float mx = -INFINITY, sum = 0.0f;
+        float mx = -INFINITY;
         for (int l = 0; l < L; l++) {
             p[l] = dot16(q, K + (size_t)l * d, d) * scale;
             mx = p[l] > mx ? p[l] : mx;
         }
-        for (int l = 0; l < L; l++) sum += (p[l] = expf(p[l] - mx));
+        for (int l = L; l < L16; l++) p[l] = -INFINITY;
+        const __m512 vmx = _mm512_set1_ps(mx);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int l = 0; l < L16; l += 16) { /* e^(s - max); exp16 clamps, so mask the tail */
+            const __mmask16 live = L - l >= 16 ? 0xFFFF : (__mmask16)((1u << (L - l)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + l), vmx)));
+            _mm512_storeu_ps(p + l, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
         __m512 acc[8]; /* d <= 128 */
         for (int i = 0; i < d / 16; i++) acc[i] = _mm512_setzero_ps();
         for (int l = 0; l < L; l++) {
-            const __m512 w = _mm512_set1_ps(p[l] / sum);
+            const __m512 w = _mm512_set1_ps(p[l]);
             for (int i = 0; i < d / 16; i++)
                 acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(V + (size_t)l * d + 16 * i), acc[i]);
         }
-        for (int i = 0; i < d / 16; i++) _mm512_storeu_ps(out + (size_t)h * d + 16 * i, acc[i]);
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+        for (int i = 0; i < d / 16; i++)
+            _mm512_storeu_ps(out + (size_t)h * d + 16 * i, _mm512_mul_ps(acc[i], inv));
+        FTZ_END
     }
-    free(p);
+    free(pbuf);
+    return 0;
 }
 
 /* GGUF blocks [n, k/32 blocks] -> the planes above (codes, d, m). */
