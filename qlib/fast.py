@@ -119,7 +119,7 @@ class FastLinear:
     """``y = x @ W.T`` for one (possibly stacked) weight: C kernel, fallback, bf16 copy."""
 
     def __init__(self, qtensors: list[QTensor], bf16: bool, amx: bool = False,
-                 interleave: bool = False):  # fmt: skip
+                 interleave: bool = False, amx_packed: bool = True):  # fmt: skip
         names = {q.dtype.name for q in qtensors}
         if len(names) != 1 or len({q.shape[-1] for q in qtensors}) != 1:
             raise ModelError("fused weights need one type and one row length")
@@ -131,19 +131,23 @@ class FastLinear:
             self.packed = cpu.pack(qtensors)
         else:
             self.prepared = prepare(_stack(qtensors))
-        # the bf16 copy for prefill: AMX tiles for the C layer kernel, else oneDNN-prepacked
-        # when possible (then no plain copy)
+        # the weight for prefill: for the AMX layer kernel the packed 4/8-bit codes in tile
+        # order (expanded to bf16 inside the GEMM) or bf16 tiles; else a bf16 copy,
+        # oneDNN-prepacked when possible (then no plain copy)
         self.bf16: torch.Tensor | None = None
         self.bf16_packed: torch.Tensor | None = None
-        self.amx_tiles: torch.Tensor | None = None
-        if bf16:
+        self.amx: cpu.AmxWeight | None = None
+        if bf16 and amx and amx_packed and self.packed is not None:
+            self.amx = cpu.pack_amx_quantized(self.packed, interleave)
+        elif bf16:
             w = (
                 cpu.dequantize_bf16(self.packed)
                 if self.packed is not None
                 else torch.cat([q.dequantize(dtype=torch.bfloat16) for q in qtensors])
             )
             if amx:
-                self.amx_tiles = cpu.pack_amx(w, interleave)
+                n, k = w.shape
+                self.amx = cpu.AmxWeight("bf16", n, k, cpu.pack_amx(w, interleave))
             else:
                 self.bf16_packed = _prepack_bf16(w)
                 self.bf16 = w if self.bf16_packed is None else None
@@ -177,9 +181,9 @@ class FastLinear:
 
     def nbytes(self) -> int:
         n = self.packed.nbytes() if self.packed is not None else self.prepared.nbytes()
-        for w in (self.bf16, self.bf16_packed, self.amx_tiles):
+        for w in (self.bf16, self.bf16_packed):
             n += w.numel() * 2 if w is not None else 0
-        return n
+        return n + (self.amx.nbytes() if self.amx is not None else 0)
 
 
 class FastLayer:
@@ -188,10 +192,12 @@ class FastLayer:
     w13: FastLinear
     w2: FastLinear
 
-    def __init__(self, get, p: str, eps: float, bf16: bool, amx: bool = False):
+    def __init__(self, get, p: str, eps: float, bf16: bool, amx: bool = False,
+                 amx_packed: bool = True):  # fmt: skip
         for attr, names in FUSED_STACKS.items():  # wqkv, wo, w13, w2
             qtensors = [get(f"{p}.{n}.weight") for n in names]
-            setattr(self, attr, FastLinear(qtensors, bf16, amx, interleave=attr == "w13"))
+            lin = FastLinear(qtensors, bf16, amx, interleave=attr == "w13", amx_packed=amx_packed)
+            setattr(self, attr, lin)
         self.attn_norm = get(f"{p}.attn_norm.weight").dequantize()
         self.ffn_norm = get(f"{p}.ffn_norm.weight").dequantize()
 
@@ -223,7 +229,13 @@ class FastModel:
         # AMX: the layers hold AMX tiles (built by from_gguf) and prefill runs one C call per
         # layer; else the oneDNN matmuls, with AMX attention when ``amx`` and the CPU has it
         self.amx = amx
-        self.amx_layers = bool(layers) and layers[0].wqkv.amx_tiles is not None
+        self.amx_layers = bool(layers) and layers[0].wqkv.amx is not None
+        # per layer, the C descriptors of wqkv, wo, w13, w2 (they point into the weights,
+        # which this model holds)
+        self._amx_args = [
+            (cpu.AmxWeightC * 4)(*(w.amx.c_struct() for w in (ly.wqkv, ly.wo, ly.w13, ly.w2)))
+            for ly in layers
+        ] if self.amx_layers else []  # fmt: skip
         self.bf16_min_rows = bf16_min_rows if prefill == "bf16" else 1 << 62
         self.max_seq_len = min(max_seq_len, MAX_SEQ_LEN)
         cos, sin = precompute_freqs_cis(config.rope_dim, config.rope_freq_base, self.device)
@@ -356,8 +368,7 @@ class FastModel:
             q_from = t - 1 if i == last and not all_logits else 0
             if lib.qlib_prefill_layer(
                 h.data_ptr(), t, k, ly.attn_norm.data_ptr(), ly.ffn_norm.data_ptr(),
-                c.rms_norm_eps, ly.wqkv.amx_tiles.data_ptr(), n_qkv, ly.wo.amx_tiles.data_ptr(),
-                ly.w13.amx_tiles.data_ptr(), n_ff, ly.w2.amx_tiles.data_ptr(), *ptrs,
+                c.rms_norm_eps, self._amx_args[i], n_qkv, n_ff, *ptrs,
                 self.cache[i, 0].data_ptr(), self.cache[i, 1].data_ptr(), *tail, q_from,
             ):  # fmt: skip
                 raise RuntimeError("qlib_prefill_layer failed (shapes or memory)")
@@ -398,8 +409,14 @@ class FastModel:
         max_seq_len: int = MAX_SEQ_LEN,
         hugepages: bool = True,
         amx: bool = True,
+        amx_packed: bool = True,
     ) -> FastModel:
-        """Build from a parsed ``gguf_file.Content`` and its open file (CPU only)."""
+        """Build from a parsed ``gguf_file.Content`` and its open file (CPU only).
+
+        ``amx``: the AMX prefill kernels where the CPU has them (else oneDNN's matmuls);
+        ``amx_packed``: their Q4_0 / Q4_1 / Q8_0 weights stay 4/8-bit (expanded to bf16 tiles
+        inside the GEMM, the same values) instead of a bf16 tile copy.
+        """
         if as_device(device).type != "cpu":
             raise ModelError("the fast path runs on CPU; use ModelWeights on other devices")
         if prefill not in PREFILL_MODES:
@@ -414,7 +431,7 @@ class FastModel:
             return content.tensor(f, name, "cpu")
 
         layers = [
-            FastLayer(get, f"blk.{i}", config.rms_norm_eps, bf16, amx_layers)
+            FastLayer(get, f"blk.{i}", config.rms_norm_eps, bf16, amx_layers, amx_packed)
             for i in range(config.block_count)
         ]
         tok_embd = get("token_embd.weight")

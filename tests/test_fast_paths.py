@@ -320,6 +320,31 @@ def test_amx_layers_match_onednn_prefill(tiny):
     assert (last[0] - a[-1]).abs().max() <= 0.02 * scale
 
 
+@needs_amx
+def test_amx_packed_weights_equal_bf16_tiles(tiny):
+    """Q4_0 / Q4_1 / Q8_0 weights kept 4/8-bit for the AMX kernels (expanded to bf16 tiles
+    inside the GEMM) give the same logits, bit for bit, as a bf16 tile copy: the expansion
+    computes code * d + m in float32 (the product is exact) and rounds to bf16 once, as
+    ``dequantize_bf16`` does. The GEMM alone, too, for every epilogue."""
+    wt, path = tiny
+    fp = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2)
+    fb = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2, amx_packed=False)
+    kinds = {ly.w13.amx.kind for ly in fp.layers}
+    assert kinds == ({"bf16"} if wt == "F32" else {"q8" if wt == "Q8_0" else "q4"})
+    assert {ly.w13.amx.kind for ly in fb.layers} == {"bf16"}
+    if wt != "F32":
+        assert fp.nbytes() < fb.nbytes()
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        assert torch.equal(fp.forward(ids, 0, all_logits=True), fb.forward(ids, 0, all_logits=True))
+    if wt == "F32":
+        return
+    a = torch.randn(37, fp.layers[0].w13.in_features).to(torch.bfloat16)
+    for epi in ("bf16", "swiglu"):
+        want = cpu.amx_gemm(a, fb.layers[0].w13.amx, epi)
+        assert torch.equal(cpu.amx_gemm(a, fp.layers[0].w13.amx, epi), want)
+
+
 def test_bf16_prefill_close_to_f32(tiny):
     wt, path = tiny
     fm = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2)

@@ -3,7 +3,8 @@
     python tools/cpu_prefill_profile.py [--model F] [--tokens 203] [--threads 2]
 
 1. The AMX layer kernel's parts alone, over the model's real weights: each GEMM
-   (``cpu.amx_gemm``'s C entry on the packed tiles of all layers), the attention,
+   (``cpu.amx_gemm``'s C entry on the weights of all layers, as the model holds them:
+   4/8-bit codes expanded in the GEMM, or bf16 tiles), the attention,
    the output GEMV, the embedding rows, and the whole prefill (min of 10).
 2. The AMX path and the oneDNN path (``amx=False``) alternating in one process:
    a prefill after the other model ran, and a prefill after 64 decode steps.
@@ -45,10 +46,12 @@ def parts(m, t: int) -> None:
         out = torch.zeros(t, width) if epi == 1 else torch.empty(t, width, dtype=bf)
         a = inputs[kk]
 
-        def run(name=name, kk=kk, n=n, epi=epi, out=out, a=a, width=width):
-            for ly in m.layers:
-                lib.qlib_amx_gemm(a.data_ptr(), t, kk, getattr(ly, name).amx_tiles.data_ptr(), n,
-                                  epi, out.data_ptr(), width)  # fmt: skip
+        ws = [getattr(ly, name).amx.c_struct() for ly in m.layers]
+
+        def run(kk=kk, n=n, epi=epi, out=out, a=a, width=width, ws=ws):
+            for w in ws:
+                lib.qlib_amx_gemm(a.data_ptr(), t, kk, w.kind, w.t, w.d, w.m, n, epi,
+                                  out.data_ptr(), width)  # fmt: skip
 
         ms = best_ms(run)
         total += ms

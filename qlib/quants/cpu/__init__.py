@@ -39,7 +39,7 @@ CFLAGS = [
     "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
     "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
 ]  # fmt: skip
-AMX_CFLAGS = ["-mamx-tile", "-mamx-bf16"]  # only prefill.c's AMX attention uses them
+AMX_CFLAGS = ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]  # prefill.c's AMX kernels only
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 
@@ -87,7 +87,7 @@ def _compile(flags: list[str]) -> Path:
 def _compiler_knows_amx() -> bool:
     """Whether the C compiler compiles an AMX intrinsic (GCC 11+, clang 12+)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    probe = "#include <immintrin.h>\nvoid f(void) { _tile_zero(0); }\n"
+    probe = "#include <immintrin.h>\nvoid f(void) { _tile_zero(0); }\n"  # (AVX512-BF16: GCC 10+)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "probe.c"
         src.write_text(probe)
@@ -141,10 +141,10 @@ def load() -> ctypes.CDLL | None:
         lib.qlib_amx_init.argtypes = []
         lib.qlib_amx_init.restype = i
         if hasattr(lib, "qlib_prefill_layer"):  # built with AMX
-            lib.qlib_amx_gemm.argtypes = [p, i, i, p, i, i, p, i]
-            lib.qlib_amx_gemm.restype = None
-            lib.qlib_prefill_layer.argtypes = [p, i, i, p, p, f, p, i, p, p, i, p, p, p, p, p,
-                                               p, p, i, i, i, i, i, p, p, i, i]  # fmt: skip
+            lib.qlib_amx_gemm.argtypes = [p, i, i, i, p, p, p, i, i, p, i]
+            lib.qlib_amx_gemm.restype = i
+            lib.qlib_prefill_layer.argtypes = [p, i, i, p, p, f, p, i, i, p, p, p, p, p, p, i,
+                                               i, i, i, i, p, p, i, i]  # fmt: skip
             lib.qlib_prefill_layer.restype = i
         lib.qlib_exp.argtypes = [p, i, p]
         lib.qlib_exp.restype = None
@@ -171,8 +171,8 @@ def amx_unavailable_reason() -> str | None:
         return f"no C kernels: {_reason}"
     if os.environ.get("QLIB_NO_AMX", "") not in ("", "0"):
         return "disabled by QLIB_NO_AMX"
-    if not {"amx_tile", "amx_bf16"} <= _cpu_flags():
-        return "the CPU lacks AMX-BF16"
+    if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= _cpu_flags():
+        return "the CPU lacks AMX-BF16 or AVX512-BF16"
     if _amx_build_error:
         return _amx_build_error
     return "Linux did not grant the AMX tile state (arch_prctl)"
@@ -187,7 +187,7 @@ def amx_available() -> bool:
         _amx = bool(
             lib is not None
             and os.environ.get("QLIB_NO_AMX", "") in ("", "0")
-            and {"amx_tile", "amx_bf16"} <= _cpu_flags()
+            and {"amx_tile", "amx_bf16", "avx512_bf16"} <= _cpu_flags()
             and hasattr(lib, "qlib_prefill_layer")
             and lib.qlib_amx_init() == 0
         )
@@ -195,6 +195,37 @@ def amx_available() -> bool:
 
 
 AMX_EPILOGUES = {"bf16": 0, "add": 1, "swiglu": 2}
+AMX_KINDS = {"bf16": 0, "q4": 1, "q8": 2}
+
+
+class AmxWeightC(ctypes.Structure):
+    """``amx_weight`` of prefill.c."""
+
+    _fields_ = [("kind", ctypes.c_int), ("t", ctypes.c_void_p), ("d", ctypes.c_void_p),
+                ("m", ctypes.c_void_p)]  # fmt: skip
+
+
+@dataclass
+class AmxWeight:
+    """A weight for the AMX prefill kernels: bf16 B tiles (``kind="bf16"``, from ``pack_amx``),
+    or the 4/8-bit codes in tile order with float32 scales (``"q4"``, ``"q8"``, from
+    ``pack_amx_quantized``), expanded to bf16 tiles per column block inside the GEMM."""
+
+    kind: str
+    n: int
+    k: int
+    tiles: torch.Tensor
+    d: torch.Tensor | None = None  # [n/16, k/32, 16] float32
+    m: torch.Tensor | None = None  # [n/16, k/32, 16] float32 (None: 0)
+
+    def nbytes(self) -> int:
+        ts = (self.tiles, self.d, self.m)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def c_struct(self) -> AmxWeightC:
+        """The C descriptor (holds raw pointers: keep this object alive while it is used)."""
+        ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        return AmxWeightC(AMX_KINDS[self.kind], self.tiles.data_ptr(), ptr(self.d), ptr(self.m))
 
 
 def pack_amx(w: torch.Tensor, interleave: bool = False) -> torch.Tensor:
@@ -212,9 +243,45 @@ def pack_amx(w: torch.Tensor, interleave: bool = False) -> torch.Tensor:
     return w.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
-def amx_gemm(a: torch.Tensor, tiles: torch.Tensor, epilogue: str = "bf16",
+def _tile_rows(n: int, interleave: bool) -> torch.Tensor | None:
+    """The row order that puts the tiles of ``[gate; up]`` as gate 0, up 0, gate 1, ..."""
+    if not interleave:
+        return None
+    return torch.arange(n).view(2, n // 32, 16).transpose(0, 1).reshape(-1)
+
+
+def pack_amx_quantized(pw: PackedWeight, interleave: bool = False) -> AmxWeight:
+    """A repacked Q4_0 / Q4_1 / Q8_0 weight as AMX-ordered codes and float32 scales (see
+    ``AmxWeight``): 0.75 (4-bit) or 1.125 (Q8_0) bytes per weight instead of bf16's 2; the
+    GEMM expands them to exactly the bf16 values ``dequantize_bf16`` gives."""
+    n, k = pw.n, pw.k
+    if n % 32 or k % 64:
+        raise ValueError(f"pack_amx_quantized: n % 32 and k % 64 == 0 needed, got {n}x{k}")
+    d = pw.d.view(torch.float16).float()
+    if pw.type_name == "Q8_0":
+        q = (pw.codes.to(torch.int16) - 128).to(torch.int8)
+        m = None
+    else:  # per 64 elements 32 bytes: byte i = e[i] | e[i + 32] << 4
+        c = pw.codes.view(n, k // 64, 32)
+        q = torch.cat([c & 15, c >> 4], dim=-1).reshape(n, k)
+        m = pw.m.view(torch.float16).float() if pw.type_name == "Q4_1" else d * -8.0
+    rows = _tile_rows(n, interleave)
+    if rows is not None:
+        q, d = q[rows], d[rows]
+        m = m[rows] if m is not None else None
+    q = q.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
+    if pw.type_name == "Q8_0":
+        tiles, kind = q.contiguous(), "q8"
+    else:
+        tiles, kind = (q[..., 0] | (q[..., 1] << 4)).contiguous(), "q4"
+    scales = lambda x: x.reshape(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()  # noqa: E731
+    return AmxWeight(kind, n, k, tiles, scales(d), scales(m) if m is not None else None)
+
+
+def amx_gemm(a: torch.Tensor, tiles: torch.Tensor | AmxWeight, epilogue: str = "bf16",
              out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """``a @ w.T`` on AMX tiles (``tiles`` from ``pack_amx``), for tests and tools.
+    """``a @ w.T`` on AMX tiles (``tiles`` from ``pack_amx``, or an ``AmxWeight``), for tests
+    and tools.
 
     ``a``: ``[m, k]`` bf16. Epilogues: ``"bf16"`` -> a new ``[m, n]`` bf16; ``"add"``: ``out``
     (``[m, n]`` float32) += the product; ``"swiglu"`` (interleaved tiles) -> ``[m, n/2]`` bf16
@@ -224,9 +291,13 @@ def amx_gemm(a: torch.Tensor, tiles: torch.Tensor, epilogue: str = "bf16",
     if not amx_available():
         raise RuntimeError("AMX is not available here")
     m, k = a.shape
-    n = tiles.shape[0] * 16
-    if a.dtype != torch.bfloat16 or tiles.shape[1:] != (k // 32, 16, 16, 2) or k % 32:
-        raise ValueError("amx_gemm: a [m, k] bf16 and tiles [n/16, k/32, 16, 16, 2]")
+    if isinstance(tiles, torch.Tensor):
+        if tiles.shape[1:] != (k // 32, 16, 16, 2):
+            raise ValueError("amx_gemm: tiles [n/16, k/32, 16, 16, 2] for a [m, k]")
+        tiles = AmxWeight("bf16", tiles.shape[0] * 16, k, tiles.contiguous())
+    n = tiles.n
+    if a.dtype != torch.bfloat16 or tiles.k != k or k % 32:
+        raise ValueError("amx_gemm: a [m, k] bf16 and a weight of k columns")
     padded = torch.zeros(m + 32, k, dtype=torch.bfloat16)  # row blocks of 32 read past m
     padded[:m] = a
     epi = AMX_EPILOGUES[epilogue]
@@ -236,9 +307,10 @@ def amx_gemm(a: torch.Tensor, tiles: torch.Tensor, epilogue: str = "bf16",
         _check(out, torch.float32, "out")
     else:
         out = torch.empty(m, n // 2 if epilogue == "swiglu" else n, dtype=torch.bfloat16)
-    tiles = tiles.contiguous()
-    lib.qlib_amx_gemm(padded.data_ptr(), m, k, tiles.data_ptr(), n, epi, out.data_ptr(),
-                      out.shape[1])  # fmt: skip
+    w = tiles.c_struct()
+    if lib.qlib_amx_gemm(padded.data_ptr(), m, k, w.kind, w.t, w.d, w.m, n, epi, out.data_ptr(),
+                         out.shape[1]):  # fmt: skip
+        raise MemoryError("qlib_amx_gemm: out of memory")
     return out
 
 

@@ -542,17 +542,79 @@ static inline __m512 silu16(__m512 x) {
     return _mm512_mul_ps(x, r);
 }
 
-/* Inside a parallel region (tiles configured): rows 0..M-1 of A [*, K] bf16 times the packed
+/* A weight for amx_gemm: bf16 B tiles, or 4/8-bit codes in the same tile order expanded
+ * to bf16 tiles per column block as the GEMM goes (a third / a half of the bytes to read).
+ *   AMXW_BF16: t = bf16 tiles [N/16][K/32][16][16][2];
+ *   AMXW_Q4:   t = uint8 [N/16][K/32][16 rows][16 columns]: byte n of row r = code of
+ *              (column n, k 2r) | code of (column n, k 2r + 1) << 4 (codes 0..15);
+ *   AMXW_Q8:   t = int8 [N/16][K/32][16 rows][16 columns][2];
+ *   d, m:      float32 [N/16][K/32][16]: value = code * d + m (m NULL: 0), rounded to bf16,
+ *              the bf16 copy's value bit for bit (code * d is exact in float32). */
+enum { AMXW_BF16 = 0, AMXW_Q4 = 1, AMXW_Q8 = 2 };
+typedef struct {
+    int kind;
+    const void *t;
+    const float *d, *m;
+} amx_weight;
+
+/* Tiles j (16 columns), chunks 0..nkc-1 of a quantized weight -> bf16 tiles at out. */
+static void amx_expand(const amx_weight *w, int j, int nkc, uint16_t *out) {
+    /* word 2n <- n (vl[n]), word 2n + 1 <- 16 + n (vh[n]) */
+    const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                              24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                              1, 16, 0);
+    for (int c = 0; c < nkc; c++) {
+        const size_t tile = (size_t)j * nkc + c;
+        const __m512 d = _mm512_loadu_ps(w->d + 16 * tile);
+        const __m512 m = w->m ? _mm512_loadu_ps(w->m + 16 * tile) : _mm512_setzero_ps();
+        uint32_t *o = (uint32_t *)(out + (size_t)c * 512);
+        for (int r = 0; r < 16; r++) {
+            __m512i lo, hi;
+            if (w->kind == AMXW_Q4) {
+                const __m512i b = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)((const uint8_t *)w->t + tile * 256 + 16 * r)));
+                lo = _mm512_and_si512(b, _mm512_set1_epi32(15));
+                hi = _mm512_srli_epi32(b, 4);
+            } else {
+                const __m512i p = _mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256((const __m256i *)((const int8_t *)w->t + tile * 512 + 32 * r)));
+                lo = _mm512_srai_epi32(_mm512_slli_epi32(p, 24), 24);
+                hi = _mm512_srai_epi32(_mm512_slli_epi32(p, 16), 24);
+            }
+            const __m512 vl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m);
+            const __m512 vh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m);
+            /* bf16 (nearest even; the values are never float32 denormals): [vl | vh], then
+             * interleaved into pairs (vl[n], vh[n]) */
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(vh, vl);
+            _mm512_store_si512(o + 16 * r, _mm512_permutexvar_epi16(pair_idx, both));
+        }
+    }
+}
+
+/* Inside a parallel region (tiles configured): rows 0..M-1 of A [*, K] bf16 times the
  * weight's N columns; column blocks of 32 split over the threads (omp for, ends with a barrier).
  * EPI_BF16: out bf16 [M, ldo] = C; EPI_ADD: out float32 [M, ldo] += C; EPI_SWIGLU: out bf16
- * [M, ldo] column 16 b + n = silu(C[:, 32 b + n]) * C[:, 32 b + 16 + n] (gate | up tiles). */
-static void amx_gemm(const uint16_t *A, int M, int K, const uint16_t *Bp, int N, int epi,
-                     void *out, int ldo) {
+ * [M, ldo] column 16 b + n = silu(C[:, 32 b + n]) * C[:, 32 b + 16 + n] (gate | up tiles).
+ * Returns 0, or -1 when this thread could not allocate its expansion buffer. */
+static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N, int epi,
+                    void *out, int ldo) {
     const int nkc = K / 32, nb32 = N / 32;
     float buf[4][256] __attribute__((aligned(64)));
+    /* this thread's expanded column block (2 nkc tiles), for quantized weights */
+    uint16_t *xb = w->kind == AMXW_BF16 ? NULL : aligned_alloc(64, (size_t)nkc * 2048);
+    int fail = w->kind != AMXW_BF16 && !xb;
 #pragma omp for schedule(static)
     for (int nb = 0; nb < nb32; nb++) {
-        const uint16_t *b0 = Bp + (size_t)(2 * nb) * nkc * 512, *b1 = b0 + (size_t)nkc * 512;
+        if (fail) continue;
+        const uint16_t *b0, *b1;
+        if (w->kind == AMXW_BF16) {
+            b0 = (const uint16_t *)w->t + (size_t)(2 * nb) * nkc * 512;
+            b1 = b0 + (size_t)nkc * 512;
+        } else {
+            amx_expand(w, 2 * nb, nkc, xb);
+            amx_expand(w, 2 * nb + 1, nkc, xb + (size_t)nkc * 512);
+            b0 = xb, b1 = xb + (size_t)nkc * 512;
+        }
         for (int mb = 0; mb < M; mb += 32) {
             const uint16_t *a0 = A + (size_t)mb * K, *a1 = a0 + (size_t)16 * K;
             _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
@@ -589,6 +651,8 @@ static void amx_gemm(const uint16_t *A, int M, int K, const uint16_t *Bp, int N,
             }
         }
     }
+    free(xb);
+    return fail;
 }
 
 /* RmsNorm of rows 0..t-1 of h [*, k] -> bf16 out rows (omp for, ends with a barrier) */
@@ -608,17 +672,20 @@ static void rmsnorm_rows_bf16(const float *h, int t, int k, const float *w, floa
     }
 }
 
-/* Test hook: out = A [M, K] x W^T through amx_gemm (A with 32 rows of padding). */
-void qlib_amx_gemm(const uint16_t *A, int M, int K, const uint16_t *Bp, int N, int epi, void *out,
-                   int ldo) {
-#pragma omp parallel
+/* Test hook: out = A [M, K] x W^T through amx_gemm (A with 32 rows of padding); 0 or -1. */
+int qlib_amx_gemm(const uint16_t *A, int M, int K, int kind, const void *tiles, const float *d,
+                  const float *m, int N, int epi, void *out, int ldo) {
+    const amx_weight w = {kind, tiles, d, m};
+    int fail = 0;
+#pragma omp parallel reduction(| : fail)
     {
         FTZ_BEGIN
         amx_tiles_16x64();
-        amx_gemm(A, M, K, Bp, N, epi, out, ldo);
+        fail |= amx_gemm(A, M, K, &w, N, epi, out, ldo);
         _tile_release();
         FTZ_END
     }
+    return fail ? -1 : 0;
 }
 
 /* One llama layer of a prefill chunk of t rows (positions pos..pos+t-1), AMX throughout:
@@ -626,43 +693,46 @@ void qlib_amx_gemm(const uint16_t *A, int M, int K, const uint16_t *Bp, int N, i
  *   q_from..t-1) -> y; h[q_from:] += y Wo^T (float32) -> a = RmsNorm(h[q_from:]) ->
  *   g = silu(a Wg^T) * (a Wu^T) (bf16) -> h[q_from:] += g Wd^T.
  * h [t, k] float32 (the residual stream); a [t + 32, k], qkv [t + 32, n_qkv], y [t + 32,
- * n_head d], g [t + 32, n_ff] bf16 scratch. Weights packed as above (w13 interleaved).
+ * n_head d], g [t + 32, n_ff] bf16 scratch. ws: the 4 weights wqkv, wo, w13 (tiles
+ * interleaved), w2, as amx_weight.
  * Needs k, n_qkv, n_head d, n_ff % 32 == 0 and d % 32 == 0. Returns 0 or -1. */
 int qlib_prefill_layer(float *h, int t, int k, const float *attn_norm, const float *ffn_norm,
-                       float eps, const uint16_t *wqkv, int n_qkv, const uint16_t *wo,
-                       const uint16_t *w13, int n_ff, const uint16_t *w2, uint16_t *a,
+                       float eps, const amx_weight *ws, int n_qkv, int n_ff, uint16_t *a,
                        uint16_t *qkv, uint16_t *y, uint16_t *g, float *kc, float *vc, int pos,
                        int n_head, int n_kv, int d, int max_seq, const float *cos,
                        const float *sin, int neox, int q_from) {
     const int nd = n_head * d;
+    const amx_weight *wqkv = ws, *wo = ws + 1, *w13 = ws + 2, *w2 = ws + 3;
+    int fail = 0;
     if (k % 32 || n_qkv % 32 || nd % 32 || n_ff % 32 || d % 32 || q_from < 0 || q_from >= t ||
         n_qkv != (n_head + 2 * n_kv) * d)
         return -1;
-#pragma omp parallel
+#pragma omp parallel reduction(| : fail)
     {
         FTZ_BEGIN
         amx_tiles_16x64();
         rmsnorm_rows_bf16(h, t, k, attn_norm, eps, a);
-        amx_gemm(a, t, k, wqkv, n_qkv, EPI_BF16, qkv, n_qkv);
+        fail |= amx_gemm(a, t, k, wqkv, n_qkv, EPI_BF16, qkv, n_qkv);
         _tile_release();
         FTZ_END
     }
+    if (fail) return -1;
     if (attn_prefill_amx(qkv, t, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox, q_from, y))
         return -1;
     const int m = t - q_from;
     float *hm = h + (size_t)q_from * k;
-#pragma omp parallel
+#pragma omp parallel reduction(| : fail)
     {
         FTZ_BEGIN
         amx_tiles_16x64();
-        amx_gemm(y, m, nd, wo, k, EPI_ADD, hm, k);
+        fail |= amx_gemm(y, m, nd, wo, k, EPI_ADD, hm, k);
         rmsnorm_rows_bf16(hm, m, k, ffn_norm, eps, a);
-        amx_gemm(a, m, k, w13, 2 * n_ff, EPI_SWIGLU, g, n_ff);
-        amx_gemm(g, m, n_ff, w2, k, EPI_ADD, hm, k);
+        fail |= amx_gemm(a, m, k, w13, 2 * n_ff, EPI_SWIGLU, g, n_ff);
+        fail |= amx_gemm(g, m, n_ff, w2, k, EPI_ADD, hm, k);
         _tile_release();
         FTZ_END
     }
-    return 0;
+    return fail ? -1 : 0;
 }
 #else
 int qlib_amx_init(void) { return -1; }
