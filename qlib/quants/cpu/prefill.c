@@ -558,37 +558,43 @@ typedef struct {
 } amx_weight;
 
 /* Tiles j (16 columns), chunks 0..nkc-1 of a quantized weight -> bf16 tiles at out. */
-static void amx_expand(const amx_weight *w, int j, int nkc, uint16_t *out) {
-    /* word 2n <- n (vl[n]), word 2n + 1 <- 16 + n (vh[n]) */
-    const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                              24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
-                                              1, 16, 0);
-    for (int c = 0; c < nkc; c++) {
-        const size_t tile = (size_t)j * nkc + c;
-        const __m512 d = _mm512_loadu_ps(w->d + 16 * tile);
-        const __m512 m = w->m ? _mm512_loadu_ps(w->m + 16 * tile) : _mm512_setzero_ps();
-        uint32_t *o = (uint32_t *)(out + (size_t)c * 512);
-        for (int r = 0; r < 16; r++) {
-            __m512i lo, hi;
-            if (w->kind == AMXW_Q4) {
-                const __m512i b = _mm512_cvtepu8_epi32(
-                    _mm_loadu_si128((const __m128i *)((const uint8_t *)w->t + tile * 256 + 16 * r)));
-                lo = _mm512_and_si512(b, _mm512_set1_epi32(15));
-                hi = _mm512_srli_epi32(b, 4);
-            } else {
-                const __m512i p = _mm512_cvtepu16_epi32(
-                    _mm256_loadu_si256((const __m256i *)((const int8_t *)w->t + tile * 512 + 32 * r)));
-                lo = _mm512_srai_epi32(_mm512_slli_epi32(p, 24), 24);
-                hi = _mm512_srai_epi32(_mm512_slli_epi32(p, 16), 24);
-            }
-            const __m512 vl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m);
-            const __m512 vh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m);
-            /* bf16 (nearest even; the values are never float32 denormals): [vl | vh], then
-             * interleaved into pairs (vl[n], vh[n]) */
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(vh, vl);
-            _mm512_store_si512(o + 16 * r, _mm512_permutexvar_epi16(pair_idx, both));
+/* word 2n <- n (vl[n]), word 2n + 1 <- 16 + n (vh[n]) */
+#define PAIR_IDX _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, \
+                                  23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
+
+/* Tile (j, c) of a quantized weight (16 columns x 32 k) -> one bf16 tile at out. */
+static inline void amx_expand_tile(const amx_weight *w, int j, int c, int nkc, uint16_t *out) {
+    const __m512i pair_idx = PAIR_IDX;
+    const size_t tile = (size_t)j * nkc + c;
+    const __m512 d = _mm512_loadu_ps(w->d + 16 * tile);
+    const __m512 m = w->m ? _mm512_loadu_ps(w->m + 16 * tile) : _mm512_setzero_ps();
+    uint32_t *o = (uint32_t *)out;
+    for (int r = 0; r < 16; r++) {
+        __m512i lo, hi;
+        if (w->kind == AMXW_Q4) {
+            const __m512i b = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)((const uint8_t *)w->t + tile * 256 + 16 * r)));
+            lo = _mm512_and_si512(b, _mm512_set1_epi32(15));
+            hi = _mm512_srli_epi32(b, 4);
+        } else {
+            const __m512i p = _mm512_cvtepu16_epi32(
+                _mm256_loadu_si256((const __m256i *)((const int8_t *)w->t + tile * 512 + 32 * r)));
+            lo = _mm512_srai_epi32(_mm512_slli_epi32(p, 24), 24);
+            hi = _mm512_srai_epi32(_mm512_slli_epi32(p, 16), 24);
         }
+        const __m512 vl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m);
+        const __m512 vh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m);
+        /* bf16 (nearest even; the values are never float32 denormals): [vl | vh], then
+         * interleaved into pairs (vl[n], vh[n]) */
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(vh, vl);
+        _mm512_store_si512(o + 16 * r, _mm512_permutexvar_epi16(pair_idx, both));
     }
+}
+
+/* Tile t (0 .. 2 nkc - 1) of column block nb's two column tiles -> its place in buf. */
+static inline void amx_expand_block_tile(const amx_weight *w, int nb, int t, int nkc,
+                                         uint16_t *buf) {
+    amx_expand_tile(w, 2 * nb + t / nkc, t % nkc, nkc, buf + (size_t)t * 512);
 }
 
 /* Inside a parallel region (tiles configured): rows 0..M-1 of A [*, K] bf16 times the
@@ -600,25 +606,35 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
                     void *out, int ldo) {
     const int nkc = K / 32, nb32 = N / 32;
     float buf[4][256] __attribute__((aligned(64)));
-    /* this thread's expanded column block (2 nkc tiles), for quantized weights */
-    uint16_t *xb = w->kind == AMXW_BF16 ? NULL : aligned_alloc(64, (size_t)nkc * 2048);
-    int fail = w->kind != AMXW_BF16 && !xb;
-#pragma omp for schedule(static)
-    for (int nb = 0; nb < nb32; nb++) {
-        if (fail) continue;
+    /* quantized weights: this thread's column blocks expanded into two buffers of 2 nkc
+     * tiles, the next block's tiles one per tile step while the current block's products
+     * run (AVX-512 and AMX units busy at once) */
+    const int quant = w->kind != AMXW_BF16, ntile = 2 * nkc;
+    uint16_t *xb = quant ? aligned_alloc(64, (size_t)ntile * 2 * 1024) : NULL;
+    const int fail = quant && !xb;
+    /* the static split of omp for, made explicit: a thread knows its next block */
+    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int nb_lo = (int)((long)nb32 * tid / nth), nb_hi = (int)((long)nb32 * (tid + 1) / nth);
+    int cur = 0;
+    if (quant && !fail && nb_lo < nb_hi)
+        for (int t = 0; t < ntile; t++) amx_expand_block_tile(w, nb_lo, t, nkc, xb);
+    for (int nb = nb_lo; nb < nb_hi && !fail; nb++) {
         const uint16_t *b0, *b1;
-        if (w->kind == AMXW_BF16) {
+        uint16_t *next = NULL;
+        int done = 0; /* tiles of the next block expanded so far */
+        if (!quant) {
             b0 = (const uint16_t *)w->t + (size_t)(2 * nb) * nkc * 512;
             b1 = b0 + (size_t)nkc * 512;
         } else {
-            amx_expand(w, 2 * nb, nkc, xb);
-            amx_expand(w, 2 * nb + 1, nkc, xb + (size_t)nkc * 512);
-            b0 = xb, b1 = xb + (size_t)nkc * 512;
+            b0 = xb + (size_t)cur * ntile * 512, b1 = b0 + (size_t)nkc * 512;
+            if (nb + 1 < nb_hi) next = xb + (size_t)(1 - cur) * ntile * 512;
+            else done = ntile;
         }
         for (int mb = 0; mb < M; mb += 32) {
             const uint16_t *a0 = A + (size_t)mb * K, *a1 = a0 + (size_t)16 * K;
             _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
             for (int kc = 0; kc < nkc; kc++) {
+                if (next && done < ntile) amx_expand_block_tile(w, nb + 1, done++, nkc, next);
                 _tile_loadd(0, a0 + 32 * kc, K * 2);
                 _tile_loadd(2, b0 + (size_t)kc * 512, 64);
                 _tile_loadd(3, b1 + (size_t)kc * 512, 64);
@@ -650,7 +666,12 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
                 }
             }
         }
+        if (quant) {
+            while (next && done < ntile) amx_expand_block_tile(w, nb + 1, done++, nkc, next);
+            cur = 1 - cur;
+        }
     }
+#pragma omp barrier
     free(xb);
     return fail;
 }
