@@ -11,14 +11,16 @@ none of candle's sharp edges. What differs from the faithful path:
   the kernel (no compiler, no AVX-512) ``qlib.quants.matmul`` does the same sums;
 * **fused weights**: q, k, v stacked into one matrix, gate and up into another
   (one activation quantization and one kernel call each);
-* **prefill** (``prefill="bf16"``, default): a bfloat16 copy of every layer
-  weight, made at load. Where the CPU has AMX-BF16 (``cpu.amx_available()``) it
-  is packed as AMX tiles and each layer is one C call (``qlib_prefill_layer`` in
+* **prefill** (``prefill="bf16"``, default): matmuls on bfloat16 weights and
+  inputs. Where the CPU has AMX-BF16 (``cpu.amx_available()``) Q4_0 / Q4_1 / Q8_0
+  weights stay 4/8-bit in AMX tile order and are expanded to bf16 tiles inside
+  the GEMM (other types: a bf16 tile copy made at load; ``amx_packed=False``: a
+  copy for all), and each layer is one C call (``qlib_prefill_layer`` in
   ``qlib/quants/cpu/prefill.c``): RmsNorm -> bf16, our AMX GEMM with fused
   epilogues (qkv -> bf16; wo and down added to the float32 residual; gate/up ->
   SwiGLU -> bf16), RoPE + KV-cache write + AMX attention (scores from hi/lo bf16
-  splits, ~16 bits). Elsewhere (or ``amx=False``, ``QLIB_NO_AMX=1``) the copy is
-  prepacked in oneDNN's blocked layout and oneDNN bf16 matmuls run with one C
+  splits, ~16 bits). Elsewhere (or ``amx=False``, ``QLIB_NO_AMX=1``) a bf16 copy
+  made at load is prepacked in oneDNN's blocked layout and oneDNN bf16 matmuls run with one C
   call between each pair (add + RmsNorm, RoPE + KV write + float32 attention,
   SwiGLU). The residual stream, the KV cache and all arithmetic outside the
   matmuls stay float32. ``prefill="int8"`` keeps ggml semantics for every row
