@@ -525,8 +525,9 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
 
 /* ---- AMX GEMM and the whole prefill layer -----------------------------------------------
  *
- * Weights for the layer kernel are bf16 packed as AMX B tiles: W [N, K] ->
- * [N / 16][K / 32][16][16][2] (tile (j, c): row r, column n = W[16 j + n][32 c + 2r + {0,1}]);
+ * Weights for the layer kernel are AMX B tiles of bf16: W [N, K] -> [N / 16][K / 32][16][16][2]
+ * (tile (j, c): row r, column n = W[16 j + n][32 c + 2r + {0,1}]), held as such or as 4/8-bit
+ * codes in the same order, expanded per column block (amx_weight, below);
  * the gate/up weight interleaves its tiles (gate tile j, up tile j, ...) so that one 32-column
  * block holds matching gate and up columns. Activations (A) are bf16 rows of K; row blocks of
  * 32 read whole blocks, so A buffers need 32 rows of padding past the last row used.
