@@ -30,33 +30,39 @@ void qlib_exp(const float *x, int n, float *y) {
 
 /* For rows i < t of h [t, k] float32: h += delta (bf16 [t, k], when not NULL); then
  * out[i] = h[i] / sqrt(mean(h[i]^2) + eps) * w, stored as bf16 (out_bf16) or float32. */
+/* Row x of k floats: x += delta (bf16, when not NULL); out = x / sqrt(mean(x^2) + eps) * w,
+ * as bf16 (out_bf16) or float32. */
+static inline void add_rmsnorm_row(float *x, const uint16_t *delta, int k, const float *w,
+                                   float eps, void *out, int out_bf16) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int e = 0; e < k; e += 16) {
+        __m512 v = _mm512_loadu_ps(x + e);
+        if (delta) {
+            v = _mm512_add_ps(v, bf16x16_load(delta + e));
+            _mm512_storeu_ps(x + e, v);
+        }
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)k + eps));
+    for (int e = 0; e < k; e += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + e), r), _mm512_loadu_ps(w + e));
+        if (out_bf16)
+            bf16x16_store((uint16_t *)out + e, v);
+        else
+            _mm512_storeu_ps((float *)out + e, v);
+    }
+}
+
 void qlib_add_rmsnorm(float *h, const uint16_t *delta, int t, int k, const float *w, float eps,
                       void *out, int out_bf16) {
+    const size_t osize = out_bf16 ? sizeof(uint16_t) : sizeof(float);
 #pragma omp parallel
     {
     FTZ_BEGIN
 #pragma omp for schedule(static)
-    for (int i = 0; i < t; i++) {
-        float *x = h + (size_t)i * k;
-        __m512 ss = _mm512_setzero_ps();
-        for (int e = 0; e < k; e += 16) {
-            __m512 v = _mm512_loadu_ps(x + e);
-            if (delta) {
-                v = _mm512_add_ps(v, bf16x16_load(delta + (size_t)i * k + e));
-                _mm512_storeu_ps(x + e, v);
-            }
-            ss = _mm512_fmadd_ps(v, v, ss);
-        }
-        const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)k + eps));
-        for (int e = 0; e < k; e += 16) {
-            __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + e), r),
-                                     _mm512_loadu_ps(w + e));
-            if (out_bf16)
-                bf16x16_store((uint16_t *)out + (size_t)i * k + e, v);
-            else
-                _mm512_storeu_ps((float *)out + (size_t)i * k + e, v);
-        }
-    }
+    for (int i = 0; i < t; i++)
+        add_rmsnorm_row(h + (size_t)i * k, delta ? delta + (size_t)i * k : NULL, k, w, eps,
+                        (char *)out + osize * (size_t)i * k, out_bf16);
     FTZ_END
     }
 }
@@ -678,20 +684,10 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
 }
 
 /* RmsNorm of rows 0..t-1 of h [*, k] -> bf16 out rows (omp for, ends with a barrier) */
-static void rmsnorm_rows_bf16(const float *h, int t, int k, const float *w, float eps, uint16_t *out) {
+static void rmsnorm_rows_bf16(float *h, int t, int k, const float *w, float eps, uint16_t *out) {
 #pragma omp for schedule(static)
-    for (int i = 0; i < t; i++) {
-        const float *x = h + (size_t)i * k;
-        __m512 ss = _mm512_setzero_ps();
-        for (int e = 0; e < k; e += 16) {
-            const __m512 v = _mm512_loadu_ps(x + e);
-            ss = _mm512_fmadd_ps(v, v, ss);
-        }
-        const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)k + eps));
-        for (int e = 0; e < k; e += 16)
-            bf16x16_store(out + (size_t)i * k + e,
-                          _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + e), r), _mm512_loadu_ps(w + e)));
-    }
+    for (int i = 0; i < t; i++)
+        add_rmsnorm_row(h + (size_t)i * k, NULL, k, w, eps, out + (size_t)i * k, 1);
 }
 
 /* Test hook: out = A [M, K] x W^T through amx_gemm (A with 32 rows of padding); 0 or -1. */
