@@ -330,20 +330,6 @@ static void amx_tiles_16x64(void) {
 }
 
 /* 16 floats -> 16 bf16 in the low halves of 16 uint32 (round to nearest even) */
-/* v rounded to bf16 (nearest even), as float32 */
-static inline __m512 bf16_round(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
-    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
-
-static inline __m512i bf16x16_u32(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-}
-
 /* 32 floats -> 32 bf16 in order, as 16 uint32 (pairs) */
 static inline __m512i bf16x32_pairs(__m512 lo, __m512 hi) {
     const __m512i a = bf16x16_u32(lo), b = bf16x16_u32(hi);

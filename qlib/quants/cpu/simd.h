@@ -10,11 +10,24 @@ static inline __m512 bf16x16_load(const uint16_t *p) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-static inline void bf16x16_store(uint16_t *p, __m512 v) { /* round to nearest even */
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+/* v + rounding bias: bf16 (nearest even) in the high halves of 16 uint32 */
+static inline __m512i bf16x16_biased(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+}
+
+/* 16 floats -> 16 bf16 in the low halves of 16 uint32 */
+static inline __m512i bf16x16_u32(__m512 v) { return _mm512_srli_epi32(bf16x16_biased(v), 16); }
+
+/* v rounded to bf16, as float32 */
+static inline __m512 bf16_round(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(bf16x16_biased(v), _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* 16 floats -> 16 bf16 at p (round to nearest even) */
+static inline void bf16x16_store(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bf16x16_u32(v)));
 }
 
 /* Denormals are slow (microcode assists on every vector op that makes or reads one):
