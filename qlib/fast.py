@@ -304,6 +304,24 @@ class FastModel:
         lins = [w for ly in self.layers for w in (ly.wqkv, ly.wo, ly.w13, ly.w2)]
         return all(w.has_bf16 for w in lins)
 
+    def _attn_args(self, pos: int) -> tuple:
+        """The prefill attention kernels' arguments after the cache pointers: position, heads,
+        head size, cache length, the RoPE tables from position 0, NeoX pairs or not."""
+        c = self.config
+        return (pos, c.head_count, c.head_count_kv, c.head_dim, self.max_seq_len,
+                self.cos.data_ptr(), self.sin.data_ptr(), int(c.rope_is_neox))  # fmt: skip
+
+    def _logits(self, h: torch.Tensor, r0: int, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of rows ``r0..`` of the residual stream ``h`` (plus ``delta``, bf16, the last
+        matmul's output when not yet added): final RmsNorm, then the output layer."""
+        c = self.config
+        m, k = h.shape[0] - r0, c.embedding_length
+        hn = torch.empty(m, k)
+        dp = delta.data_ptr() if delta is not None else None
+        cpu.load().qlib_add_rmsnorm(h[r0:].data_ptr(), dp, m, k, self.norm.data_ptr(),
+                                    c.rms_norm_eps, hn.data_ptr(), 0)  # fmt: skip
+        return self.output.quantized(hn)
+
     def _prefill_fused(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         """Prefill of ``t`` tokens: bf16 oneDNN matmuls, 3 C calls per layer between them.
 
@@ -323,8 +341,7 @@ class FastModel:
         norm, swiglu, attn = lib.qlib_add_rmsnorm, lib.qlib_swiglu_bf16, lib.qlib_attn_prefill_ex
         eps, hp, ap, yp, gp = c.rms_norm_eps, h.data_ptr(), a.data_ptr(), y.data_ptr(), g.data_ptr()
         # (every C call below reads tensors that stay referenced until it returns)
-        tail = (pos, c.head_count, c.head_count_kv, c.head_dim, self.max_seq_len,
-                self.cos.data_ptr(), self.sin.data_ptr(), int(c.rope_is_neox))  # fmt: skip
+        tail = self._attn_args(pos)
         amx = int(self.amx and cpu.amx_available())
         norm(hp, None, t, k, self.layers[0].attn_norm.data_ptr(), eps, ap, 1)
         d, r0, last = None, 0, len(self.layers) - 1
@@ -345,10 +362,7 @@ class FastModel:
             gu = ly.w13.bf16_io(a[:m], rows)  # held: the C call reads it
             swiglu(gu.data_ptr(), m, n_ff, gp)
             d = ly.w2.bf16_io(g[:m], rows)
-        m = t - r0
-        hn = torch.empty(m, k)
-        norm(h[r0:].data_ptr(), d.data_ptr(), m, k, self.norm.data_ptr(), eps, hn.data_ptr(), 0)
-        return self.output.quantized(hn)
+        return self._logits(h, r0, d)
 
     def _prefill_amx(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         """Prefill of ``t`` tokens with one C call per layer (``qlib_prefill_layer``): AMX bf16
@@ -363,8 +377,7 @@ class FastModel:
         # bf16 scratch with 32 rows of padding (the kernel's row blocks of 32 read past t)
         a, qkv, y, g = (torch.empty(t + 32, n, dtype=torch.bfloat16) for n in (k, n_qkv, nd, n_ff))
         ptrs = (a.data_ptr(), qkv.data_ptr(), y.data_ptr(), g.data_ptr())
-        tail = (pos, c.head_count, c.head_count_kv, c.head_dim, self.max_seq_len,
-                self.cos.data_ptr(), self.sin.data_ptr(), int(c.rope_is_neox))  # fmt: skip
+        tail = self._attn_args(pos)
         last = len(self.layers) - 1
         for i, ly in enumerate(self.layers):
             q_from = t - 1 if i == last and not all_logits else 0
@@ -374,11 +387,7 @@ class FastModel:
                 self.cache[i, 0].data_ptr(), self.cache[i, 1].data_ptr(), *tail, q_from,
             ):  # fmt: skip
                 raise RuntimeError("qlib_prefill_layer failed (shapes or memory)")
-        r0 = 0 if all_logits else t - 1
-        hn = torch.empty(t - r0, k)
-        lib.qlib_add_rmsnorm(h[r0:].data_ptr(), None, t - r0, k, self.norm.data_ptr(),
-                             c.rms_norm_eps, hn.data_ptr(), 0)  # fmt: skip
-        return self.output.quantized(hn)
+        return self._logits(h, 0 if all_logits else t - 1)
 
     def _decode_c(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         """One token through the fused C kernels: 5 calls per layer, no torch ops."""

@@ -134,8 +134,6 @@ def load() -> ctypes.CDLL | None:
         lib.qlib_add_rmsnorm.restype = None
         lib.qlib_swiglu_bf16.argtypes = [p, i, i, p]
         lib.qlib_swiglu_bf16.restype = None
-        lib.qlib_attn_prefill.argtypes = [p, i, p, p, i, i, i, i, i, p, p, i, i, p]
-        lib.qlib_attn_prefill.restype = i
         lib.qlib_attn_prefill_ex.argtypes = [p, i, p, p, i, i, i, i, i, p, p, i, i, p, i]
         lib.qlib_attn_prefill_ex.restype = i
         lib.qlib_amx_init.argtypes = []
@@ -238,8 +236,9 @@ def pack_amx(w: torch.Tensor, interleave: bool = False) -> torch.Tensor:
     n, k = w.shape
     if w.dtype != torch.bfloat16 or n % 32 or k % 32:
         raise ValueError(f"pack_amx: a bf16 [n, k] weight with n, k % 32 == 0, got {list(w.shape)}")
-    if interleave:
-        w = torch.stack([w[: n // 2].reshape(-1, 16, k), w[n // 2 :].reshape(-1, 16, k)], 1)
+    rows = _tile_rows(n, interleave)
+    if rows is not None:
+        w = w[rows]
     return w.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 

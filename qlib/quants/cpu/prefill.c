@@ -126,6 +126,19 @@ static inline void head_in(const uint16_t *x, int d, const float *c, const float
     }
 }
 
+/* Row i of a prefill chunk (position p): the RoPE tables of p into c, s (d floats each);
+ * its k (rotated) and v heads into the float32 caches kc, vc [n_kv, max_seq, d] at p. */
+static void rope_kv_row(const uint16_t *x, int p, int n_head, int n_kv, int d, int max_seq,
+                        const float *cos, const float *sin, int neox, float *kc, float *vc,
+                        float *c, float *s) {
+    rope_tables(cos + (size_t)p * (d / 2), sin + (size_t)p * (d / 2), d, neox, c, s);
+    for (int g = 0; g < n_kv; g++) {
+        const size_t at = ((size_t)g * max_seq + p) * d;
+        head_in(x + (size_t)(n_head + g) * d, d, c, s, neox, 1.0f, kc + at);
+        head_in(x + (size_t)(n_head + n_kv + g) * d, d, NULL, NULL, 0, 1.0f, vc + at);
+    }
+}
+
 /* Scores of NQ query vectors (d floats each, scaled) with keys 0..32*nb2-1:
  * s[j * ld + l] = q_j . k_l. Kt: keys transposed in blocks of 32, [*, d, 32]. */
 static inline __attribute__((always_inline)) void attn_scores(
@@ -229,15 +242,9 @@ int qlib_attn_prefill(const uint16_t *qkv, int t, float *kc, float *vc, int pos,
         for (int i = 0; i < t; i++) {
             const uint16_t *x = qkv + (size_t)i * row;
             float c[128], s[128];
-            rope_tables(cos + (size_t)(pos + i) * (d / 2), sin + (size_t)(pos + i) * (d / 2), d,
-                        neox, c, s);
+            rope_kv_row(x, pos + i, n_head, n_kv, d, max_seq, cos, sin, neox, kc, vc, c, s);
             for (int h = 0; h < n_head && i >= q_from; h++)
                 head_in(x + (size_t)h * d, d, c, s, neox, scale, qf + ((size_t)i * n_head + h) * d);
-            for (int g = 0; g < n_kv; g++) {
-                const size_t at = ((size_t)g * max_seq + pos + i) * d;
-                head_in(x + (size_t)(n_head + g) * d, d, c, s, neox, 1.0f, kc + at);
-                head_in(x + (size_t)(n_head + n_kv + g) * d, d, NULL, NULL, 0, 1.0f, vc + at);
-            }
         }
         /* keys transposed per KV head in blocks of 32: Kt[g][l / 32][e][l % 32], zero past L */
 #pragma omp for schedule(static)
@@ -374,8 +381,7 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
             }
             const uint16_t *x = qkv + (size_t)i * row;
             float c[128], s[128], buf[128];
-            rope_tables(cos + (size_t)(pos + i) * (d / 2), sin + (size_t)(pos + i) * (d / 2), d,
-                        neox, c, s);
+            rope_kv_row(x, pos + i, n_head, n_kv, d, max_seq, cos, sin, neox, kc, vc, c, s);
             for (int h = 0; h < n_head && i >= q_from; h++) {
                 head_in(x + (size_t)h * d, d, c, s, neox, scale, buf);
                 uint16_t *dst = Qb + ((size_t)h * tq16 + i - q_from) * d;
@@ -384,11 +390,6 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
                     bf16x16_store(dst + e, hi);
                     bf16x16_store(dst + qsz + e, _mm512_sub_ps(v, hi));
                 }
-            }
-            for (int g = 0; g < n_kv; g++) {
-                const size_t at = ((size_t)g * max_seq + pos + i) * d;
-                head_in(x + (size_t)(n_head + g) * d, d, c, s, neox, 1.0f, kc + at);
-                head_in(x + (size_t)(n_head + n_kv + g) * d, d, NULL, NULL, 0, 1.0f, vc + at);
             }
         }
         /* 2. the cache (positions 0..L-1) -> bf16 tiles KB, VB */
