@@ -5,12 +5,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Extras installed by `make setup`: dev tools, and the llama.cpp peer (llama-cpp-python, built
-# from source in about 5 minutes; PEERS=0 skips it and the tests that need it skip).
+# Extras installed by `make setup`: the suite (lab), the references (refs), dev tools, and the
+# llama.cpp peer (llama-cpp-python, built from source in about 5 minutes; PEERS=0 skips it and
+# the tests that need it skip).
 PEERS ?= 1
 comma := ,
-EXTRAS := dev$(if $(filter 1,$(PEERS)),$(comma)peers,)
-# llama.cpp's native build uses AMX tiles, which crash in this VM (see DESIGN.md).
+EXTRAS := dev$(comma)lab$(comma)refs$(if $(filter 1,$(PEERS)),$(comma)peers,)
+# llama.cpp's native build uses AMX tiles, which crash in this VM (see docs/design.md).
 export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
@@ -40,5 +41,19 @@ models: setup
 lint: setup
 	$(VENV)/bin/ruff check qlib tests
 
+# Deletes everything under results/, but not committed reference results (files tracked by
+# git) unless FORCE=1: with such files there it says what it would delete and fails.
 clean-results:
-	rm -rf results/*
+	@tracked=$$(git ls-files -- results 2>/dev/null | while IFS= read -r f; do \
+	  [ -e "$$f" ] && echo "$$f"; done); \
+	all=$$(find results -mindepth 1 -type f 2>/dev/null | wc -l); \
+	if [ -n "$$tracked" ] && [ "$(FORCE)" != 1 ]; then \
+	  n=$$(printf '%s\n' "$$tracked" | wc -l); \
+	  echo "clean-results would delete $$all file(s) under results/ (rm -rf results/*);"; \
+	  echo "$$n of them are committed reference results tracked by git, e.g.:"; \
+	  printf '%s\n' "$$tracked" | head -n 5 | sed 's/^/  /'; \
+	  echo "Nothing deleted. 'make clean-results FORCE=1' deletes them all."; \
+	  exit 1; \
+	fi; \
+	echo "deleting $$all file(s) under results/"; \
+	rm -rf results/* results/.[!.]*

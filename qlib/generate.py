@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .devices import DeviceLike, synchronize
+from .devices import DeviceLike
 
 
 class LogitsProcessor:
@@ -157,6 +157,7 @@ def generate_timed(
     steps: int,
     *,
     device: DeviceLike = "cpu",
+    engine: str | None = None,
     form: str | None = None,
     chat: bool = False,
     processor: LogitsProcessor | None = None,
@@ -170,19 +171,15 @@ def generate_timed(
     ``buffered=False`` opens the file unbuffered, as the seed's Rust program
     does (one system call per read).
     """
-    from . import engines
-    from .gguf_file import Content
+    from .llama.engine import load
     from .tokenizer import Tokenizer
 
     timings = Timings()
-    start = time.perf_counter()
-    with open(path, "rb", buffering=-1 if buffered else 0) as f:
-        content = Content.read(f)
-        timings.read_ms = (time.perf_counter() - start) * 1e3
-        start = time.perf_counter()
-        model = engines.from_gguf(content, f, device, form, **model_kwargs)
-        synchronize(model.device)
-        timings.build_ms = (time.perf_counter() - start) * 1e3
+    times: dict[str, float] = {}
+    model, content = load(
+        path, device, engine=engine, form=form, buffered=buffered, times=times, **model_kwargs
+    )
+    timings.read_ms, timings.build_ms = times["read_ms"], times["build_ms"]
     tokenizer = Tokenizer.from_metadata(content.metadata)
     text = tokenizer.chat_prompt(prompt) if chat else prompt
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)

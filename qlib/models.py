@@ -56,12 +56,38 @@ def path(name: str = DEFAULT_MODEL) -> Path:
     p = models_dir() / name
     if p.is_file():
         return p
+    if not name.endswith(".gguf"):  # a type or recipe: the variant derived from the default
+        p = models_dir() / derived_name(DEFAULT_MODEL, name)
+        if p.is_file():
+            return p
     if name == DEFAULT_MODEL:
         raise ModelNotFoundError(f"model {name} is not in {models_dir()}: {FETCH_HINT}")
     raise ModelNotFoundError(
         f"model {name} is not in {models_dir()}: derive it with "
         f"`python -m qlib models derive` (after `python -m qlib models fetch`)"
     )
+
+
+def listing() -> list[dict]:
+    """The GGUF files in ``models_dir()``: name, main ggml type, size, sha256, path."""
+    from collections import Counter
+
+    from .gguf import Content
+
+    rows = []
+    for file in sorted(models_dir().glob("*.gguf")):
+        try:
+            infos = Content.read_path(file).tensor_infos.values()
+            types = Counter(i.dtype.name for i in infos if len(i.shape) == 2)
+            main_type = types.most_common(1)[0][0] if types else "?"
+        except ValueError as e:  # a corrupt file is listed, not fatal
+            main_type = f"unreadable ({e})"
+        rows.append({
+            "name": file.name, "type": main_type, "bytes": file.stat().st_size,
+            "sha256": sha256_of(file), "embedded": file.name == DEFAULT_MODEL,
+            "path": str(file.resolve()),
+        })  # fmt: skip
+    return rows
 
 
 def sha256_of(file: Path) -> str:

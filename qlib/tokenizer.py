@@ -31,6 +31,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from .gguf import Content
+
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -449,16 +451,5 @@ def _compile(source: str) -> Any:
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """A GGUF file's metadata as plain Python values."""
-    try:
-        from qlib.gguf_file import Content
-    except ImportError:
-        return _read_metadata_gguf_py(path)
     with open(path, "rb") as f:
         return dict(Content.read(f).metadata)
-
-
-def _read_metadata_gguf_py(path: str | Path) -> dict[str, Any]:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    return {name: field.contents() for name, field in reader.fields.items()}

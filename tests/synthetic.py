@@ -1,4 +1,4 @@
-"""Tiny random llama GGUF files for tests, written with ``qlib.gguf_file.write``.
+"""Tiny random llama GGUF files for tests, written with ``qlib.gguf.write``.
 
 ``write_tiny_llama`` writes every ``llama.*`` key candle's ``from_gguf`` reads and
 the usual llama.cpp tensor names and shapes (torch order: (out, in)).
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from qlib.gguf_file import GGUFValueType, Typed, write
+from qlib.gguf import GGUFValueType, Typed, write
 from qlib.quants.types import ggml_type
 
 U32, F32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
@@ -102,7 +102,7 @@ def _encode(name: str, w: np.ndarray, weight_type: str) -> tuple[Any, np.ndarray
     if t.name == "F16":
         h = w.astype(np.float16)
         return h, h.astype(np.float32)
-    from qlib.qtensor import QTensor  # needs qlib.quants' quantize / dequantize
+    from qlib.quants.qtensor import QTensor  # needs qlib.quants' quantize / dequantize
 
     if w.shape[-1] % t.block_size:
         raise ValueError(

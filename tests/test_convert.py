@@ -27,8 +27,10 @@ from qlib.convert import (
     unpermute,
 )
 from qlib.convert.recipes import use_more_bits
-from qlib.gguf_file import Content
-from qlib.quantized_llama import ModelError, load, rope_i
+from qlib.gguf import Content
+from qlib.llama.engine import load
+from qlib.llama.errors import ModelError
+from qlib.llama.faithful import rope_i
 
 LOGIT_TOL_SAME_ENGINE = 1e-4
 LOGIT_TOL_TRANSFORMERS = 1e-3
@@ -253,7 +255,7 @@ def test_failure_options(tiny):
 
 
 def test_cli(tiny):
-    from qlib.__main__ import main
+    from qlib.cli import main
 
     d, src, hf = tiny
     hf_dir = d / "cli_hf"

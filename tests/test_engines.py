@@ -1,4 +1,4 @@
-"""``qlib.engines``: one entry point for the faithful path and the fast path of each device."""
+"""``qlib.llama.engine``: one entry point for the faithful path and the fast path of each device."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import pytest
 import torch
 from synthetic import write_tiny_llama
 
-from qlib import engines
-from qlib.fast import FastModel
-from qlib.fast_cuda import CudaFastModel
-from qlib.quantized_llama import ModelError, ModelWeights
+from qlib.llama import engine as engines
+from qlib.llama.errors import ModelError
+from qlib.llama.faithful import ModelWeights
+from qlib.llama.fast_cpu import FastModel
+from qlib.llama.fast_cuda import CudaFastModel
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +20,13 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("form", [None, "quantized", "f32", "f16"])
 def test_faithful_forms_build_model_weights(tiny, form):
-    model, _ = engines.load(tiny, "cpu", form)
+    model, _ = engines.load(tiny, "cpu", form=form)
     assert isinstance(model, ModelWeights)
 
 
 def test_fast_on_cpu_is_fast_model_and_agrees_with_the_quantized_form(tiny):
-    fast, _ = engines.load(tiny, "cpu", "fast", prefill="int8")
-    ref, _ = engines.load(tiny, "cpu", "quantized")
+    fast, _ = engines.load(tiny, "cpu", engine="fast", prefill="int8")
+    ref, _ = engines.load(tiny, "cpu", form="quantized")
     assert isinstance(fast, FastModel)
     x = torch.tensor([[1, 2, 3, 4]])
     a, b = fast.forward(x, 0), ref.forward(x, 0)
@@ -34,21 +35,21 @@ def test_fast_on_cpu_is_fast_model_and_agrees_with_the_quantized_form(tiny):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fast_on_cuda_is_cuda_fast_model(tiny):
-    model, _ = engines.load(tiny, "cuda", "fast")
+    model, _ = engines.load(tiny, "cuda", engine="fast")
     assert isinstance(model, CudaFastModel)
 
 
 def test_fast_elsewhere_is_a_clear_error(tiny, monkeypatch):
     monkeypatch.setattr(engines, "as_device", lambda d: torch.device("mps"))
-    with pytest.raises(ModelError, match="no fast path on mps"):
-        engines.load(tiny, "mps", "fast")
+    with pytest.raises(ModelError, match="no fast engine on mps"):
+        engines.load(tiny, "mps", engine="fast")
 
 
 def test_generate_cli_takes_the_fast_form(capsys):
     import json
 
     from qlib import models
-    from qlib.__main__ import main
+    from qlib.cli import main
 
     try:
         path = models.path()

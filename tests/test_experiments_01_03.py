@@ -6,9 +6,9 @@ import pytest
 import torch
 from synthetic import write_tiny_llama
 
-from qlib.experiments import phases, span_study, throughput
-from qlib.gguf_file import Content
-from qlib.quantized_llama import ModelWeights
+from qlib.llama.engine import load
+from qlib.llama.faithful import ModelWeights
+from qlib.suite.experiments import common, phases, span_study, throughput
 
 N_LAYER, N_HEAD, N_KV, N_EMBD = 3, 4, 2, 64
 PROMPT = [3, 1, 4, 1, 5]
@@ -22,9 +22,7 @@ def tiny_path(tmp_path_factory):
 
 @pytest.fixture()
 def model(tiny_path) -> ModelWeights:
-    with open(tiny_path, "rb") as f:
-        content = Content.read(f)
-        return ModelWeights.from_gguf(content, f, "cpu")
+    return load(tiny_path, "cpu")[0]
 
 
 # -- notebook 1 -------------------------------------------------------------------------
@@ -54,19 +52,30 @@ def test_header_reads_are_many_small_ones(tiny_path):
     assert ms > 0
 
 
+class ChatStub:
+    chat_template = "{% for m in messages %}<|im_start|>{{ m.role }}...{% endfor %}"
+
+    def encode(self, text, add_special_tokens=False):
+        assert not add_special_tokens  # no BOS: the template writes its own specials
+        return list(text.encode())
+
+    def chat_prompt(self, text):
+        return "SYSTEM " + text
+
+
 def test_chat_ids_user_turn_alone_on_chatml():
-    class Stub:
-        chat_template = "{% for m in messages %}<|im_start|>{{ m.role }}...{% endfor %}"
-
-        def encode(self, text, add_special_tokens=False):
-            return list(text.encode())
-
-        def chat_prompt(self, text):
-            return "SYSTEM " + text
-
-    ids = phases.chat_ids(Stub(), "What is Rust?")
+    """system=False (notebooks 1, 2 by default): the seed's user turn alone on ChatML."""
+    ids = common.chat_ids(ChatStub(), "What is Rust?", system=False)
     assert bytes(ids).decode().startswith("<|im_start|>user\nWhat is Rust?<|im_end|>")
-    assert bytes(phases.chat_ids(Stub(), "x", system=True)).decode() == "SYSTEM x"
+    other = ChatStub()
+    other.chat_template = "[INST] {{ messages[0].content }} [/INST]"  # not ChatML
+    assert bytes(common.chat_ids(other, "x", system=False)).decode() == "SYSTEM x"
+
+
+def test_chat_ids_default_renders_the_template():
+    """The default (notebooks 4-6): the template as is, with its default system message."""
+    assert bytes(common.chat_ids(ChatStub(), "x")).decode() == "SYSTEM x"
+    assert common.chat_ids(ChatStub(), "x") == common.chat_ids(ChatStub(), "x", system=True)
 
 
 # -- notebook 2 -------------------------------------------------------------------------
@@ -165,12 +174,57 @@ def test_preallocated_cache_gives_the_engines_logits(model, attention):
         return out
 
     reference = logits()
-    with throughput.preallocated_kv(model, max_len=16, attention=attention):
+    with throughput.decode_variant(model, "prealloc", attention, max_len=16):
+        assert (model.kv_cache_mode, model.max_seq_len, model.attention) == (
+            "static",
+            16,
+            attention,
+        )
         static = logits()
         assert model.kv_len == len(ids)
+        assert model.layers[0].kv_buffers[0].shape[2] == 16
     for a, b in zip(reference, static, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert "forward_attn" not in model.layers[0].__dict__ and model.kv_len == 0
+    assert (model.kv_cache_mode, model.attention, model.kv_len) == ("cat", "auto", 0)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        with throughput.decode_variant(model, "prealloc", "flash"):
+            pass
+    with pytest.raises(ValueError, match="cache must be"):
+        with throughput.decode_variant(model, "ring", "naive"):
+            pass
+
+
+@pytest.mark.parametrize("kv_cache", ["cat", "static"])
+def test_kv_snapshot_restores_the_cache(tiny_path, kv_cache):
+    """One snapshot/restore pair for both caches: a static one's views are copied."""
+    model, _ = load(tiny_path, "cpu", kv_cache=kv_cache)
+    ids = list(range(5, 20))
+    with torch.inference_mode():
+        model.forward(torch.tensor([ids[:10]]), 0)
+        snap = common.snapshot_kv(model)
+        expected = model.forward(torch.tensor([[ids[10]]]), 10)
+        model.forward(torch.tensor([ids[3:14]]), 0)  # another sequence overwrites the cache
+        common.restore_kv(model, snap)
+        assert model.kv_len == 10
+        again = model.forward(torch.tensor([[ids[10]]]), 10)
+        common.restore_kv(model, snap, 6)  # the first 6 positions: a prefill of ids[:6]
+        assert model.kv_len == 6
+        cut = model.forward(torch.tensor([[ids[6]]]), 6)
+        model.forward(torch.tensor([ids[:6]]), 0)
+        prefilled = model.forward(torch.tensor([[ids[6]]]), 6)
+    assert torch.equal(again, expected)
+    torch.testing.assert_close(cut, prefilled, atol=1e-5, rtol=1e-5)
+
+
+def test_teacher_forced_logits_are_every_position(model):
+    ids = list(range(3, 12))
+    model.forward(torch.tensor([[1, 2]]), 0)
+    tf = common.teacher_forced_logits(model, ids)
+    assert tf.shape == (len(ids), model.vocab_size) and tf.dtype == torch.float32
+    assert model.kv_len == 0  # empty before and after
+    with torch.inference_mode():
+        last = model.forward(torch.tensor([ids]), 0)[0]
+    torch.testing.assert_close(tf[-1], last, atol=1e-5, rtol=1e-5)
 
 
 def test_throughput_rows_have_the_right_shape(model):
@@ -184,7 +238,7 @@ def test_throughput_rows_have_the_right_shape(model):
     assert [(r["context"], r["steps"]) for r in rows[:2]] == [(4, 3), (16, 2)]
     assert all(r["ms_per_token"] > 0 for r in rows)
     assert model.attention == "auto" and model.kv_len == 0
-    assert "forward_attn" not in model.layers[0].__dict__
+    assert model.kv_cache_mode == "cat" and model.max_seq_len is None
     core = throughput.attention_core_by_context(model, contexts=(4, 16), reps=2)
     assert len(core) == 6
     assert all(r["all_layers_ms"] == pytest.approx(r["layer_us"] * N_LAYER / 1e3) for r in core)
@@ -198,8 +252,8 @@ def test_a_sliced_snapshot_is_a_prefill_of_the_context(model, cache, attention):
     with torch.inference_mode():
         model.forward(torch.tensor([ids[:7]]), 0)
         expected = model.forward(torch.tensor([[ids[7]]]), 7)
-        with throughput.decode_variant(model, cache, attention, max_len=32) as kv:
-            kv.load(snap, 7)
+        with throughput.decode_variant(model, cache, attention, max_len=32):
+            common.restore_kv(model, snap, 7)
             assert model.kv_len == 7
             got = model.forward(torch.tensor([[ids[7]]]), 7)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -7,11 +7,14 @@ import pytest
 import torch
 from synthetic import write_tiny_llama
 
-from qlib.experiments import drift, rope
-from qlib.experiments import index_pos as ip
-from qlib.gguf_file import Content, GGUFValueType, Typed
-from qlib.qtensor import QMatMul
-from qlib.quantized_llama import MAX_SEQ_LEN
+from qlib.generate import generate
+from qlib.gguf import Content, GGUFValueType, Typed
+from qlib.llama.config import MAX_SEQ_LEN
+from qlib.llama.engine import load
+from qlib.quants.qtensor import QMatMul
+from qlib.suite.experiments import drift, rope
+from qlib.suite.experiments import index_pos as ip
+from qlib.suite.experiments.common import next_token
 
 PROMPT = [1, 7, 42, 9, 100, 3, 77, 12, 5, 60, 61, 8, 250]  # 13 tokens, as the seed's prompt
 PROMPT2 = [1, 30, 31, 32, 33, 34]
@@ -42,7 +45,7 @@ def tiny_q8_path(tmp_path_factory):
 
 @pytest.fixture()
 def model(tiny_path):
-    m, _ = rope.load_model(tiny_path)
+    m, _ = load(tiny_path)
     return m
 
 
@@ -76,7 +79,7 @@ def test_decode_variants(model):
     always0 = rows[3]["ids"]
     for prev, nxt in zip(always0, always0[1:], strict=False):
         model.clear_kv_cache()
-        assert ip.next_token(model, [prev], 0) == nxt
+        assert next_token(model, [prev], 0) == nxt
 
 
 def test_chunked_prefill_wrong_index_pos_is_a_broadcast_error(model):
@@ -88,7 +91,7 @@ def test_chunked_prefill_wrong_index_pos_is_a_broadcast_error(model):
     right = ip.chunked_prefill(model, TOK, PROMPT, 8, 8)
     assert right["ok"] and right["error"] == ""
     model.clear_kv_cache()
-    full = ip.next_token(model, PROMPT, 0)
+    full = next_token(model, PROMPT, 0)
     assert right["next_token"] == TOK.decode([full])
     strict = ip.chunked_prefill(model, TOK, PROMPT, 8, 5, strict=True)
     assert "IndexPosError" in strict["error"] and strict["error_mentions_index_pos"]
@@ -192,7 +195,7 @@ def test_qlib_source_greedy_matches_generate(tiny_path):
     assert src.name == "qlib cpu f32"
     ids, step0 = src.greedy(PROMPT, 5)
     src.model.clear_kv_cache()
-    assert ids == rope.greedy(src.model, PROMPT, 5)
+    assert ids == generate(src.model, PROMPT, 5)
     assert int(step0.argmax()) == ids[0]
     tf = src.teacher_forced(PROMPT)
     np.testing.assert_allclose(tf[-1], step0, atol=1e-5)

@@ -1,4 +1,4 @@
-"""The fast CUDA path (``qlib.fast_cuda``, ``qlib.quants.cuda.fused``) against the faithful one.
+"""The fast CUDA engine (``qlib.llama.fast_cuda``, ``quants.cuda.fused``) against the faithful one.
 
 Reference: ``ModelWeights(form="f32")`` on the same device, which dequantizes
 every weight to float32 and runs candle's forward op by op. The fast path reads
@@ -24,10 +24,11 @@ import torch
 from synthetic import _encode, tiny_llama_float_weights, tiny_llama_metadata, write_tiny_llama
 
 from qlib import models
-from qlib.fast_cuda import CudaFastModel
-from qlib.gguf_file import Content, write
-from qlib.quantized_llama import IndexPosError, ModelError, ModelWeights, ShapeError
-from qlib.quants import gpu
+from qlib.gguf import Content, write
+from qlib.llama.errors import IndexPosError, ModelError, ShapeError
+from qlib.llama.faithful import ModelWeights
+from qlib.llama.fast_cuda import CudaFastModel
+from qlib.quants.cuda import matmul as gpu
 
 CUDA = torch.cuda.is_available() and gpu.triton_available()
 INTERPRET = os.environ.get("QLIB_TRITON_INTERPRET") == "1" and gpu.triton_available()
@@ -180,7 +181,7 @@ def smollm2():
 
 @needs_cuda
 def test_smollm2_greedy_equals_f32_form(smollm2):
-    from qlib.bench import prompt_ids
+    from qlib.suite.bench import prompt_ids
     from qlib.tokenizer import Tokenizer
 
     ref, fast = load_pair(smollm2)

@@ -1,4 +1,4 @@
-"""The fast CPU path (qlib.fast, qlib.quants.cpu) against the faithful one.
+"""The fast CPU path (qlib.llama.fast_cpu, qlib.quants.cpu) against the faithful one.
 
 Kernels: ``qlib.quants.cpu.qgemm`` equals the literal ggml transcription
 (``qlib.quants.reference.matmul``) to float rounding (rtol 1e-5: only the
@@ -30,11 +30,13 @@ import pytest
 import torch
 from synthetic import write_tiny_llama
 
-from qlib import fast, models
-from qlib.gguf_file import Content
-from qlib.qtensor import QTensor
-from qlib.quantized_llama import IndexPosError, ModelWeights
+from qlib import models
+from qlib.gguf import Content
+from qlib.llama import fast_cpu as fast
+from qlib.llama.errors import IndexPosError
+from qlib.llama.faithful import ModelWeights
 from qlib.quants import cpu, reference
+from qlib.quants.qtensor import QTensor
 
 needs_kernels = pytest.mark.skipif(
     not cpu.available(), reason=f"C kernels unavailable: {cpu.unavailable_reason()}"
@@ -69,6 +71,35 @@ def test_pack_stacked_and_bf16(type_name):
     x = torch.randn(2, 128, generator=g)
     y = cpu.qgemm(x, pw)
     assert torch.allclose(y[:, :8], cpu.qgemm(x, cpu.pack(a)), rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", KERNEL_TYPES)
+def test_qgemm_flags_and_plans(type_name):
+    """``qgemm``'s keyword flags (``norm``, ``swiglu``, ``accumulate``) and the prepared calls
+    of the decode step: a plan gives the one-off call's bits, ``accumulate`` adds exactly."""
+    g = torch.Generator().manual_seed(3)
+    k, n = 128, 40
+    pw = cpu.pack(QTensor.quantize(torch.randn(n, k, generator=g), type_name))
+    x, gu = torch.randn(1, k, generator=g), torch.randn(2 * k, generator=g)
+    norm, h = torch.rand(k, generator=g) + 0.5, torch.randn(1, n, generator=g)
+    y = cpu.qgemm(x, pw)
+    acc = cpu.qgemm(x, pw, h.clone(), accumulate=True)
+    assert torch.equal(acc, h + y)
+    for kw, inp in ((dict(), x), (dict(norm=norm, eps=1e-5), x), (dict(swiglu=True), gu)):
+        want = cpu.qgemm(inp.view(1, -1), pw, **kw)
+        out = torch.full((n,), float("nan"))
+        assert cpu.qgemm_plan(pw, inp, out, **kw)() == 0
+        assert torch.equal(out, want[0])
+        out2 = h.clone()
+        assert cpu.qgemm_plan(pw, inp, out2, accumulate=True, **kw)() == 0
+        assert torch.equal(out2, h + want)
+    assert torch.equal(cpu.qgemm_alloc_plan(pw, x, norm=norm, eps=1e-5)(),
+                       cpu.qgemm(x, pw, norm=norm, eps=1e-5))  # fmt: skip
+    with pytest.raises(ValueError):
+        cpu.qgemm_plan(pw, x, torch.empty(n + 1))  # out of the wrong size
+    with pytest.raises(ValueError):
+        cpu.qgemm_plan(pw, x, torch.empty(n), swiglu=True)  # swiglu rows are [gate | up]
 
 
 @needs_kernels
@@ -118,7 +149,7 @@ def test_swiglu_matches_torch():
 
 def _attn_reference(qkv, kc, vc, pos, n_head, n_kv, cos, sin, neox):
     """RoPE, cache write and masked SDPA in float32 torch ops (as the faithful path)."""
-    from qlib.quantized_llama import rope_i, rope_neox
+    from qlib.llama.faithful import rope_i, rope_neox
 
     t, d = qkv.shape[0], kc.shape[-1]
     x = qkv.float().view(t, n_head + 2 * n_kv, d).transpose(0, 1)[None]  # (1, heads, t, d)
@@ -143,7 +174,7 @@ def _attn_reference(qkv, kc, vc, pos, n_head, n_kv, cos, sin, neox):
      (70, 3, 8, 1, 128, True), (33, 0, 10, 2, 48, False), (17, 2, 6, 2, 48, True)],
 )  # fmt: skip
 def test_attn_prefill_matches_sdpa(t, pos, n_head, n_kv, d, neox):
-    from qlib.quantized_llama import precompute_freqs_cis
+    from qlib.llama.config import precompute_freqs_cis
 
     g = torch.Generator().manual_seed(7)
     max_seq = 256
@@ -179,7 +210,7 @@ def test_attn_prefill_amx_matches_sdpa(t, pos, n_head, n_kv, d, neox):
     ulp of the largest value of SDPA in float32, and on average within 1.3x the float32
     kernel's error (which is the output's bf16 rounding). Scores from one bf16 product
     (no hi/lo split) miss both: max 7.8e-3, mean 2.3x on the first case."""
-    from qlib.quantized_llama import precompute_freqs_cis
+    from qlib.llama.config import precompute_freqs_cis
 
     g = torch.Generator().manual_seed(11)
     max_seq = 256
@@ -206,7 +237,7 @@ def test_attn_prefill_amx_matches_sdpa(t, pos, n_head, n_kv, d, neox):
 def test_amx_builds_where_the_cpu_has_it():
     """A CPU with AMX-BF16 and a working compiler must get the AMX kernels (a broken AMX
     build would otherwise only show as skipped tests and a slower prefill)."""
-    if not cpu.available() or not {"amx_tile", "amx_bf16"} <= cpu._cpu_flags():
+    if not cpu.available() or not {"amx_tile", "amx_bf16"} <= cpu.build.cpu_flags():
         pytest.skip("no C kernels or no AMX here")
     reason = cpu.amx_unavailable_reason() or ""
     assert "build failed" not in reason, reason
@@ -290,8 +321,8 @@ def test_fast_model_matches_faithful(tiny):
 
 def test_fast_model_without_kernels(tiny, monkeypatch):
     wt, path = tiny
-    monkeypatch.setattr(cpu, "_lib", None)
-    monkeypatch.setattr(cpu, "_reason", "disabled by the test")
+    monkeypatch.setattr(cpu.build, "_lib", None)
+    monkeypatch.setattr(cpu.build, "_reason", "disabled by the test")
     fm = _build(path, fast.FastModel, prefill="int8")
     assert fm._plan is None and all(ly.wqkv.packed is None for ly in fm.layers)
     _check_against_faithful(path, wt, fm)

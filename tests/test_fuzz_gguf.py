@@ -51,7 +51,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from qlib.gguf_file import GGUFValueType, Typed, write  # noqa: E402
+from qlib.gguf import GGUFValueType, Typed, write  # noqa: E402
 from qlib.quants.types import ggml_type  # noqa: E402
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and /proc: Linux")
@@ -98,8 +98,8 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child
 
     import torch
 
-    from qlib.gguf_file import Content, GGUFError
-    from qlib.quantized_llama import ModelWeights
+    from qlib.gguf import Content, GGUFError
+    from qlib.llama.faithful import ModelWeights
 
     torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""qlib.gguf_file: parsing, every error path, writing, and agreement with gguf-py / llama.cpp."""
+"""qlib.gguf: parsing, every error path, writing, and agreement with gguf-py / llama.cpp."""
 
 from __future__ import annotations
 
@@ -11,15 +11,8 @@ import pytest
 import torch
 from synthetic import tiny_llama_weights, write_tiny_llama
 
-from qlib.gguf_file import (
-    Content,
-    GGUFError,
-    GGUFValueType,
-    TensorNotFoundError,
-    Typed,
-    write,
-)
-from qlib.qtensor import QTensor
+from qlib.gguf import Content, GGUFError, GGUFValueType, TensorNotFoundError, Typed, write
+from qlib.quants.qtensor import QTensor
 
 VT = GGUFValueType
 gguf = pytest.importorskip("gguf")

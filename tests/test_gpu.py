@@ -1,4 +1,4 @@
-"""``qlib.quants.gpu``: the GPU layout (on CPU, always) and the CUDA kernels (skipped without CUDA).
+"""``qlib.quants.cuda``: the GPU layout (on CPU, always) and the CUDA kernels (skip without CUDA).
 
 Reference: ``ref = x.double() @ W.double().T`` with ``W = dequantize_torch(...)``
 (exact float32 weight values). Two checks, both must hold, and every output
@@ -24,8 +24,10 @@ import zlib
 import pytest
 import torch
 
-from qlib.quants import gpu
 from qlib.quants.api import dequantize_torch
+from qlib.quants.bench import random_blocks
+from qlib.quants.cuda import layout
+from qlib.quants.cuda import matmul as gpu
 
 CUDA = torch.cuda.is_available() and gpu.triton_available()
 MPS = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
@@ -39,9 +41,9 @@ DTYPES = list(gpu.DTYPES)
 try:  # on the GPU machine: `pytest -n 8 --dist loadgroup` compiles each format's kernels once
     import xdist  # noqa: F401
 
-    NAMES = [pytest.param(n, marks=pytest.mark.xdist_group(n)) for n in gpu.NATIVE]
+    NAMES = [pytest.param(n, marks=pytest.mark.xdist_group(n)) for n in layout.NATIVE]
 except ImportError:
-    NAMES = list(gpu.NATIVE)
+    NAMES = list(layout.NATIVE)
 
 
 def check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, rounded_weights=False) -> None:
@@ -66,33 +68,33 @@ def check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, rounded_weight
 # --- CPU: the GPU layout, the fallback, the API --------------------------------------------
 
 
-@pytest.mark.parametrize("name", gpu.NATIVE)
+@pytest.mark.parametrize("name", layout.NATIVE)
 def test_repack_keeps_values(name):
     """The planes hold exactly the GGUF values (read as the kernels read them)."""
-    w = gpu.random_qtensor(24, 512, name, seed=3)
-    p = gpu.repack(w.data, name, w.shape)
+    w = random_blocks(24, 512, name, seed=3)
+    p = layout.repack(w.data, name, w.shape)
     ref = dequantize_torch(w.data, name, w.shape)
-    assert torch.equal(gpu.dequantize_prepared(p), ref)
+    assert torch.equal(layout.dequantize_prepared(p), ref)
     assert w.data.numel() <= p.nbytes() <= w.data.numel() * 1.3
 
 
 def test_prepare_is_cached_and_keeps_gguf_bytes():
-    w = gpu.random_qtensor(8, 64, "Q4_1")
+    w = random_blocks(8, 64, "Q4_1")
     before = w.data.clone()
-    assert gpu.prepare(w) is gpu.prepare(w)
+    assert layout.prepare(w) is layout.prepare(w)
     assert torch.equal(w.data, before)
 
 
 def test_repack_rejects_non_native():
-    w = gpu.random_qtensor(4, 256, "Q3_K")
+    w = random_blocks(4, 256, "Q3_K")
     with pytest.raises(NotImplementedError, match="Q3_K"):
-        gpu.repack(w.data, "Q3_K", w.shape)
+        layout.repack(w.data, "Q3_K", w.shape)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fallback_on_cpu(dtype):
     """CPU and MPS tensors (and non-native formats) take the dequantize-then-matmul path."""
-    w = gpu.random_qtensor(32, 64, "Q8_0")
+    w = random_blocks(32, 64, "Q8_0")
     x = torch.randn(3, 64).to(dtype)
     assert gpu.choose_path(3, w, x.device, dtype) in (
         "fallback",
@@ -103,7 +105,7 @@ def test_fallback_on_cpu(dtype):
 
 
 def test_bad_inputs():
-    w = gpu.random_qtensor(8, 64, "Q4_0")
+    w = random_blocks(8, 64, "Q4_0")
     with pytest.raises(TypeError, match="int32"):
         gpu.qmatmul(torch.ones(2, 64, dtype=torch.int32), w)
     with pytest.raises(ValueError, match="features"):
@@ -123,7 +125,7 @@ def weight(name: str, shape: tuple[int, int]):
     if key not in _WEIGHTS:
         if len(_WEIGHTS) > 12:
             _WEIGHTS.clear()
-        w = gpu.random_qtensor(*shape, name, device="cuda", seed=zlib.crc32(repr(key).encode()))
+        w = random_blocks(*shape, name, device="cuda", seed=zlib.crc32(repr(key).encode()))
         _WEIGHTS[key] = w, dequantize_torch(w.data, name, w.shape).double()
     return _WEIGHTS[key]
 
@@ -169,7 +171,7 @@ def test_each_path_cuda(name, dtype, path, m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["F32", "F16", "Q2_K", "Q3_K"])
 def test_fallback_formats_cuda(name):
-    w = gpu.random_qtensor(64, 512, name, device="cuda")
+    w = random_blocks(64, 512, name, device="cuda")
     W = dequantize_torch(w.data, name, w.shape).double()
     assert gpu.choose_path(5, w, torch.device("cuda")) == "fallback"
     for dtype in DTYPES:
@@ -191,17 +193,18 @@ def test_batched_and_strided_input_cuda():
 @needs_cuda
 @pytest.mark.gpu
 def test_qmatmul_entry_point_dispatches_to_gpu():
-    """``qlib.quants.matmul.qmatmul`` (the CPU ggml path) hands CUDA tensors to this module."""
-    matmul = pytest.importorskip("qlib.quants.matmul")
+    """``qlib.quants.qtensor.qmatmul`` (the device dispatch) hands CUDA tensors to this module."""
+    from qlib.quants.qtensor import qmatmul
+
     w, W = weight("Q8_0", (576, 576))
     x = torch.randn(3, 576, device="cuda")
-    check(matmul.qmatmul(x, w), x.double() @ W.T, torch.float32)
+    check(qmatmul(x, w), x.double() @ W.T, torch.float32)
 
 
 @pytest.mark.skipif(not MPS, reason="needs MPS")
 @pytest.mark.gpu
 def test_mps_fallback():
-    w = gpu.random_qtensor(64, 256, "Q4_K", device="mps")
+    w = random_blocks(64, 256, "Q4_K", device="mps")
     x = torch.randn(3, 256, device="mps")
     assert gpu.choose_path(3, w, x.device) == "fallback"
     W = dequantize_torch(w.data.cpu(), "Q4_K", w.shape).double()

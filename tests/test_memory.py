@@ -15,7 +15,7 @@ decode steps and notes the peak again. What loading may hold, in MiB:
 
 A second full copy of the file (about 94 MiB) or of the float32 embedding
 (108 MiB) during loading breaks the bound. Running adds what the quantized
-matmul caches per weight on first use (``qlib.quants.matmul``): the C kernels'
+matmul caches per weight on first use (``qlib.quants.cpu.matmul``): the C kernels'
 repacked planes (the same bytes as the blocks: 77 MiB here), or without them
 (``QLIB_NO_CKERNELS=1``) the torch path's int8 codes and float32 scales (about
 3x the blocks: 184 MiB); the child reports that figure, and the run bound is
@@ -44,7 +44,7 @@ import sys
 import pytest
 
 from qlib import models
-from qlib.gguf_file import Content
+from qlib.gguf import Content
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="/proc and ru_maxrss in KiB")
 
@@ -56,7 +56,7 @@ RUN_MARGIN_TORCH_MIB = 128  # torch path: unpacking the 27 MiB tied output makes
 CHILD = r"""
 import json, sys
 import torch
-from qlib.quantized_llama import load
+from qlib.llama.engine import load
 
 def status_mib(key):
     with open("/proc/self/status") as f:
@@ -92,7 +92,7 @@ with torch.inference_mode():
 out["rss_after_run"], out["peak_after_run"] = rss_mib(), peak_mib()
 # what the quantized matmul caches per weight after first use (C kernels' packed planes,
 # or the torch path's unpacked int8 codes and scales)
-from qlib.quants import matmul as mm
+from qlib.quants.cpu import matmul as mm
 caches = [getattr(mm, name, {}) for name in ("_CACHE", "_PACKED")]
 out["kernel_cache_mib"] = sum(v[1].nbytes() for c in caches for v in list(c.values())) / 2**20
 out["c_kernels"] = bool(getattr(mm, "_PACKED", None))

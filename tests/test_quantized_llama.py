@@ -1,6 +1,6 @@
 """ModelWeights on tiny synthetic llama GGUFs: candle's behaviour, against a hand-written reference.
 
-The reference below is written independently of qlib.quantized_llama: RoPE
+The reference below is written independently of qlib.llama.faithful: RoPE
 through complex multiplication (as Meta's original llama code), attention with
 GQA by indexing, no KV cache. Agreement is to 2e-5 (float32 rounding of a
 2-layer model of width 64, where values are O(1)).
@@ -15,18 +15,11 @@ import pytest
 import torch
 from synthetic import write_tiny_llama
 
-from qlib.gguf_file import Content, GGUFError, GGUFValueType, Typed, write
-from qlib.qtensor import QTensor
-from qlib.quantized_llama import (
-    MAX_SEQ_LEN,
-    IndexPosError,
-    InputError,
-    ModelError,
-    ModelFileError,
-    ModelWeights,
-    ShapeError,
-    dequantize_rows,
-)
+from qlib.gguf import Content, GGUFError, GGUFValueType, Typed, write
+from qlib.llama.config import MAX_SEQ_LEN
+from qlib.llama.errors import IndexPosError, InputError, ModelError, ModelFileError, ShapeError
+from qlib.llama.faithful import ModelWeights, dequantize_rows
+from qlib.quants.qtensor import QTensor
 
 N_HEAD, N_KV, N_EMBD, VOCAB = 4, 2, 64, 256
 VT = GGUFValueType
@@ -256,6 +249,81 @@ def test_bad_calls(tiny):
         model.forward(torch.tensor([IDS]), -3)
     with pytest.raises(ModelError, match="unknown attention mode"):
         build(tiny[0], attention="flash")
+
+
+# ----------------------------------------------------------------------------- kv_cache="static"
+
+
+def _prefill_decode_chunk(model) -> torch.Tensor:
+    """Every logit of: a 5-token prefill, 4 decode steps, a 4-token chunk (rows stacked)."""
+    out = [model.forward(torch.tensor([IDS[:5]]), 0, all_logits=True)[0]]
+    out += [model.forward(torch.tensor([[t]]), 5 + i) for i, t in enumerate(IDS[5:9])]
+    out.append(model.forward(torch.tensor([IDS[9:]]), 9, all_logits=True)[0])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("form", ["f32", "quantized"])
+@pytest.mark.parametrize("attention", ["auto", "sdpa", "fold", "naive"])
+def test_static_kv_cache_gives_the_default_logits(tiny, form, attention):
+    """The preallocated cache against candle's cat cache, prefill, decode and a chunk.
+
+    With naive attention the logits are bit-identical: the buffers' views hold
+    the cat cache's values and repeat_kv (GQA 4/2 here) copies them into the
+    same contiguous tensors. SDPA (auto, sdpa) and folded SDPA sum in another
+    order than the naive matmuls: the logits here reach ~50, where a float32 ulp
+    is 3.8e-6, and differ by ~1e-5 (a few ulps); 1e-4 (2e-6 relative) leaves
+    margin for other CPUs and kernels, while a cache error (a position wrong or
+    missing) moves them by more than 1e-2.
+    """
+    default = _prefill_decode_chunk(build(tiny[0], form=form))
+    model = build(tiny[0], form=form, kv_cache="static", attention=attention, max_seq_len=32)
+    assert (model.kv_cache_mode, model.max_seq_len) == ("static", 32)
+    static = _prefill_decode_chunk(model)
+    assert model.kv_len == len(IDS)
+    assert model.layers[0].kv_buffers[0].shape == (1, N_KV, 32, N_EMBD // N_HEAD)
+    if attention == "naive":
+        assert torch.equal(static, default)
+    else:
+        torch.testing.assert_close(static, default, atol=1e-4, rtol=0)
+
+
+def test_static_kv_cache_through_the_loader_and_set_kv_cache(tiny):
+    from qlib.llama.engine import load
+
+    model, _ = load(tiny[0], "cpu", form="f32", kv_cache="static")
+    assert (model.kv_cache_mode, model.max_seq_len) == ("static", MAX_SEQ_LEN)
+    static = _prefill_decode_chunk(model)
+    model.clear_kv_cache()  # keeps the buffers, forgets the positions
+    assert model.kv_len == 0 and model.layers[0].kv_buffers is not None
+    model.set_kv_cache("cat")
+    assert (model.kv_cache_mode, model.max_seq_len) == ("cat", None)
+    assert model.layers[0].kv_buffers is None
+    torch.testing.assert_close(_prefill_decode_chunk(model), static, atol=1e-4, rtol=0)
+    assert model.layers[0].kv_buffers is None  # the cat cache allocates none
+
+
+def test_bad_kv_cache_options_are_model_errors(tiny):
+    from qlib.llama.engine import load
+
+    with pytest.raises(ModelError, match=r"^unknown kv_cache 'ring'; choose one of cat, static$"):
+        build(tiny[0], kv_cache="ring")
+    with pytest.raises(ModelError, match="unknown kv_cache 'prealloc'"):
+        load(tiny[0], "cpu", kv_cache="prealloc")
+    with pytest.raises(ModelError, match="max_seq_len sizes the static KV cache"):
+        build(tiny[0], max_seq_len=64)
+    for bad in (0, MAX_SEQ_LEN + 1, 8.0, True):
+        with pytest.raises(ModelError, match="max_seq_len must be an int in 1..4096"):
+            build(tiny[0], kv_cache="static", max_seq_len=bad)
+    with pytest.raises(ModelError, match="attention 'fold' needs kv_cache='static'"):
+        build(tiny[0], attention="fold")
+    model = build(tiny[0], form="f32")
+    with pytest.raises(ModelError, match="unknown kv_cache"):
+        model.set_kv_cache("static ")
+    assert model.kv_cache_mode == "cat"
+    static = build(tiny[0], form="f32", kv_cache="static", max_seq_len=8)
+    static.forward(torch.tensor([IDS[:6]]), 0)
+    with pytest.raises(ModelError, match=r"holds 8 positions \(max_seq_len\); index_pos 6 \+"):
+        static.forward(torch.tensor([IDS[6:9]]), 6)
 
 
 @pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_1"])

@@ -17,16 +17,10 @@ import pytest
 import torch
 from quants_data import kinds
 
-from qlib.qtensor import QMatMul, QTensor
-from qlib.quants import (
-    VEC_DOT_TYPE,
-    prepare,
-    qmatmul,
-    quantize,
-    quantize_activations,
-    reference,
-)
+from qlib.quants import VEC_DOT_TYPE, qmatmul, quantize, quantize_activations, reference
 from qlib.quants.bench import bench_qmatmul, random_qtensor
+from qlib.quants.cpu.matmul import prepare
+from qlib.quants.qtensor import QMatMul, QTensor
 
 MATMUL_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 MATMUL_TYPES += ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -119,7 +113,7 @@ def test_rows_are_independent(t):
 
 def test_both_group_sum_paths_agree(monkeypatch):
     """The int8 block-diagonal path (few rows) and the float32 batched one give the same bits."""
-    import qlib.quants.matmul as mm
+    import qlib.quants.cpu.matmul as mm
 
     w, _ = weight("Q5_K", 300, 512)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0))
@@ -134,7 +128,7 @@ def test_prepared_weight_and_cache(x):
     assert pw.codes.dtype == torch.int8 and pw.codes.shape == (64, 512)
     assert pw.scales.shape == (512 // 32, 64) and pw.offsets.shape == pw.scales.shape
     assert torch.equal(qmatmul(x, pw), qmatmul(x, w))
-    import qlib.quants.matmul as mm
+    import qlib.quants.cpu.matmul as mm
 
     assert mm._prepared(w) is mm._prepared(w)
 

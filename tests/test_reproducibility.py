@@ -1,8 +1,8 @@
 """Reproducible runs: same parameters and seed -> same text and tables, timing columns aside.
 
 Which columns are timing columns is not chosen here: ``ResultWriter.save_table``
-records them in the table's meta entry (``qlib.results.is_timing_column`` by name,
-plus any the notebook declares), and ``qlib.results.comparable`` leaves them out.
+records them in the table's meta entry (``qlib.suite.results.is_timing_column`` by name,
+plus any the notebook declares), and ``qlib.suite.results.comparable`` leaves them out.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from qlib import models
-from qlib.__main__ import main
+from qlib.cli import main
 from qlib.generate import LogitsProcessor, generate
-from qlib.machine import git_commit
-from qlib.results import ResultWriter, comparable, is_timing_column, timing_columns
+from qlib.suite.machine import git_commit
+from qlib.suite.results import ResultWriter, comparable, is_timing_column, timing_columns
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
 
@@ -73,7 +73,7 @@ def test_sampling_is_seeded(request):
     """Temperature sampling draws from a seeded generator: same seed, same tokens."""
     import torch
 
-    from qlib.quantized_llama import load
+    from qlib.llama.engine import load
 
     model, _ = load(_model_path(), "cpu")
     threads = torch.get_num_threads()

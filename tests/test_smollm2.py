@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from qlib import models
-from qlib.quantized_llama import load
+from qlib.llama.engine import load
 from qlib.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow

@@ -13,13 +13,16 @@ import pandas as pd
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from qlib import models, report
-from qlib.__main__ import main
-from qlib.results import ResultWriter, atomic_write_text
-from qlib.suite import NotebookResult, discover, parse_value, resume_check, run_suite
+from qlib import models
+from qlib.cli import main
+from qlib.suite import report
+from qlib.suite.catalogue import discover
+from qlib.suite.cli import parse_value
+from qlib.suite.results import ResultWriter, atomic_write_text
+from qlib.suite.runner import NotebookResult, resume_check, run_suite
 
 GOOD = """
-from qlib.results import ResultWriter
+from qlib.suite.results import ResultWriter
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -38,7 +41,7 @@ w.skipped("GPU part", "no GPU here")
 """
 
 BAD = """
-from qlib.results import ResultWriter
+from qlib.suite.results import ResultWriter
 w = ResultWriter("02_bad", params=dict(device=device))
 w.save_table([dict(a=1)], "before_failure", key=True)
 raise ValueError("deliberate failure 42")
@@ -154,6 +157,17 @@ def test_report_sections(first_run):
     assert md.index("## 01_good") < md.index("## 02_bad") < md.index("## 03_other")
     html = (out / "REPORT.html").read_text()
     assert '<img alt="squares" src="01_good/squares_cpu.png"' in html and "<table>" in html
+    assert '<div class="table-scroll" style="overflow-x:auto"><table>' in html
+    assert '<th class="num">sq</th>' in html and "| i | sq |\n| ---: | ---: |" in md
+    # the executed notebooks as HTML pages beside them, linked; every run in index.json
+    assert (out / "01_good.html").is_file() and (out / "02_bad.html").is_file()
+    assert "[executed notebook](01_good.html) ([.ipynb](01_good.ipynb))" in md
+    index = json.loads((out / "index.json").read_text())
+    runs = {r["notebook"]: r for r in index["runs"]}
+    assert runs["01_good"]["state"] == "ok" and runs["02_bad"]["state"] == "error"
+    assert runs["01_good"]["files"]["html"] == "01_good.html"
+    assert runs["01_good"]["parameters"] == {"n": 5, "label": "7", "flag": True, "ratio": 0.001}
+    assert "03_other" in index["not_run"]
 
 
 def test_parallel_run_on_another_device_sits_beside(first_run, notebooks):
@@ -250,7 +264,7 @@ def test_stale_results_marked():
 # -- a suite that loses nothing: kill, timeout, resume -------------------------
 
 SAVE = """
-from qlib.results import ResultWriter
+from qlib.suite.results import ResultWriter
 w = ResultWriter("x", params=dict(device=device, n=n))
 w.save_table([dict(i=i) for i in range(n)], "before", key=True)
 """
@@ -307,7 +321,7 @@ def crashes(tmp_path_factory):
     w.save_table([dict(a=1)], "after", key=True)
     earlier_after = (out / "02_killed" / "after_cpu.csv").read_bytes()
     mp = pytest.MonkeyPatch()
-    mp.setattr("qlib.suite.code_version", lambda: dict(CODE))
+    mp.setattr("qlib.suite.runner.code_version", lambda: dict(CODE))
     argv = ["suite", "run", "-q", "--notebooks", str(nbdir), "--output-dir", str(out)]
     try:
         rc1, log1 = _run([*argv, "--timeout", "6"])
@@ -411,11 +425,11 @@ def test_resume_skips_done_and_reruns_failed(crashes):
 def test_resume_reruns_on_other_commit_or_parameters(crashes, monkeypatch):
     out, argv = crashes["out"], crashes["argv"]
     before = {n: _status(out, n) for n in ("01_first", "04_last")}
-    monkeypatch.setattr("qlib.suite.code_version", lambda: {**CODE, "commit": "def5678"})
+    monkeypatch.setattr("qlib.suite.runner.code_version", lambda: {**CODE, "commit": "def5678"})
     rc, log = _run([*argv, "--resume", "--only", "01"])
     assert rc == 0 and "01_first: to run (other commit or uncommitted changes)" in log
     assert _status(out, "01_first")["run_id"] != before["01_first"]["run_id"]
-    monkeypatch.setattr("qlib.suite.code_version", lambda: dict(CODE))
+    monkeypatch.setattr("qlib.suite.runner.code_version", lambda: dict(CODE))
     rc, log = _run([*argv, "--resume", "--only", "04", "-p", "n", "3"])
     assert rc == 0 and "04_last: to run (other parameters)" in log
     st = _status(out, "04_last")
@@ -429,7 +443,7 @@ def test_resume_check(tmp_path):
     out = tmp_path / "out"
     params = {"n": 1}
     assert resume_check(nb, out, params, CODE) == (False, "no earlier run")
-    from qlib.suite import file_sha256
+    from qlib.suite.runner import file_sha256
 
     r = NotebookResult("05_x", "cpu", True, 1.0, "05_x.ipynb", run_id="R", parameters=params)
     r.state, r.notebook_sha256, r.code = "ok", file_sha256(nb), dict(CODE)
@@ -449,8 +463,8 @@ def test_resume_check(tmp_path):
 
 
 def test_code_version_names_the_checkout():
-    from qlib.machine import git_commit
-    from qlib.suite import code_version
+    from qlib.suite.machine import git_commit
+    from qlib.suite.runner import code_version
 
     info, code = git_commit(), code_version()
     if info is None:
@@ -461,7 +475,7 @@ def test_code_version_names_the_checkout():
 
 def test_qlib_commit_names_the_code_of_a_copied_tree(monkeypatch):
     """On the GPU machine the tree is a copy whose .git (if any) is stale: $QLIB_COMMIT wins."""
-    from qlib.machine import git_commit
+    from qlib.suite.machine import git_commit
 
     monkeypatch.setenv("QLIB_COMMIT", "68804f18f0f52c94578c8fb83d27df304bfd65cb")
     assert git_commit() == {"commit": "68804f1", "dirty": None}

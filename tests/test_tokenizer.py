@@ -89,9 +89,9 @@ def has_digit_after_whitespace_run(text: str) -> bool:
 
 
 def gguf_metadata(path: Path) -> dict[str, Any]:
-    """Metadata as plain Python values: qlib.gguf_file if it works, else gguf-py."""
+    """Metadata as plain Python values: qlib.gguf if it works, else gguf-py."""
     try:
-        from qlib.gguf_file import Content
+        from qlib.gguf import Content
 
         with open(path, "rb") as f:
             metadata = dict(Content.read(f).metadata)

@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from qlib import engines, models
+from qlib import models
+from qlib.llama import engine as engines
 from qlib.quants import cpu
 
 
@@ -80,8 +81,8 @@ def parts(m, t: int) -> None:
 
 
 def alternating(path: str, t: int, reps: int = 8) -> None:
-    ms = {"amx": engines.load(path, "cpu", "fast")[0],
-          "oneDNN": engines.load(path, "cpu", "fast", amx=False)[0]}  # fmt: skip
+    ms = {"amx": engines.load(path, "cpu", engine="fast")[0],
+          "oneDNN": engines.load(path, "cpu", engine="fast", amx=False)[0]}  # fmt: skip
     ids = torch.randint(0, ms["amx"].tok_embd.shape[0], (1, t))
     res: dict[str, list[float]] = {}
     for _ in range(reps):
@@ -110,7 +111,7 @@ def main() -> None:
     path = args.model or str(models.path())
     if not cpu.amx_available():
         raise SystemExit(f"AMX unavailable: {cpu.amx_unavailable_reason()}")
-    m = engines.load(path, "cpu", "fast")[0]
+    m = engines.load(path, "cpu", engine="fast")[0]
     print(f"{path}, {args.tokens} tokens, {args.threads} threads")
     print("AMX layer kernel, parts alone:")
     with torch.inference_mode():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fast CUDA path on the GPU machine: its tests, the DESIGN.md benchmark, a profile.
+# The fast CUDA path on the GPU machine: its tests, the benchmark (docs/design.md), a profile.
 # Stage the model as for tools/device_suite.sh (part.aa copied to /root/stage first), then:
 #   bash tools/device_bench.sh            (results under $OUT)
 set -uo pipefail
@@ -18,5 +18,5 @@ python3 -m qlib bench --form fast --device cuda --peers --json > "$OUT/bench_cud
 python3 -c "
 import json; r = json.load(open('$OUT/bench_cuda.json'))
 for x in [r['qlib'], *r['peers']]:
-    print(x.get('engine'), x.get('form') or x.get('dtype'), 'prefill', x.get('prefill_ms'), 'decode', x.get('decode_ms_per_token'), 'first', x.get('first_run'), x.get('error', ''))
+    print(x.get('runtime'), x.get('engine') or x.get('dtype'), 'prefill', x.get('prefill_ms'), 'decode', x.get('decode_ms_per_token'), 'first', x.get('first_run'), x.get('error', ''))
 print(r['ratios'])"

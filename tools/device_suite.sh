@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the experiment suite on the GPU machine (see ../shared/device/README.md).
+# Run the experiment suite on the GPU machine (docs/suite.md, "GPU runs", says how it was used).
 # Stage the model first: split-model writes .stage/part.aa and .stage/part.ab; the first
 # device call copies part.aa to /root/stage, the second carries part.ab and .whl/ (or .whl/ goes
 # to /root/whl in a call of its own when both do not fit in one) and runs:

@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from qlib import models
-from qlib.engines import load
+from qlib.llama.engine import load
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=203)
     ap.add_argument("--attention", default="split", help="CudaFastModel's decode attention")
     args = ap.parse_args()
-    model, _ = load(args.model or models.path(), "cuda", "fast", attention=args.attention)
+    model, _ = load(args.model or models.path(), "cuda", engine="fast", attention=args.attention)
     ids = torch.arange(100, 100 + args.prompt_tokens, device="cuda")[None]
     report: dict = {}
     with torch.inference_mode():

@@ -15,7 +15,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from qlib import models
-from qlib.engines import load
+from qlib.llama.engine import load
 from qlib.quants.cuda import fused
 
 
@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--pos", type=int, default=330)
     args = ap.parse_args()
-    model, _ = load(models.path(), "cuda", "fast")
+    model, _ = load(models.path(), "cuda", engine="fast")
     ly, c = model.layers[0], model.config
     dev = "cuda"
     h = torch.randn(1, c.embedding_length, device=dev)

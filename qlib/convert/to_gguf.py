@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..gguf_file import Content, GGUFValueType, Typed, write
+from ..gguf import Content, GGUFValueType, Typed, write
 from ..quants.types import ggml_type
 from . import recipes
 from .names import IGNORED_HF, gguf_name, layer_index, permute, permuted_heads

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..gguf_file import Content
-from ..quantized_llama import NEOX_ARCHITECTURES
+from ..gguf import Content
+from ..llama.config import NEOX_ARCHITECTURES
 from .names import hf_name, permuted_heads, unpermute
 
 HF_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..gguf_file import GGUFValueType, Typed
+from ..gguf import GGUFValueType, Typed
 from ..tokenizer import CONTROL, NORMAL, PRE_TOKENIZERS, USER_DEFINED
 
 VT = GGUFValueType

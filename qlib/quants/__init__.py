@@ -5,15 +5,16 @@
   ``floats``, ``legacy``, ``kquants``).
 * ``quantize_activations`` / ``VEC_DOT_TYPE``: activation rows as ggml's x86
   CPU backend quantizes them (``activations``).
-* ``qmatmul`` / ``prepare``: the CPU quantized matmul with ggml semantics
-  (``matmul``); CUDA/MPS inputs go to ``gpu``.
+* ``QTensor`` (packed blocks on a device), ``QMatMul`` (candle's three forms) and
+  ``qmatmul`` (``qtensor``): the device dispatch to ``cpu.matmul`` (ggml semantics,
+  C kernels in ``cpu``) and ``cuda.matmul`` (Triton kernels in ``cuda``).
 * ``reference``: slow literal transcriptions of ggml, the yardstick in tests.
-* ``bench.bench_qmatmul``: timing of the three QMatMul forms.
+* ``bench``: benchmark weights and the timing of the three QMatMul forms.
 """
 
 from .activations import VEC_DOT_TYPE, QActivations, quantize_activations
 from .api import SUPPORTED, block_format, dequantize, dequantize_torch, quantize
-from .matmul import PreparedWeight, clear_cache, prepare, qmatmul
+from .qtensor import FORMS, QMatMul, QTensor, default_form, qmatmul
 from .types import GGML_TYPES, GGML_TYPES_BY_ID, GGMLType, ggml_type
 
 __all__ = [
@@ -29,8 +30,9 @@ __all__ = [
     "VEC_DOT_TYPE",
     "QActivations",
     "quantize_activations",
-    "PreparedWeight",
-    "prepare",
+    "FORMS",
+    "QMatMul",
+    "QTensor",
+    "default_form",
     "qmatmul",
-    "clear_cache",
 ]

@@ -1,4 +1,5 @@
-"""``bench_qmatmul``: time one QMatMul form on one weight shape (used by notebook 7)."""
+"""Benchmark weights and timing: ``random_qtensor`` (quantized normals), ``random_blocks``
+(random valid blocks, made on the device), ``bench_qmatmul`` (one QMatMul form, notebook 7)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ import torch
 
 from ..devices import as_device, synchronize
 from .api import quantize
+from .qtensor import QMatMul, QTensor
 from .types import ggml_type
 
 
 def random_qtensor(n: int, k: int, type_name: str, device="cpu", seed: int = 0, rows: int = 512):
     """A QTensor of random normal weights (``rows`` distinct rows quantized, tiled to ``n``)."""
-    from ..qtensor import QTensor
-
     rng = np.random.default_rng(seed)
     base = quantize(rng.standard_normal((min(n, rows), k), dtype=np.float32), type_name)
     data = np.resize(base, (n, base.shape[1]))
@@ -41,8 +41,6 @@ def bench_qmatmul(
     (GGUF blocks for "quantized", the dense f32/f16 matrix otherwise) over the
     minimum time; ``gbps_gguf`` uses the GGUF size for every form.
     """
-    from ..qtensor import QMatMul
-
     dev = as_device(device)
     w = random_qtensor(n, k, type_name, dev, seed)
     mm = QMatMul(w, form)
@@ -74,3 +72,33 @@ def bench_qmatmul(
         "gbps": weight_bytes / best / 1e9,
         "gbps_gguf": gguf_bytes / best / 1e9,
     }
+
+
+# Byte offsets of the float16 scale fields, which random bytes would fill with inf/NaN.
+_SCALE_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q8_1": (0, 2),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}  # fmt: skip
+
+
+def random_blocks(n: int, k: int, type_name: str, device="cpu", seed: int = 0) -> QTensor:
+    """A QTensor ``(n, k)`` of random but valid blocks: random codes, scales about 1e-2.
+
+    Much faster than quantizing random floats (no scale search), so large test
+    weights can be made on the device.
+    """
+    t = ggml_type(type_name)
+    g = torch.Generator(device=device).manual_seed(seed)
+    if not t.is_quantized:
+        x = torch.randn(n, k, generator=g, device=device) * 0.05
+        dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[t.name]
+        return QTensor(x.to(dt).contiguous().view(torch.uint8).reshape(-1), (n, k), t)
+    nb = n * k // t.block_size
+    raw = torch.randint(0, 256, (nb, t.type_size), generator=g, device=device, dtype=torch.uint8)
+    for off in _SCALE_FIELDS.get(t.name, ()):
+        s = (torch.rand(nb, generator=g, device=device) + 0.5) * 0.01
+        raw[:, off : off + 2] = s.half().view(torch.uint8).reshape(nb, 2)
+    if t.name == "Q8_K":
+        s = (torch.rand(nb, generator=g, device=device) + 0.5) * 0.01
+        raw[:, 0:4] = s.view(torch.uint8).reshape(nb, 4)
+    return QTensor(raw.reshape(-1), (n, k), t)

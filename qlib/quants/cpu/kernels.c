@@ -6,7 +6,7 @@
  * exact integer dot (AVX-512 VNNI vpdpbusd: unsigned weight bytes x signed
  * activation bytes), scaled in float32 by d_w * d_a; Q4_1 adds m_w * s_a per block.
  *
- * Weights are repacked by qlib.quants.cpu into per-row planes:
+ * Weights are repacked by qlib.quants.cpu.packing into per-row planes:
  *   codes  Q4_*: k/2 bytes, per 64 elements 32 bytes, byte i = e[i] | e[i+32] << 4
  *                (codes 0..15, as stored by ggml before the -8 of Q4_0);
  *          Q8_0: k bytes, code + 128 (unsigned);
@@ -27,8 +27,6 @@
 #include "simd.h"
 
 enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q8_0 = 8 };
-
-int qlib_abi_version(void) { return 1; }
 
 /* One row of k floats -> int8 codes, d (f16-rounded float) and s = f16(d * sum q). */
 static void quantize_row_q8(const float *x, int k, int8_t *q, float *d, float *s) {
@@ -184,11 +182,6 @@ int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint
     }
     free(aq), free(ad), free(as), free(corr), free(row);
     return 0;
-}
-
-int qlib_qgemm(int type, const uint8_t *codes, const uint16_t *dw, const uint16_t *mw,
-               int n, int k, const float *x, int m, float *y) {
-    return qlib_qgemm_ex(type, codes, dw, mw, n, k, x, m, y, NULL, 0.0f, 0, 0);
 }
 
 static inline float dot16(const float *a, const float *b, int d) { /* d % 16 == 0 */

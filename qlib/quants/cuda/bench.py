@@ -1,4 +1,4 @@
-"""Time ``qlib.quants.gpu.qmatmul`` on CUDA against torch's f16 ``x @ w.T`` (docs/gpu.md).
+"""Time ``qlib.quants.cuda.matmul.qmatmul`` on CUDA against torch's f16 ``x @ w.T`` (docs/gpu.md).
 
     python -m qlib.quants.cuda.bench [--out DIR] [--sections main,gemv,gemm,cross]
 
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from .. import gpu
+from ..bench import random_blocks
 from ..types import ggml_type
-from . import kernels
+from . import kernels, layout, matmul
 
 ROTATE = 192 << 20
 SMOLLM2 = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
@@ -89,7 +89,7 @@ class Copies:
     """``count`` distinct random weights of one shape and format, as views of one buffer."""
 
     def __init__(self, n: int, k: int, type_name: str, seed: int = 0):
-        from ...qtensor import QTensor
+        from ..qtensor import QTensor
 
         t = ggml_type(type_name)
         self.bytes_one = t.nbytes((n, k)) if type_name != "F16" else 2 * n * k
@@ -98,11 +98,11 @@ class Copies:
             big = torch.randn(self.count * n, k, device="cuda", dtype=torch.float16) * 0.05
             self.items = list(big.view(self.count, n, k))
         else:
-            big = gpu.random_qtensor(self.count * n, k, type_name, device="cuda", seed=seed)
+            big = random_blocks(self.count * n, k, type_name, device="cuda", seed=seed)
             rows = big.data.view(self.count, n, -1)
             self.items = [QTensor(rows[c], (n, k), t) for c in range(self.count)]
             for w in self.items:
-                gpu.prepare(w)
+                layout.prepare(w)
 
 
 def measure(copies: Copies, m: int, dtype: torch.dtype, path: str = "auto", config=None) -> dict:
@@ -116,11 +116,11 @@ def measure(copies: Copies, m: int, dtype: torch.dtype, path: str = "auto", conf
     elif config is not None:
         run = {"gemv": kernels.gemv, "gemm": kernels.gemm}[path]
         y = torch.empty(m, n, device="cuda", dtype=dtype)
-        calls = [lambda w=w: run(x, gpu.prepare(w), y, config) for w in copies.items]
+        calls = [lambda w=w: run(x, layout.prepare(w), y, config) for w in copies.items]
     else:
-        calls = [lambda w=w: gpu.qmatmul(x, w, path=path) for w in copies.items]
+        calls = [lambda w=w: matmul.qmatmul(x, w, path=path) for w in copies.items]
         if path == "auto":
-            path = gpu.choose_path(m, first, x.device, dtype)
+            path = matmul.choose_path(m, first, x.device, dtype)
     graph, eager = timed(calls)
     nbytes = copies.bytes_one + x.numel() * x.element_size() + m * n * x.element_size()
     return {

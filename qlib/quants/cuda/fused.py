@@ -1,6 +1,6 @@
-"""Fused Triton kernels for ``qlib.fast_cuda``: a decode step in five kernels per layer.
+"""Fused Triton kernels for ``qlib.llama.fast_cuda``: a decode step in five kernels per layer.
 
-Each kernel reads the packed planes of ``qlib.quants.gpu.Prepared`` through the
+Each kernel reads the packed planes of ``qlib.quants.cuda.layout.Prepared`` through the
 ``_codes``/``_scales`` helpers of ``kernels.py`` (so every format of ``NATIVE``
 works) and accumulates in float32, with float32 activations:
 
@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gpu import Prepared
 from .kernels import _HAS_OFFSET, _args, _codes, _dot_rows, _scales
+from .layout import Prepared
 
 EPI_STORE, EPI_ADD, EPI_SWIGLU, EPI_GATE = 0, 1, 2, 3
 

@@ -1,4 +1,4 @@
-"""Triton kernels over the planes of ``qlib.quants.gpu.Prepared``: GEMV, GEMM and dequantize.
+"""Triton kernels over the planes of ``cuda.layout.Prepared``: GEMV, GEMM and dequantize.
 
 Every kernel reads a 32-element group as two halves: ``lo`` (elements 0..15)
 and ``hi`` (16..31), the low and high nibbles of the group's 16 ``qs`` bytes,
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gpu import FORMAT_ID, Prepared
+from .layout import FORMAT_ID, Prepared
 
 # Format ids (as gpu.FORMAT_ID), constexpr for the kernels.
 Q4_0 = tl.constexpr(FORMAT_ID["Q4_0"])

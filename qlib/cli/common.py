@@ -1,0 +1,120 @@
+"""Arguments and helpers every command shares."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from ..llama.engine import ENGINES, FAST
+from ..quants.qtensor import FORMS
+
+# -- argument types: a bad value ends in argparse's one-line usage error, before any work
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def existing_file(text: str) -> Path:
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: not a file (a directory?)")
+    return path
+
+
+def available_device(text: str) -> str:
+    """A torch device name that exists and is available on this machine."""
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r} (cpu, cuda, mps)") from None
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"qlib runs on cpu, cuda or mps, not {text!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: CUDA is not available on this machine")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: MPS is not available on this machine")
+    return text
+
+
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-m", "--model", type=existing_file, default=None,
+        help="GGUF file (default: the embedded SmolLM2)",
+    )  # fmt: skip
+
+
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device", type=available_device, default="cpu", help="cpu, cuda or mps (default: cpu)"
+    )
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-t", "--threads", type=positive_int, default=None,
+        help="CPU threads (default: torch's choice, one per core)",
+    )  # fmt: skip
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """``--engine``, ``--form`` and ``--attention``, the same in every command."""
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=None,
+        help="faithful: candle's quantized_llama as it is (default); fast: the device's fast "
+        "engine (qlib.llama.fast_cpu on CPU, qlib.llama.fast_cuda on CUDA)",
+    )
+    p.add_argument(
+        "--form",
+        choices=(*FORMS, FAST),
+        default=None,
+        help="how the faithful engine's projections multiply (default: candle's rule); "
+        "'fast' is the old spelling of --engine fast",
+    )
+    p.add_argument(
+        "--attention",
+        choices=("auto", "naive", "sdpa"),
+        default=None,
+        help="the faithful engine's attention (default: auto, as candle)",
+    )
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine options the command line gave (``--attention``: the faithful engine's)."""
+    return {} if args.attention is None else {"attention": args.attention}

@@ -1,0 +1,194 @@
+"""A llama model's hyper-parameters from the GGUF metadata, and the checks of its tensors
+that every engine runs before reading any data."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..quants.activations import VEC_DOT_TYPE
+from ..quants.api import SUPPORTED
+from ..quants.qtensor import default_form
+from .errors import ModelFileError
+
+MAX_SEQ_LEN = 4096
+
+# candle 0.11.0 (after llama.cpp's llama_model_rope_type): these architectures
+# use the NEOX convention (pairs i, i + d/2); every other name uses rope_i.
+NEOX_ARCHITECTURES = frozenset(
+    "qwen qwen2 qwen2moe qwen3 qwen3moe falcon grok dbrx phi2 phi3 phimoe stablelm "
+    "starcoder2 bert nomic-bert jina-bert-v2 olmo2 olmoe codeshell plamo".split()
+)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters read from the ``llama.*`` metadata keys."""
+
+    head_count: int
+    head_count_kv: int
+    block_count: int
+    embedding_length: int
+    rope_dim: int
+    rms_norm_eps: float
+    rope_freq_base: float
+    architecture: str
+    rope_is_neox: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.embedding_length // self.head_count
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, Any]) -> LlamaConfig:
+        def md_get(key: str) -> Any:
+            if key not in metadata:
+                arch = metadata.get("general.architecture")
+                why = (f": general.architecture is {arch!r}, and qlib reads llama-architecture "
+                       "files (llama.* keys)" if arch != "llama" else "")  # fmt: skip
+                raise ModelFileError(f"cannot find {key} in metadata{why}")
+            return metadata[key]
+
+        def md_int(key: str, lo: int) -> int:
+            v = md_get(key)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+                raise ModelFileError(f"metadata key {key} is {_describe(v)}, expected an integer")
+            if v < lo:
+                raise ModelFileError(f"metadata key {key} = {v} must be >= {lo}")
+            return int(v)
+
+        def md_float(key: str, value: Any) -> float:
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise ModelFileError(f"metadata key {key} is {_describe(value)}, expected a number")
+            return float(value)
+
+        head_count = md_int("llama.attention.head_count", 1)
+        head_count_kv = md_int("llama.attention.head_count_kv", 1)
+        block_count = md_int("llama.block_count", 1)
+        embedding_length = md_int("llama.embedding_length", 1)
+        rope_dim = md_int("llama.rope.dimension_count", 0)
+        eps_key = "llama.attention.layer_norm_rms_epsilon"
+        rms_norm_eps = md_float(eps_key, md_get(eps_key))
+        freq_key = "llama.rope.freq_base"
+        rope_freq_base = md_float(freq_key, metadata.get(freq_key, 10000.0))
+        arch = metadata.get("general.architecture", "")
+        if not isinstance(arch, str):
+            raise ModelFileError(
+                f"metadata key general.architecture is {_describe(arch)}, expected a string"
+            )
+        if head_count % head_count_kv:
+            raise ModelFileError(
+                f"head_count {head_count} must be a positive multiple of head_count_kv "
+                f"{head_count_kv}"
+            )
+        if embedding_length % head_count:
+            raise ModelFileError(
+                f"embedding_length {embedding_length} is not divisible by head_count {head_count}"
+            )
+        if rope_dim != embedding_length // head_count:
+            raise ModelFileError(
+                f"llama.rope.dimension_count {rope_dim} differs from head_dim "
+                f"{embedding_length // head_count}; partial RoPE is not supported"
+            )
+        if rope_dim % 2:
+            raise ModelFileError(f"head_dim {rope_dim} is odd; RoPE rotates pairs")
+        return cls(
+            head_count=head_count,
+            head_count_kv=head_count_kv,
+            block_count=block_count,
+            embedding_length=embedding_length,
+            rope_dim=rope_dim,
+            rms_norm_eps=rms_norm_eps,
+            rope_freq_base=rope_freq_base,
+            architecture=arch,
+            rope_is_neox=arch in NEOX_ARCHITECTURES,
+        )
+
+
+def _describe(v: Any) -> str:
+    """A short description of a metadata value for error messages."""
+    if isinstance(v, (list, tuple)):
+        return f"an array of {len(v)} items"
+    text = repr(v)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{type(v).__name__} {text}"
+
+
+def _shape_error(name: str, info, expected: tuple, why: str) -> ModelFileError:
+    return ModelFileError(
+        f"tensor {name} has shape {list(info.shape)}, expected {list(expected)} ({why})"
+    )
+
+
+def check_tensors(content, config: LlamaConfig, form: str | None = None) -> int:
+    """Check, before reading any data, that ``content`` holds every tensor ``config`` needs,
+    with the shape it implies and a type qlib computes with; returns the vocabulary size.
+    """
+    infos = content.tensor_infos
+    e, kv = config.embedding_length, config.head_count_kv * config.head_dim
+
+    def get(name: str, matmul: bool):
+        info = infos.get(name)
+        if info is None:
+            raise ModelFileError(f"cannot find tensor {name} in the file")
+        t = info.dtype.name
+        if t not in SUPPORTED:
+            raise ModelFileError(
+                f"tensor {name} has ggml type {t}, which qlib cannot compute with "
+                f"(supported: {', '.join(SUPPORTED)})"
+            )
+        if matmul and (form or default_form(info.dtype)) == "quantized" and t not in VEC_DOT_TYPE:
+            raise ModelFileError(
+                f"tensor {name} has ggml type {t}, which has no quantized matmul "
+                f"(ggml has no vec_dot for it); load with form='f32'"
+            )
+        return info
+
+    def expect(name: str, shape: tuple, why: str, matmul: bool = True) -> None:
+        info = get(name, matmul)
+        if info.shape != shape:
+            raise _shape_error(name, info, shape, why)
+
+    emb = get("token_embd.weight", True)
+    if len(emb.shape) != 2 or emb.shape[1] != e:
+        raise _shape_error("token_embd.weight", emb, ("n_vocab", e), f"embedding_length {e}")
+    vocab = emb.shape[0]
+    expect("output_norm.weight", (e,), f"embedding_length {e}", matmul=False)
+    if "output.weight" in infos:
+        expect("output.weight", (vocab, e), f"n_vocab {vocab}, embedding_length {e}")
+    for i in range(config.block_count):
+        p = f"blk.{i}"
+        if f"{p}.attn_q.weight" not in infos:
+            raise ModelFileError(
+                f"cannot find tensor {p}.attn_q.weight in the file "
+                f"(llama.block_count = {config.block_count})"
+            )
+        expect(f"{p}.attn_norm.weight", (e,), f"embedding_length {e}", matmul=False)
+        expect(f"{p}.ffn_norm.weight", (e,), f"embedding_length {e}", matmul=False)
+        expect(f"{p}.attn_q.weight", (e, e), f"embedding_length {e}")
+        kv_why = f"head_count_kv {config.head_count_kv} x head_dim {config.head_dim}"
+        expect(f"{p}.attn_k.weight", (kv, e), kv_why)
+        expect(f"{p}.attn_v.weight", (kv, e), kv_why)
+        expect(f"{p}.attn_output.weight", (e, e), f"embedding_length {e}")
+        gate = get(f"{p}.ffn_gate.weight", True)
+        if len(gate.shape) != 2 or gate.shape[1] != e:
+            raise _shape_error(f"{p}.ffn_gate.weight", gate, ("n_ff", e), f"embedding_length {e}")
+        n_ff = gate.shape[0]
+        expect(f"{p}.ffn_up.weight", (n_ff, e), f"n_ff {n_ff} from ffn_gate")
+        expect(f"{p}.ffn_down.weight", (e, n_ff), f"n_ff {n_ff} from ffn_gate")
+    return vocab
+
+
+def precompute_freqs_cis(
+    rope_dim: int, freq_base: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (MAX_SEQ_LEN, rope_dim / 2), in float32 as candle."""
+    i = torch.arange(0, rope_dim, 2, dtype=torch.float32)
+    theta = 1.0 / torch.pow(torch.tensor(freq_base, dtype=torch.float32), i / rope_dim)
+    positions = torch.arange(MAX_SEQ_LEN, dtype=torch.float32).reshape(MAX_SEQ_LEN, 1)
+    idx_theta = positions @ theta.reshape(1, -1)
+    return idx_theta.cos().to(device), idx_theta.sin().to(device)

@@ -1,0 +1,490 @@
+"""The fast CPU path: the same llama forward as ``quantized_llama``, built for speed.
+
+``FastModel.from_gguf(content, f)`` has ``ModelWeights``' interface
+(``forward(x, index_pos, all_logits=)``, ``clear_kv_cache``, ``kv_len``) but
+none of candle's sharp edges. What differs from the faithful path:
+
+* **decode GEMVs** (and every matmul of fewer than ``bf16_min_rows`` rows) run
+  the AVX-512 VNNI kernel of ``qlib.quants.cpu`` on the packed 4/8-bit
+  weights: ggml semantics (Q8 activations, exact integer block dots), so the
+  logits equal the faithful ``quantized`` form's to float rounding. Without
+  the kernel (no compiler, no AVX-512) ``qlib.quants.cpu.matmul`` does the same sums;
+* **fused weights**: q, k, v stacked into one matrix, gate and up into another
+  (one activation quantization and one kernel call each);
+* **prefill** (``prefill="bf16"``, default): matmuls on bfloat16 weights and
+  inputs. Where the CPU has AMX-BF16 (``cpu.amx_available()``) Q4_0 / Q4_1 / Q8_0
+  weights stay 4/8-bit in AMX tile order and are expanded to bf16 tiles inside
+  the GEMM (other types: a bf16 tile copy made at load; ``amx_packed=False``: a
+  copy for all), and each layer is one C call (``cpu.prefill_layer``, in
+  ``qlib/quants/cpu/prefill.c``): RmsNorm -> bf16, our AMX GEMM with fused
+  epilogues (qkv -> bf16; wo and down added to the float32 residual; gate/up ->
+  SwiGLU -> bf16), RoPE + KV-cache write + AMX attention (scores from hi/lo bf16
+  splits, ~16 bits). Elsewhere (or ``amx=False``, ``QLIB_NO_AMX=1``) a bf16 copy
+  made at load is prepacked in oneDNN's blocked layout and oneDNN bf16 matmuls run with one C
+  call between each pair (add + RmsNorm, RoPE + KV write + float32 attention,
+  SwiGLU). The residual stream, the KV cache and all arithmetic outside the
+  matmuls stay float32. ``prefill="int8"`` keeps ggml semantics for every row
+  instead (the C kernel over all rows; no extra memory, slower);
+* **huge pages**: after load, the large resident anonymous mappings (the
+  weights) are advised and collapsed onto 2 MB pages (``hugepages=False`` to
+  skip; ``cpu.collapse_hugepages``);
+* **static KV cache**: one preallocated ``[layers, 2, n_kv, max_seq_len, d]``
+  float32 buffer (pages are touched only as positions are written), no cat;
+* **attention**: GQA without ``repeat_kv`` copies (query heads grouped per KV
+  head for decode, in C; for prefill in C as above, or, without the C kernels,
+  ``scaled_dot_product_attention(enable_gqa=True)`` with a causal mask); RoPE as
+  one complex multiplication; ``F.rms_norm``; in-place residual adds; a
+  ``model`` span only.
+
+``index_pos`` must equal the cache length or be 0 (starts over): anything else
+raises ``IndexPosError``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import BinaryIO
+
+import torch
+import torch.nn.functional as F
+
+from ..devices import DeviceLike, as_device
+from ..quants import cpu
+from ..quants.api import dequantize_torch
+from ..quants.cpu.matmul import PreparedWeight, prepare, qmatmul_prepared
+from ..quants.qtensor import QTensor
+from ..spans import span
+from .checks import check_input
+from .config import MAX_SEQ_LEN, LlamaConfig, precompute_freqs_cis
+from .errors import ModelError
+from .faithful import rope_neox
+from .fused import FUSED_STACKS
+
+PREFILL_MODES = ("bf16", "int8")
+PREPACK_BATCH = 256  # oneDNN's row-count hint for the prepacked bf16 weights
+
+
+def _amx_layer_shapes_ok(c: LlamaConfig, n_ff: int) -> bool:
+    """Whether ``cpu.prefill_layer`` takes this model: widths % 32, rope over the whole head."""
+    widths = (c.embedding_length, c.head_count * c.head_dim, n_ff,
+              (c.head_count + 2 * c.head_count_kv) * c.head_dim, c.head_dim)  # fmt: skip
+    return all(w % 32 == 0 for w in widths) and c.head_dim <= 128 and c.rope_dim == c.head_dim
+
+
+def _stack(qtensors: list[QTensor]) -> QTensor:
+    """Several 2-D QTensors of one type and row length, stacked by rows."""
+    if len(qtensors) == 1:
+        return qtensors[0]
+    data = torch.cat([q.data.reshape(-1) for q in qtensors])
+    rows = sum(q.shape[0] for q in qtensors)
+    return QTensor(data, (rows, qtensors[0].shape[-1]), qtensors[0].dtype)
+
+
+def _prepack_bf16(w: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked layout of a bf16 weight (``mkldnn._reorder_linear_weight``), or None.
+
+    ``F.linear`` reorders a plain bf16 weight into this layout on every call; the
+    prepacked one is what inductor's CPU freezing uses (``mkldnn._linear_pointwise``).
+    """
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PREPACK_BATCH)
+        probe = torch.ops.mkldnn._linear_pointwise(w[:2], packed, None, "none", [], "")
+        if probe.shape != (2, w.shape[0]) or probe.dtype != torch.bfloat16:
+            return None
+        return packed
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class FastLinear:
+    """``y = x @ W.T`` for one (possibly stacked) weight: C kernel, fallback, bf16 copy."""
+
+    def __init__(self, qtensors: list[QTensor], bf16: bool, amx: bool = False,
+                 interleave: bool = False, amx_packed: bool = True):  # fmt: skip
+        names = {q.dtype.name for q in qtensors}
+        if len(names) != 1 or len({q.shape[-1] for q in qtensors}) != 1:
+            raise ModelError("fused weights need one type and one row length")
+        self.out_features = sum(q.shape[0] for q in qtensors)
+        self.in_features = qtensors[0].shape[-1]
+        self.packed: cpu.PackedWeight | None = None
+        self.prepared: PreparedWeight | None = None
+        if cpu.supports(qtensors[0].dtype.name, self.in_features):
+            self.packed = cpu.pack(qtensors)
+        else:
+            self.prepared = prepare(_stack(qtensors))
+        # the weight for prefill: for the AMX layer kernel the packed 4/8-bit codes in tile
+        # order (expanded to bf16 inside the GEMM) or bf16 tiles; else a bf16 copy,
+        # oneDNN-prepacked when possible (``bf16_prepacked``; then no plain copy)
+        self.bf16: torch.Tensor | None = None
+        self.bf16_prepacked = False
+        self.amx: cpu.AmxWeight | None = None
+        if bf16 and amx and amx_packed and self.packed is not None:
+            self.amx = cpu.pack_amx_quantized(self.packed, interleave)
+        elif bf16:
+            w = (
+                cpu.dequantize_bf16(self.packed)
+                if self.packed is not None
+                else torch.cat([q.dequantize(dtype=torch.bfloat16) for q in qtensors])
+            )
+            if amx:
+                self.amx = cpu.pack_amx_bf16(w, interleave)
+            else:
+                prepacked = _prepack_bf16(w)
+                self.bf16_prepacked = prepacked is not None
+                self.bf16 = prepacked if prepacked is not None else w
+
+    @property
+    def has_bf16(self) -> bool:
+        return self.bf16 is not None
+
+    def quantized(self, x: torch.Tensor) -> torch.Tensor:
+        """ggml semantics for every row (``x``: ``[m, k]`` float32)."""
+        if self.packed is not None:
+            return cpu.qgemm(x, self.packed)
+        return qmatmul_prepared(x.float(), self.prepared)
+
+    def linear_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` in bf16 (``x``: ``[m, k]`` bfloat16 -> ``[m, n]`` bfloat16)."""
+        if self.bf16_prepacked:
+            return torch.ops.mkldnn._linear_pointwise(x, self.bf16, None, "none", [], "")
+        return F.linear(x, self.bf16)
+
+    def bf16_io(self, x: torch.Tensor, bf16_min_rows: int) -> torch.Tensor:
+        """bf16 in, bf16 out: the bf16 matmul, or for few rows the packed kernel (fewer bytes)."""
+        if x.shape[0] < bf16_min_rows and self.packed is not None:
+            return cpu.qgemm(x.float(), self.packed).to(torch.bfloat16)
+        return self.linear_bf16(x)
+
+    def forward(self, x: torch.Tensor, bf16_min_rows: int) -> torch.Tensor:
+        if self.has_bf16 and x.shape[0] >= bf16_min_rows:
+            return self.linear_bf16(x.to(torch.bfloat16)).float()
+        return self.quantized(x)
+
+    def nbytes(self) -> int:
+        n = self.packed.nbytes() if self.packed is not None else self.prepared.nbytes()
+        n += self.bf16.numel() * 2 if self.bf16 is not None else 0
+        return n + (self.amx.nbytes() if self.amx is not None else 0)
+
+
+class FastLayer:
+    wqkv: FastLinear
+    wo: FastLinear
+    w13: FastLinear
+    w2: FastLinear
+
+    def __init__(self, get, p: str, eps: float, bf16: bool, amx: bool = False,
+                 amx_packed: bool = True):  # fmt: skip
+        for attr, names in FUSED_STACKS.items():  # wqkv, wo, w13, w2
+            qtensors = [get(f"{p}.{n}.weight") for n in names]
+            lin = FastLinear(qtensors, bf16, amx, interleave=attr == "w13", amx_packed=amx_packed)
+            setattr(self, attr, lin)
+        self.attn_norm = get(f"{p}.attn_norm.weight").dequantize()
+        self.ffn_norm = get(f"{p}.ffn_norm.weight").dequantize()
+
+
+class FastModel:
+    """A llama GGUF on CPU with fused packed weights, a static KV cache and fast kernels."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        tok_embd: QTensor,
+        layers: list[FastLayer],
+        norm: torch.Tensor,
+        output: FastLinear,
+        *,
+        prefill: str = "bf16",
+        bf16_min_rows: int = 16,
+        max_seq_len: int = MAX_SEQ_LEN,
+        hugepages: bool = True,
+        amx: bool = True,
+    ):
+        self.config = config
+        self.device = torch.device("cpu")
+        self.tok_embd = tok_embd
+        self.layers = layers
+        self.norm = norm
+        self.output = output
+        self.prefill = prefill
+        # AMX: the layers hold AMX tiles (built by from_gguf) and prefill runs one C call per
+        # layer; else the oneDNN matmuls, with AMX attention when ``amx`` and the CPU has it
+        self.amx = amx
+        self.amx_layers = bool(layers) and layers[0].wqkv.amx is not None
+        # per layer, the AMX weights of wqkv, wo, w13, w2 with their C descriptors
+        self._amx = [
+            cpu.AmxLayer(ly.wqkv.amx, ly.wo.amx, ly.w13.amx, ly.w2.amx) for ly in layers
+        ] if self.amx_layers else []  # fmt: skip
+        self.bf16_min_rows = bf16_min_rows if prefill == "bf16" else 1 << 62
+        self.max_seq_len = min(max_seq_len, MAX_SEQ_LEN)
+        cos, sin = precompute_freqs_cis(config.rope_dim, config.rope_freq_base, self.device)
+        self.cos, self.sin = cos, sin
+        self.rot = torch.complex(cos, sin)  # (MAX_SEQ_LEN, d/2) for rope_i
+        c = config
+        # Allocated once, never zeroed: only positions < kv_len are read.
+        self.cache = torch.empty(
+            c.block_count, 2, c.head_count_kv, self.max_seq_len, c.head_dim, dtype=torch.float32
+        )
+        self._kv_len = 0
+        self._plan = self._decode_plan()
+        self._fused_prefill = self._fused_prefill_ok()
+        if hugepages:  # the weights on 2 MB pages: fewer TLB misses when they stream
+            cpu.collapse_hugepages()
+
+    def _decode_plan(self) -> list[tuple[cpu.KernelCall, ...]] | None:
+        """The fused C decode step, prepared once: per layer 5 calls (qkv GEMV of the RmsNorm
+        of ``h``; RoPE + KV write + attention; ``h +=`` wo GEMV; gate/up GEMV of the RmsNorm of
+        ``h``; ``h +=`` down GEMV of the SwiGLU), or None (torch decode)."""
+        c = self.config
+        if not cpu.available() or c.head_dim % 16 or c.head_dim > 128 or c.rope_dim != c.head_dim:
+            return None
+        linears = [w for ly in self.layers for w in (ly.wqkv, ly.wo, ly.w13, ly.w2)]
+        if any(w.packed is None for w in [*linears, self.output]):
+            return None
+        n_ff = self.layers[0].w13.out_features // 2 if self.layers else 0
+        h = self._h = torch.empty(1, c.embedding_length)
+        qkv = self._qkv = torch.empty(self.layers[0].wqkv.out_features if self.layers else 0)
+        att = self._att = torch.empty(c.head_count * c.head_dim)
+        gu = self._gu = torch.empty(2 * n_ff)
+        self._pos = cpu.DecodePosition(self.cos, self.sin)  # set per token: _decode_c
+        eps = c.rms_norm_eps
+        heads = dict(n_head=c.head_count, n_kv=c.head_count_kv, neox=c.rope_is_neox)
+        plan = []
+        for i, ly in enumerate(self.layers):
+            kc, vc = self.cache[i, 0], self.cache[i, 1]
+            plan.append((
+                cpu.qgemm_plan(ly.wqkv.packed, h, qkv, norm=ly.attn_norm, eps=eps),
+                cpu.attn_decode_plan(qkv, kc, vc, self._pos, att, **heads),
+                cpu.qgemm_plan(ly.wo.packed, att, h, accumulate=True),
+                cpu.qgemm_plan(ly.w13.packed, h, gu, norm=ly.ffn_norm, eps=eps),
+                cpu.qgemm_plan(ly.w2.packed, gu, h, swiglu=True, accumulate=True),
+            ))  # fmt: skip
+        self._logits_plan = cpu.qgemm_alloc_plan(self.output.packed, h, norm=self.norm, eps=eps)
+        return plan
+
+    def _fused_prefill_ok(self) -> bool:
+        """Whether bf16 prefill can run in the C kernels of ``prefill.c``: one call per layer
+        (AMX tiles built at load), or oneDNN matmuls with C calls between them."""
+        c = self.config
+        if self.prefill != "bf16" or not cpu.available() or not self.layers:
+            return False
+        if self.amx_layers:
+            return True  # from_gguf checked the shapes (_amx_layer_shapes_ok)
+        if c.head_dim % 16 or c.head_dim > 128 or c.rope_dim != c.head_dim:
+            return False
+        if c.embedding_length % 16 or (self.layers[0].w13.out_features // 2) % 16:
+            return False
+        lins = [w for ly in self.layers for w in (ly.wqkv, ly.wo, ly.w13, ly.w2)]
+        return all(w.has_bf16 for w in lins)
+
+    def _logits(self, h: torch.Tensor, r0: int, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of rows ``r0..`` of the residual stream ``h`` (plus ``delta``, bf16, the last
+        matmul's output when not yet added): final RmsNorm, then the output layer."""
+        c = self.config
+        hn = torch.empty(h.shape[0] - r0, c.embedding_length)
+        cpu.add_rmsnorm(h[r0:], delta, self.norm, c.rms_norm_eps, hn)
+        return self.output.quantized(hn)
+
+    def _prefill_fused(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
+        """Prefill of ``t`` tokens: bf16 oneDNN matmuls, 3 C calls per layer between them.
+
+        The residual stream ``h`` stays float32; matmul inputs and outputs are bf16:
+        add + RmsNorm -> qkv matmul -> RoPE, KV write, attention -> wo matmul ->
+        add + RmsNorm -> gate/up matmul -> SwiGLU -> down matmul (its add is fused
+        into the next RmsNorm). Unless ``all_logits``, the last layer computes
+        attention, wo and the FFN for the last row only (wo and the FFN then in the
+        packed GEMV kernel, which reads a quarter of the bf16 bytes).
+        """
+        c, rows = self.config, self.bf16_min_rows
+        t, k = ids.numel(), c.embedding_length
+        n_ff = self.layers[0].w13.out_features // 2
+        bf = torch.bfloat16
+        h = self.embed(ids).contiguous()
+        a, y, g = (torch.empty(t, n, dtype=bf) for n in (k, c.head_count * c.head_dim, n_ff))
+        eps, heads = c.rms_norm_eps, (c.head_count, c.head_count_kv)
+        cpu.add_rmsnorm(h, None, self.layers[0].attn_norm, eps, a)
+        d, r0, last = None, 0, len(self.layers) - 1
+        for i, ly in enumerate(self.layers):
+            if d is not None:
+                cpu.add_rmsnorm(h, d, ly.attn_norm, eps, a)
+            qkv = ly.wqkv.linear_bf16(a)
+            if i == last and not all_logits:
+                # the last layer: every row's k, v go to the cache, but only the last
+                # row's attention output, wo and FFN feed the logits
+                r0 = t - 1
+            m = t - r0  # rows from here on: h[r0:], the first m rows of a, y, g
+            kc, vc = self.cache[i, 0], self.cache[i, 1]
+            cpu.attn_prefill(qkv, kc, vc, pos, *heads, self.cos, self.sin, c.rope_is_neox,
+                             out=y[:m], q_from=r0, amx=self.amx)  # fmt: skip
+            o = ly.wo.bf16_io(y[:m], rows)
+            cpu.add_rmsnorm(h[r0:], o, ly.ffn_norm, eps, a[:m])
+            gu = ly.w13.bf16_io(a[:m], rows)
+            cpu.swiglu_bf16(gu, out=g[:m])
+            d = ly.w2.bf16_io(g[:m], rows)
+        return self._logits(h, r0, d)
+
+    def _prefill_amx(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
+        """Prefill of ``t`` tokens with one C call per layer (``cpu.prefill_layer``): AMX bf16
+        matmuls with fused epilogues (bf16 out; residual add in float32; SwiGLU), RmsNorm,
+        RoPE + KV write + AMX attention. The residual stream and the KV cache stay float32.
+        Unless ``all_logits``, the last layer's wo and FFN run for the last row only."""
+        c, t = self.config, ids.numel()
+        h = self.embed(ids).contiguous()
+        scratch = cpu.PrefillScratch.for_layer(self._amx[0], t)
+        last = len(self.layers) - 1
+        for i, ly in enumerate(self.layers):
+            cpu.prefill_layer(
+                h, self._amx[i], scratch, self.cache[i, 0], self.cache[i, 1],
+                attn_norm=ly.attn_norm, ffn_norm=ly.ffn_norm, eps=c.rms_norm_eps, pos=pos,
+                n_head=c.head_count, n_kv=c.head_count_kv, cos=self.cos, sin=self.sin,
+                neox=c.rope_is_neox, q_from=t - 1 if i == last and not all_logits else 0,
+            )  # fmt: skip
+        return self._logits(h, 0 if all_logits else t - 1)
+
+    def _decode_c(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        """One token through the fused C kernels: 5 prepared calls per layer, no torch ops."""
+        self._h.copy_(self.embed(token))
+        self._pos.at(pos)  # the position and RoPE rows every attention call reads
+        for qkv, attn, wo, w13, w2 in self._plan:
+            if qkv() or attn() or wo() or w13() or w2():
+                raise MemoryError("the C decode step: out of memory")
+        return self._logits_plan()
+
+    @classmethod
+    def from_gguf(
+        cls,
+        content,
+        f: BinaryIO,
+        device: DeviceLike = "cpu",
+        *,
+        prefill: str = "bf16",
+        bf16_min_rows: int = 16,
+        max_seq_len: int = MAX_SEQ_LEN,
+        hugepages: bool = True,
+        amx: bool = True,
+        amx_packed: bool = True,
+    ) -> FastModel:
+        """Build from a parsed ``gguf_file.Content`` and its open file (CPU only).
+
+        ``amx``: the AMX prefill kernels where the CPU has them (else oneDNN's matmuls);
+        ``amx_packed``: their Q4_0 / Q4_1 / Q8_0 weights stay 4/8-bit (expanded to bf16 tiles
+        inside the GEMM, the same values) instead of a bf16 tile copy.
+        """
+        if as_device(device).type != "cpu":
+            raise ModelError("the fast path runs on CPU; use ModelWeights on other devices")
+        if prefill not in PREFILL_MODES:
+            raise ModelError(f"unknown prefill mode {prefill!r}: {', '.join(PREFILL_MODES)}")
+        config = LlamaConfig.from_metadata(content.metadata)
+        bf16 = prefill == "bf16"
+        gate = content.tensor_infos.get("blk.0.ffn_gate.weight")
+        amx_layers = (bf16 and amx and gate is not None and cpu.amx_available()
+                      and _amx_layer_shapes_ok(config, gate.shape[0]))  # fmt: skip
+
+        def get(name: str) -> QTensor:
+            return content.tensor(f, name, "cpu")
+
+        layers = [
+            FastLayer(get, f"blk.{i}", config.rms_norm_eps, bf16, amx_layers, amx_packed)
+            for i in range(config.block_count)
+        ]
+        tok_embd = get("token_embd.weight")
+        out_w = get("output.weight") if "output.weight" in content.tensor_infos else tok_embd
+        output = FastLinear([out_w], bf16=False)  # prefill needs only the last row
+        norm = get("output_norm.weight").dequantize()
+        return cls(config, tok_embd, layers, norm, output, prefill=prefill,
+                   bf16_min_rows=bf16_min_rows, max_seq_len=max_seq_len,
+                   hugepages=hugepages, amx=amx)  # fmt: skip
+
+    # -- state -------------------------------------------------------------
+
+    @property
+    def kv_len(self) -> int:
+        return self._kv_len
+
+    def clear_kv_cache(self) -> None:
+        self._kv_len = 0
+
+    def nbytes(self) -> int:
+        """Bytes held by the weights (packed, bf16 copies, norms)."""
+        total = sum(
+            w.nbytes() for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w13, layer.w2)
+        )
+        return total + self.output.nbytes() + self.tok_embd.nbytes()
+
+    # -- the forward pass ----------------------------------------------------
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantize only the rows of ``token_embd`` that are looked up: ``[t, d]``."""
+        t = self.tok_embd
+        return dequantize_torch(t.data[ids].reshape(-1), t.dtype.name, (ids.numel(), t.shape[-1]))
+
+    def rope(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """x: ``(t, heads, d)`` -> rotated (a new tensor)."""
+        t, _, d = x.shape
+        if self.config.rope_is_neox:
+            cos = self.cos[pos : pos + t, None, :]
+            sin = self.sin[pos : pos + t, None, :]
+            return rope_neox(x, cos, sin)
+        pairs = torch.view_as_complex(x.reshape(t, -1, d // 2, 2))
+        return torch.view_as_real(pairs * self.rot[pos : pos + t, None, :]).reshape(x.shape)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int):
+        """q: ``(t, n_head, d)``; k, v: cache views ``(n_kv, L, d)`` -> ``(t, n_head * d)``."""
+        c = self.config
+        t, L = q.shape[0], k.shape[1]
+        scale = 1.0 / math.sqrt(c.head_dim)
+        if t == 1:  # decode: group the query heads of each KV head, no copies of K/V
+            qg = q.view(c.head_count_kv, -1, c.head_dim) * scale
+            att = torch.softmax(qg @ k.transpose(1, 2), dim=-1)
+            return (att @ v).reshape(1, -1)
+        mask = None
+        if pos:  # chunk after a prefix: row i sees columns <= pos + i
+            mask = torch.arange(L)[None, :] <= (torch.arange(t)[:, None] + pos)
+        y = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+            is_causal=mask is None, scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        return y[0].transpose(0, 1).reshape(t, -1)
+
+    def forward(self, x: torch.Tensor, index_pos: int, *, all_logits: bool = False) -> torch.Tensor:
+        """Logits for token ids ``x`` (``(1, seq_len)``) from ``index_pos``: ``(1, vocab)``.
+
+        ``all_logits=True`` gives every position: ``(1, seq_len, vocab)``.
+        """
+        t = check_input(x, index_pos, self._kv_len, self.max_seq_len)
+        c = self.config
+        nq, nkv, hd = c.head_count * c.head_dim, c.head_count_kv * c.head_dim, c.head_dim
+        eps, dims, rows = c.rms_norm_eps, (c.embedding_length,), self.bf16_min_rows
+        end = index_pos + t
+        if t == 1 and self._plan is not None:
+            with span("model"):
+                logits = self._decode_c(x.reshape(-1).cpu(), index_pos)
+            self._kv_len = end
+            return logits[None] if all_logits else logits
+        if self._fused_prefill and t >= rows:
+            prefill = self._prefill_amx if self.amx_layers else self._prefill_fused
+            with span("model"):
+                logits = prefill(x.reshape(-1).cpu(), index_pos, all_logits)
+            self._kv_len = end
+            return logits[None] if all_logits else logits
+        with span("model"):
+            h = self.embed(x.reshape(-1).cpu())
+            for i, layer in enumerate(self.layers):
+                a = F.rms_norm(h, dims, layer.attn_norm, eps)
+                qkv = layer.wqkv.forward(a, rows)
+                qk = self.rope(qkv[:, : nq + nkv].view(t, -1, hd), index_pos)
+                kc, vc = self.cache[i, 0], self.cache[i, 1]
+                kc[:, index_pos:end].copy_(qk[:, c.head_count :].transpose(0, 1))
+                vc[:, index_pos:end].copy_(qkv[:, nq + nkv :].view(t, -1, hd).transpose(0, 1))
+                y = self.attention(qk[:, : c.head_count], kc[:, :end], vc[:, :end], index_pos)
+                h += layer.wo.forward(y, rows)
+                a = F.rms_norm(h, dims, layer.ffn_norm, eps)
+                gu = layer.w13.forward(a, rows)
+                n_ff = gu.shape[1] // 2
+                g = F.silu(gu[:, :n_ff], inplace=True).mul_(gu[:, n_ff:])
+                h += layer.w2.forward(g, rows)
+            self._kv_len = end
+            h = F.rms_norm(h if all_logits else h[t - 1 :], dims, self.norm, eps)
+            logits = self.output.quantized(h.contiguous())
+        return logits[None] if all_logits else logits
+
+    __call__ = forward

@@ -1,0 +1,363 @@
+"""The fast CUDA path: the llama forward in a few fused Triton kernels, replayed as CUDA graphs.
+
+``CudaFastModel.from_gguf(content, f, "cuda")`` has ``ModelWeights``' interface
+(``forward(x, index_pos, all_logits=)``, ``clear_kv_cache``, ``kv_len``). Numerics
+are those of the faithful CUDA path (weights dequantized exactly to float32 inside
+the kernels, float32 activations and accumulation), so its logits equal the
+``f32`` form's to float rounding. What differs is the shape of the work:
+
+* **decode** is five kernels per layer (``qlib.quants.cuda.fused``): RmsNorm +
+  stacked q/k/v GEMV + RoPE + KV-cache write; attention over the live length;
+  output projection + residual; RmsNorm + stacked gate/up GEMV + SwiGLU; down
+  projection + residual. Weights stay packed (4/8-bit planes). The token id and
+  the position are read from device tensors, so the whole step (152 kernels for
+  SmolLM2) is captured once in a CUDA graph and replayed for every position:
+  one launch per token instead of hundreds;
+* **prefill** (``t > 1``) uses float32 dense copies of the layer weights made at
+  load (``prefill="f32"``, cuBLAS, TF32 off) or the exact tensor-core GEMM of the
+  packed weights (``prefill="packed"``: no extra memory, slower); attention is
+  ``scaled_dot_product_attention``; a prefill from position 0 is captured as a
+  CUDA graph per prompt length (the first call runs eagerly, the second captures);
+* **static KV cache** ``[layers, 2, n_kv, max_seq_len, d]`` float32.
+
+``index_pos`` must equal the cache length or be 0 (starts over): anything else
+raises ``IndexPosError``. Weights must be in a format of ``qlib.quants.cuda.layout.NATIVE``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import OrderedDict
+from typing import BinaryIO
+
+import torch
+import torch.nn.functional as F
+
+from ..devices import DeviceLike, as_device
+from ..quants.cuda.layout import NATIVE, Prepared, repack
+from ..quants.qtensor import QTensor
+from ..spans import span
+from .checks import check_input
+from .config import MAX_SEQ_LEN, LlamaConfig, precompute_freqs_cis
+from .errors import ModelError
+from .fused import FUSED_STACKS
+
+PREFILL_MODES = ("f32", "packed")
+ATTENTION_MODES = ("split", "single")  # decode attention: blocks in parallel, or one loop
+GRAPH_CACHE = 4  # prefill graphs kept (one per prompt length)
+
+
+def _prepare_stacked(qtensors: list[QTensor]) -> list[Prepared]:
+    """GPU planes of several weights with one row length: stacked by rows where the types agree."""
+    groups: list[list[QTensor]] = []
+    for q in qtensors:
+        if q.dtype.name not in NATIVE:
+            raise ModelError(
+                f"the fast CUDA path has no kernel for {q.dtype.name} weights "
+                f"(native: {', '.join(NATIVE)}); use ModelWeights(form='f32') instead"
+            )
+        if groups and groups[-1][0].dtype.name == q.dtype.name:
+            groups[-1].append(q)
+        else:
+            groups.append([q])
+    out = []
+    for g in groups:
+        data = torch.cat([q.data.reshape(q.shape[0], -1) for q in g])
+        out.append(repack(data, g[0].dtype.name, (data.shape[0], g[0].shape[-1])))
+    return out
+
+
+class CudaLinear:
+    """One (possibly stacked) weight: packed planes for decode, a dense copy for prefill."""
+
+    def __init__(self, qtensors: list[QTensor], dense: bool):
+        self.parts = _prepare_stacked(qtensors)
+        self.out_features = sum(p.n for p in self.parts)
+        self.in_features = self.parts[0].k
+        self.dense: torch.Tensor | None = None
+        if dense:
+            self.dense = torch.cat([q.dequantize(dtype=torch.float32) for q in qtensors])
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` for a block of rows ``[t, k]`` (prefill)."""
+        if self.dense is not None:
+            return x @ self.dense.t()
+        from ..quants.cuda import kernels
+
+        y = torch.empty(x.shape[0], self.out_features, device=x.device)
+        row = 0
+        for p in self.parts:
+            kernels.gemm(x, p, y[:, row : row + p.n])
+            row += p.n
+        return y
+
+    def nbytes(self) -> int:
+        n = sum(p.nbytes() for p in self.parts)
+        return n + (self.dense.numel() * 4 if self.dense is not None else 0)
+
+
+class CudaLayer:
+    wqkv: CudaLinear
+    wo: CudaLinear
+    w13: CudaLinear
+    w2: CudaLinear
+
+    def __init__(self, get, p: str, dense: bool):
+        for attr, names in FUSED_STACKS.items():  # wqkv, wo, w13, w2
+            setattr(self, attr, CudaLinear([get(f"{p}.{n}.weight") for n in names], dense))
+        self.attn_norm = get(f"{p}.attn_norm.weight").dequantize()
+        self.ffn_norm = get(f"{p}.ffn_norm.weight").dequantize()
+
+
+class CudaFastModel:
+    """A llama GGUF on one CUDA device: fused packed decode kernels, CUDA graphs, static cache."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        tok_embd: Prepared,
+        layers: list[CudaLayer],
+        norm: torch.Tensor,
+        output: Prepared,
+        device: torch.device,
+        *,
+        prefill: str = "f32",
+        graphs: bool = True,
+        attention: str = "split",
+        max_seq_len: int = MAX_SEQ_LEN,
+    ):
+        if attention not in ATTENTION_MODES:
+            raise ModelError(f"unknown attention {attention!r}: {', '.join(ATTENTION_MODES)}")
+        self.config = config
+        self.prefill = prefill
+        self.attention = attention
+        self._split_attention = None
+        self.device = device
+        self.tok_embd = tok_embd
+        self.layers = layers
+        self.norm = norm
+        self.output = output
+        self.graphs = graphs and device.type == "cuda"
+        self.max_seq_len = min(max_seq_len, MAX_SEQ_LEN)
+        self.cos, self.sin = precompute_freqs_cis(config.rope_dim, config.rope_freq_base, device)
+        c = config
+        self.heads = (c.head_count, c.head_count_kv, c.head_dim)
+        # Allocated once, never zeroed: only positions < kv_len are read.
+        self.cache = torch.empty(
+            c.block_count, 2, c.head_count_kv, self.max_seq_len, c.head_dim, device=device
+        )
+        self._kv_len = 0
+        # Decode state: every kernel of a step reads or writes only these.
+        n_ff = layers[0].w13.out_features // 2 if layers else 0
+        n_qkv = layers[0].wqkv.out_features if layers else 0
+        self._tok = torch.zeros(1, dtype=torch.int64, device=device)
+        self._pos = torch.zeros(1, dtype=torch.int32, device=device)
+        self._h = torch.empty(1, c.embedding_length, device=device)
+        self._qkv = torch.empty(n_qkv, device=device)
+        self._q = torch.empty(c.head_count * c.head_dim, device=device)
+        self._att = torch.empty(c.head_count * c.head_dim, device=device)
+        self._g = torch.empty(n_ff, device=device)
+        self._logits = torch.empty(1, output.n, device=device)
+        self._decode_graph: torch.cuda.CUDAGraph | None = None
+        self._decode_runs = 0
+        self._device_pos = 0  # the value self._pos holds (host mirror: no read-back)
+        self._prefill_graphs: OrderedDict[int, tuple] = OrderedDict()
+        self._prefill_seen: set[int] = set()
+
+    @classmethod
+    def from_gguf(
+        cls,
+        content,
+        f: BinaryIO,
+        device: DeviceLike = "cuda",
+        *,
+        prefill: str = "f32",
+        graphs: bool = True,
+        attention: str = "split",
+        max_seq_len: int = MAX_SEQ_LEN,
+    ) -> CudaFastModel:
+        """Build from a parsed ``gguf_file.Content`` and its open file."""
+        dev = as_device(device)
+        if prefill not in PREFILL_MODES:
+            raise ModelError(f"unknown prefill mode {prefill!r}: {', '.join(PREFILL_MODES)}")
+        config = LlamaConfig.from_metadata(content.metadata)
+
+        def get(name: str) -> QTensor:
+            return content.tensor(f, name, dev)
+
+        dense = prefill == "f32"
+        layers = [CudaLayer(get, f"blk.{i}", dense) for i in range(config.block_count)]
+        tok = get("token_embd.weight")
+        out = get("output.weight") if "output.weight" in content.tensor_infos else tok
+        tok_p = _prepare_stacked([tok])[0]
+        out_p = tok_p if out is tok else _prepare_stacked([out])[0]
+        norm = get("output_norm.weight").dequantize()
+        return cls(config, tok_p, layers, norm, out_p, dev, prefill=prefill, graphs=graphs,
+                   attention=attention, max_seq_len=max_seq_len)  # fmt: skip
+
+    # -- state -------------------------------------------------------------
+
+    @property
+    def kv_len(self) -> int:
+        return self._kv_len
+
+    def clear_kv_cache(self) -> None:
+        self._kv_len = 0
+
+    def nbytes(self) -> int:
+        """Bytes held by the weights (packed planes, dense prefill copies, embedding)."""
+        lin = [w for ly in self.layers for w in (ly.wqkv, ly.wo, ly.w13, ly.w2)]
+        extra = 0 if self.output is self.tok_embd else self.output.nbytes()
+        return sum(w.nbytes() for w in lin) + self.tok_embd.nbytes() + extra
+
+    # -- decode: five fused kernels per layer ----------------------------------------------
+
+    def _decode_kernels(self) -> None:
+        """One token: ``self._tok`` at ``self._pos`` -> ``self._logits`` (device state only)."""
+        from ..quants.cuda import fused
+
+        c, h = self.config, self._h
+        eps = c.rms_norm_eps
+        if self.attention == "split":
+            if self._split_attention is None:
+                self._split_attention = fused.SplitAttention(
+                    self.heads, self.max_seq_len, self.device
+                )
+            attend = self._split_attention
+        else:
+            attend = functools.partial(fused.attn_decode, heads=self.heads)
+        fused.embed(self._tok, self.tok_embd, h)
+        for i, ly in enumerate(self.layers):
+            kc, vc = self.cache[i, 0], self.cache[i, 1]
+            if len(ly.wqkv.parts) == 1:
+                fused.qkv_rope(h, ly.attn_norm, eps, ly.wqkv.parts[0], self._q, kc, vc,
+                               self._pos, self.cos, self.sin, heads=self.heads,
+                               neox=c.rope_is_neox)  # fmt: skip
+            else:  # q, k, v of different types: one GEMV each, then RoPE + cache write
+                row = 0
+                for p in ly.wqkv.parts:
+                    fused.norm_gemv(h, p, self._qkv[row : row + p.n], norm=ly.attn_norm, eps=eps)
+                    row += p.n
+                fused.rope_store(self._qkv[None], self._q[None], kc, vc, self._pos, self.cos,
+                                 self.sin, heads=self.heads, neox=c.rope_is_neox)  # fmt: skip
+            attend(self._q, kc, vc, self._att, self._pos)
+            fused.norm_gemv(self._att, ly.wo.parts[0], h, epilogue=fused.EPI_ADD)
+            if len(ly.w13.parts) == 1:
+                fused.norm_gemv(h, ly.w13.parts[0], self._g, norm=ly.ffn_norm, eps=eps,
+                                epilogue=fused.EPI_SWIGLU)  # fmt: skip
+            else:
+                gate, up = ly.w13.parts
+                fused.norm_gemv(h, gate, self._g, norm=ly.ffn_norm, eps=eps)
+                fused.norm_gemv(h, up, self._g, norm=ly.ffn_norm, eps=eps,
+                                epilogue=fused.EPI_GATE)  # fmt: skip
+            fused.norm_gemv(self._g, ly.w2.parts[0], h, epilogue=fused.EPI_ADD)
+        fused.norm_gemv(h, self.output, self._logits, norm=self.norm, eps=eps)
+
+    def _decode_step(self) -> None:
+        """The decode kernels, then the device position moves to the next one."""
+        self._decode_kernels()
+        self._pos.add_(1)
+
+    def _decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        self._tok.copy_(token.reshape(1), non_blocking=True)
+        if pos != self._device_pos:  # after a prefill or a restart; a step advances it itself
+            self._pos.fill_(pos)
+        if not self.graphs or self._decode_runs == 0:  # the first step compiles the kernels
+            self._decode_step()
+        else:
+            if self._decode_graph is None:
+                self._decode_graph = self._capture(self._decode_step)
+            self._decode_graph.replay()
+        self._decode_runs += 1
+        self._device_pos = pos + 1
+        return self._logits.clone()
+
+    def _capture(self, fn) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return graph
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    def _prefill_rows(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
+        """Tokens ``ids`` (int64 ``[t]`` on the device) from ``pos`` (``self._pos`` holds it)."""
+        from ..quants.cuda import fused, kernels
+
+        c = self.config
+        t, end = ids.numel(), pos + ids.numel()
+        nq, nkv, hd = self.heads
+        eps, dims, group = c.rms_norm_eps, (c.embedding_length,), nq // nkv
+        h = torch.empty(t, c.embedding_length, device=self.device)
+        fused.embed(ids, self.tok_embd, h)
+        mask = None
+        if pos:  # a chunk after a prefix: row i sees columns <= pos + i
+            cols = torch.arange(end, device=self.device)
+            mask = cols[None, :] <= torch.arange(t, device=self.device)[:, None] + pos
+        for i, ly in enumerate(self.layers):
+            kc, vc = self.cache[i, 0], self.cache[i, 1]
+            qkv = ly.wqkv.matmul(F.rms_norm(h, dims, ly.attn_norm, eps))
+            q = torch.empty(t, nq * hd, device=self.device)
+            fused.rope_store(qkv, q, kc, vc, self._pos, self.cos, self.sin, heads=self.heads,
+                             neox=c.rope_is_neox)  # fmt: skip
+            k = kc[:, None, :end].expand(nkv, group, end, hd).reshape(nq, end, hd)
+            v = vc[:, None, :end].expand(nkv, group, end, hd).reshape(nq, end, hd)
+            y = F.scaled_dot_product_attention(
+                q.view(t, nq, hd).transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                is_causal=mask is None, scale=1.0 / math.sqrt(hd),
+            )  # fmt: skip
+            h = h + ly.wo.matmul(y[0].transpose(0, 1).reshape(t, nq * hd))
+            gu = ly.w13.matmul(F.rms_norm(h, dims, ly.ffn_norm, eps))
+            n_ff = gu.shape[1] // 2
+            h = h + ly.w2.matmul(F.silu(gu[:, :n_ff]) * gu[:, n_ff:])
+        if all_logits:
+            w = kernels.dequantize(self.output, torch.float32)  # transient: exact values
+            return F.rms_norm(h, dims, self.norm, eps) @ w.t()
+        logits = torch.empty(1, self.output.n, device=self.device)
+        fused.norm_gemv(h[t - 1], self.output, logits, norm=self.norm, eps=eps)
+        return logits
+
+    def _prefill(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
+        self._pos.fill_(pos)
+        self._device_pos = pos
+        t = ids.numel()
+        if not self.graphs or pos != 0 or all_logits or t not in self._prefill_seen:
+            self._prefill_seen.add(t)
+            return self._prefill_rows(ids, pos, all_logits)
+        entry = self._prefill_graphs.get(t)
+        if entry is None:
+            static_ids = ids.clone()
+            out: list[torch.Tensor] = []
+            graph = self._capture(lambda: out.append(self._prefill_rows(static_ids, 0, False)))
+            entry = (graph, static_ids, out[0])
+            self._prefill_graphs[t] = entry
+            while len(self._prefill_graphs) > GRAPH_CACHE:
+                self._prefill_graphs.popitem(last=False)
+        graph, static_ids, logits = entry
+        self._prefill_graphs.move_to_end(t)
+        static_ids.copy_(ids)
+        graph.replay()
+        return logits.clone()
+
+    # -- the forward pass ----------------------------------------------------
+
+    def forward(self, x: torch.Tensor, index_pos: int, *, all_logits: bool = False) -> torch.Tensor:
+        """Logits for token ids ``x`` (``(1, seq_len)``) from ``index_pos``: ``(1, vocab)``.
+
+        ``all_logits=True`` gives every position: ``(1, seq_len, vocab)``.
+        """
+        t = check_input(x, index_pos, self._kv_len, self.max_seq_len)
+        ids = x.reshape(-1).to(self.device, torch.int64)
+        with span("model"):
+            if t == 1:
+                logits = self._decode(ids, index_pos)
+            else:
+                logits = self._prefill(ids, index_pos, all_logits)
+        self._kv_len = index_pos + t
+        return logits[None] if all_logits else logits
+
+    __call__ = forward

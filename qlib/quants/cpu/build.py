@@ -1,0 +1,140 @@
+"""Building and loading the C kernels: compile on first use, cache, load with ctypes.
+
+``kernels.c`` and ``prefill.c`` (with ``simd.h``), shipped as source, are compiled
+with the system C compiler (``$CC`` or ``cc``) into a cache directory
+(``$QLIB_CACHE_DIR`` or ``~/.cache/qlib``), keyed by a hash of the sources and the
+flags, and loaded with ctypes. ``load_library()`` returns the bare ``CDLL`` (the
+C signatures are declared by ``ops.load()``, the only loader the rest of qlib uses).
+
+The C kernels are unavailable (``available()`` False, ``unavailable_reason()``)
+when the CPU lacks AVX-512 F/BW/VL/VNNI or F16C, no compiler works, or
+``QLIB_NO_CKERNELS`` is set. The AMX kernels of ``prefill.c`` are built in when the
+compiler takes ``AMX_CFLAGS`` (``amx_build_error()`` says why not); whether they
+can run is ``ops.amx_available()``. The library is linked with ``-fopenmp``:
+imported after torch it shares torch's ``libgomp`` (same soname), so its parallel
+loops use torch's OpenMP thread pool and follow ``torch.set_num_threads``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCES = [Path(__file__).with_name("kernels.c"), Path(__file__).with_name("prefill.c")]
+HEADERS = [Path(__file__).with_name("simd.h")]  # included by both: part of the build's hash
+CFLAGS = [
+    "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
+    "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
+]  # fmt: skip
+AMX_CFLAGS = ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]  # prefill.c's AMX kernels only
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
+AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")  # the CPU's, for the AMX kernels
+
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_amx_build_error: str | None = None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to something other than "" or "0"."""
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QLIB_CACHE_DIR") or Path.home() / ".cache" / "qlib")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _compile(flags: list[str]) -> Path:
+    cc = _compiler()
+    if not cc:
+        raise RuntimeError("no C compiler (set CC)")
+    src = b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
+    key = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"qlib_kernels_{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        proc = subprocess.run(
+            [cc, *flags, "-o", str(tmp_so), *map(str, SOURCES)], capture_output=True, text=True
+        )
+        if proc.returncode:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp_so, out)  # atomic: concurrent first uses are safe
+    return out
+
+
+def _compiler_knows_amx() -> bool:
+    """Whether the C compiler compiles an AMX intrinsic (GCC 11+, clang 12+)."""
+    probe = "#include <immintrin.h>\nvoid f(void) { _tile_zero(0); }\n"  # (AVX512-BF16: GCC 10+)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.c"
+        src.write_text(probe)
+        proc = subprocess.run([_compiler(), *AMX_CFLAGS, "-c", "-o", str(Path(tmp) / "probe.o"),
+                               str(src)], capture_output=True)  # fmt: skip
+    return proc.returncode == 0
+
+
+def load_library() -> ctypes.CDLL | None:
+    """The compiled library without its C signatures (``ops.load()`` declares them), or
+    None (see ``unavailable_reason``). Built once per process; later calls are cheap."""
+    global _lib, _reason, _amx_build_error
+    if _lib is not None or _reason is not None:
+        return _lib
+    try:
+        if env_flag("QLIB_NO_CKERNELS"):
+            raise RuntimeError("disabled by QLIB_NO_CKERNELS")
+        missing = [f for f in REQUIRED_FLAGS if f not in cpu_flags()]
+        if missing:
+            raise RuntimeError(f"CPU lacks {', '.join(missing)}")
+        try:  # with the AMX kernels when the compiler knows AMX (GCC 11+, clang 12+)
+            so = _compile(CFLAGS + AMX_CFLAGS)
+        except RuntimeError as e:
+            _amx_build_error = (
+                f"the AMX build failed: {str(e)[-300:]}"
+                if _compiler_knows_amx()
+                else f"the compiler does not take {' '.join(AMX_CFLAGS)}"
+            )
+            so = _compile(CFLAGS)
+        _lib = ctypes.CDLL(str(so))
+    except (OSError, RuntimeError) as e:
+        _reason = str(e)
+    return _lib
+
+
+def available() -> bool:
+    """Whether the C kernels can run here."""
+    return load_library() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why ``available()`` is False (None when it is True)."""
+    load_library()
+    return _reason
+
+
+def amx_build_error() -> str | None:
+    """Why the library was built without its AMX kernels, when the AMX build failed."""
+    load_library()
+    return _amx_build_error

@@ -1,0 +1,73 @@
+"""The weight layouts the C kernels read (``packing`` makes them, ``ops`` passes them).
+
+* ``PackedWeight``: a Q4_0 / Q4_1 / Q8_0 weight as per-row planes for the quantized
+  GEMM/GEMV of ``kernels.c`` (code bytes, f16 scales, Q4_1 minimums);
+* ``AmxWeight``: a weight for the AMX kernels of ``prefill.c``, bf16 B tiles or the
+  4/8-bit codes in tile order with float32 scales; ``AmxWeightC`` is its C descriptor
+  (``amx_weight`` of prefill.c).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the weight types of kernels.c (its enum)
+AMX_KINDS = {"bf16": 0, "q4": 1, "q8": 2}  # amx_weight.kind of prefill.c
+
+
+@dataclass
+class PackedWeight:
+    """A weight repacked for ``ops.qgemm``: per-row code bytes and f16 scale planes.
+
+    Per 64 elements of a Q4_* row 32 bytes, byte ``i`` = ``e[i] | e[i + 32] << 4``
+    (codes 0..15, as ggml stores them before the -8 of Q4_0); Q8_0: code + 128.
+    """
+
+    type_name: str
+    n: int
+    k: int
+    codes: torch.Tensor  # [n, k/2] (Q4_*) or [n, k] (Q8_0) uint8
+    d: torch.Tensor  # [n, k/32] int16 (f16 bits)
+    m: torch.Tensor | None  # [n, k/32] int16 (Q4_1)
+
+    @property
+    def type_code(self) -> int:
+        """The C kernels' code of the weight type."""
+        return TYPE_CODES[self.type_name]
+
+    def nbytes(self) -> int:
+        ts = (self.codes, self.d, self.m)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+class AmxWeightC(ctypes.Structure):
+    """``amx_weight`` of prefill.c."""
+
+    _fields_ = [("kind", ctypes.c_int), ("t", ctypes.c_void_p), ("d", ctypes.c_void_p),
+                ("m", ctypes.c_void_p)]  # fmt: skip
+
+
+@dataclass
+class AmxWeight:
+    """A weight for the AMX prefill kernels: bf16 B tiles (``kind="bf16"``, from ``pack_amx``),
+    or the 4/8-bit codes in tile order with float32 scales (``"q4"``, ``"q8"``, from
+    ``pack_amx_quantized``), expanded to bf16 tiles per column block inside the GEMM."""
+
+    kind: str
+    n: int
+    k: int
+    tiles: torch.Tensor
+    d: torch.Tensor | None = None  # [n/16, k/32, 16] float32
+    m: torch.Tensor | None = None  # [n/16, k/32, 16] float32 (None: 0)
+
+    def nbytes(self) -> int:
+        ts = (self.tiles, self.d, self.m)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def c_struct(self) -> AmxWeightC:
+        """The C descriptor (holds raw pointers: keep this object alive while it is used)."""
+        ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        return AmxWeightC(AMX_KINDS[self.kind], self.tiles.data_ptr(), ptr(self.d), ptr(self.m))

@@ -1,0 +1,570 @@
+"""Typed, checked Python entry points for every C kernel (the only module that calls them).
+
+The C signatures are declared here (``load()``); each C entry point has one wrapper that
+takes tensors, checks dtypes, shapes and contiguity, and turns the C flags into keyword
+arguments:
+
+* ``kernels.c``: ``repack``, ``dequantize_bf16``, ``qgemm`` (the quantized GEMM/GEMV with
+  ggml semantics, optionally RmsNorm or SwiGLU of its input and a residual add), and the
+  decode attention step (``attn_decode_plan``);
+* ``prefill.c``: ``add_rmsnorm``, ``swiglu_bf16``, ``attn_prefill``, and with AMX
+  ``amx_gemm`` and the whole prefill layer (``prefill_layer``); ``exp`` (a test hook).
+
+**Plans.** The decode step makes ~5 calls per layer per token, so its wrappers are split:
+``qgemm_plan`` and ``attn_decode_plan`` check everything once and return a ``KernelCall``,
+a ``functools.partial`` of the C function with every argument bound (no Python frame
+between the caller and ctypes). What changes per token is not an argument: the position
+and RoPE rows live in a ``DecodePosition`` that all attention plans of a model share, set
+once per token by ``DecodePosition.at(pos)``. A plan holds raw pointers: it keeps
+references to its tensors, which must not be resized or reallocated while it is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from . import build
+from .layout import TYPE_CODES, AmxWeight, AmxWeightC, PackedWeight
+
+KernelCall = Callable[[], int]
+"""A prepared C call: all arguments bound; returns the kernel's status (0: done)."""
+
+AMX_EPILOGUES = {"bf16": 0, "add": 1, "swiglu": 2}  # amx_gemm's epilogues in prefill.c
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF bytes per block of 32
+
+_p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# name: (argument types, result type); the qlib_amx_* / qlib_prefill_layer entries exist
+# only in a build with AMX (``qlib_amx_init`` is always there)
+_SIGNATURES = {
+    "qlib_qgemm_ex": ([_i, _p, _p, _p, _i, _i, _p, _i, _p, _p, _f, _i, _i], _i),
+    "qlib_attn_decode": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p], _i),
+    "qlib_repack": ([_i, _p, _i, _i, _p, _p, _p], None),
+    "qlib_dequant_bf16": ([_i, _p, _p, _p, _i, _i, _p], None),
+    "qlib_add_rmsnorm": ([_p, _p, _i, _i, _p, _f, _p, _i], None),
+    "qlib_swiglu_bf16": ([_p, _i, _i, _p], None),
+    "qlib_attn_prefill_ex": ([_p, _i, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _i, _p, _i], _i),
+    "qlib_exp": ([_p, _i, _p], None),
+    "qlib_amx_init": ([], _i),
+    "qlib_amx_gemm": ([_p, _i, _i, _i, _p, _p, _p, _i, _i, _p, _i], _i),
+    "qlib_prefill_layer": ([_p, _i, _i, _p, _p, _f, _p, _i, _i, _p, _p, _p, _p, _p, _p, _i,
+                            _i, _i, _i, _i, _p, _p, _i, _i], _i),
+}  # fmt: skip
+_AMX_ONLY = ("qlib_amx_gemm", "qlib_prefill_layer")
+
+_declared: ctypes.CDLL | None = None
+_amx: bool | None = None
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library with its C signatures declared, or None (see
+    ``build.unavailable_reason``)."""
+    global _declared
+    lib = build.load_library()
+    if lib is not None and lib is not _declared:
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            if name in _AMX_ONLY and not hasattr(lib, name):
+                continue
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        _declared = lib
+    return lib
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"C kernels unavailable: {build.unavailable_reason()}")
+    return lib
+
+
+def amx_available() -> bool:
+    """Whether the AMX (bf16 tiles) prefill kernels can run: the CPU has AMX-BF16, the
+    library was built with it, Linux granted the tile state, and ``QLIB_NO_AMX`` is unset."""
+    global _amx
+    if _amx is None:
+        lib = load()
+        _amx = bool(
+            lib is not None
+            and not build.env_flag("QLIB_NO_AMX")
+            and set(build.AMX_FLAGS) <= build.cpu_flags()
+            and hasattr(lib, "qlib_prefill_layer")
+            and lib.qlib_amx_init() == 0
+        )
+    return _amx
+
+
+def amx_unavailable_reason() -> str | None:
+    """Why ``amx_available()`` is False (None when it is True)."""
+    if amx_available():
+        return None
+    if load() is None:
+        return f"no C kernels: {build.unavailable_reason()}"
+    if build.env_flag("QLIB_NO_AMX"):
+        return "disabled by QLIB_NO_AMX"
+    if not set(build.AMX_FLAGS) <= build.cpu_flags():
+        return "the CPU lacks AMX-BF16 or AVX512-BF16"
+    if build.amx_build_error():
+        return build.amx_build_error()
+    return "Linux did not grant the AMX tile state (arch_prctl)"
+
+
+# -- checks ------------------------------------------------------------------------------
+
+
+def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name}: need a contiguous CPU {dtype} tensor, got {t.dtype}")
+
+
+def _check_packed(w: PackedWeight) -> None:
+    if w.type_name not in TYPE_CODES or w.k % 64:
+        raise ValueError(f"no C kernel for {w.type_name} with k={w.k} (needs k % 64 == 0)")
+    row = w.k if w.type_name == "Q8_0" else w.k // 2
+    _check(w.codes, torch.uint8, "codes")
+    _check(w.d, torch.int16, "d")
+    if w.codes.numel() != w.n * row or w.d.numel() != w.n * (w.k // 32):
+        raise ValueError("PackedWeight: planes do not match n, k")
+    if (w.m is not None) != (w.type_name == "Q4_1"):
+        raise ValueError("PackedWeight: m is for Q4_1 only, and Q4_1 needs it")
+    if w.m is not None:
+        _check(w.m, torch.int16, "m")
+        if w.m.numel() != w.d.numel():
+            raise ValueError("PackedWeight: m must be like d")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def _prepared(fn, *args, keep: tuple) -> KernelCall:
+    """``fn`` with ``args`` bound, holding ``keep`` (the tensors the pointers point into)."""
+    call = partial(fn, *args)
+    call.keep = keep
+    return call
+
+
+# -- kernels.c: repacking, the quantized GEMM/GEMV, decode attention -----------------------
+
+
+def repack(type_name: str, blocks: torch.Tensor, k: int, codes: torch.Tensor, d: torch.Tensor,
+           m: torch.Tensor | None) -> None:  # fmt: skip
+    """GGUF blocks (``blocks``: the uint8 bytes of ``[n, k/32]`` blocks) -> the planes of a
+    ``PackedWeight`` of ``n = codes.shape[0]`` rows, written into ``codes``, ``d``, ``m``."""
+    lib = _lib()
+    n = codes.shape[0]
+    _check(blocks, torch.uint8, "blocks")
+    if type_name not in TYPE_CODES or k % 64:
+        raise ValueError(f"repack: no C kernel for {type_name} with k={k} (k % 64 == 0)")
+    if blocks.numel() != n * (k // 32) * _BLOCK_BYTES[type_name]:
+        raise ValueError(f"repack: {n} rows of {type_name} blocks, k={k} (k % 64 == 0)")
+    _check_packed(PackedWeight(type_name, n, k, codes, d, m))
+    lib.qlib_repack(TYPE_CODES[type_name], blocks.data_ptr(), n, k, codes.data_ptr(),
+                    d.data_ptr(), _ptr(m))  # fmt: skip
+
+
+def dequantize_bf16(w: PackedWeight) -> torch.Tensor:
+    """``[n, k]`` bfloat16: ggml's dequantized float32 values, rounded to nearest even."""
+    lib = _lib()
+    _check_packed(w)
+    out = torch.empty(w.n, w.k, dtype=torch.bfloat16)
+    lib.qlib_dequant_bf16(w.type_code, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.m), w.n, w.k,
+                          out.data_ptr())  # fmt: skip
+    return out
+
+
+def _qgemm_args(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None,
+                norm: torch.Tensor | None, eps: float, swiglu: bool,
+                accumulate: bool) -> tuple[int, tuple]:  # fmt: skip
+    """The checked arguments of ``qlib_qgemm_ex`` before ``y`` and after it, and the rows."""
+    _check_packed(w)
+    _check(x, torch.float32, "x")
+    width = w.k * (2 if swiglu else 1)  # swiglu: each input row is [gate | up]
+    m = x.numel() // width if width else 0
+    if x.numel() != m * width or (x.dim() == 2 and x.shape[1] != width) or x.dim() > 2:
+        raise ValueError(f"qgemm: x {list(x.shape)}: rows of {width} floats for k={w.k}")
+    if out is not None:
+        _check(out, torch.float32, "out")
+        if out.numel() != m * w.n:
+            raise ValueError(f"qgemm: out {list(out.shape)}: {m} rows of {w.n} floats")
+    if norm is not None:
+        _check(norm, torch.float32, "norm")
+        if norm.numel() != w.k:
+            raise ValueError(f"qgemm: norm has {w.k} weights")
+    head = (w.type_code, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.m), w.n, w.k, x.data_ptr(), m)
+    return m, (head, (_ptr(norm), float(eps), int(swiglu), int(accumulate)))
+
+
+def qgemm(
+    x: torch.Tensor,
+    w: PackedWeight,
+    out: torch.Tensor | None = None,
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    swiglu: bool = False,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """``f(x) @ W.T`` for ``x`` ``[m, k]`` float32 (CPU, made contiguous): ``[m, n]`` float32.
+
+    ggml semantics: each input row quantized to Q8_0 / Q8_1, exact integer block dots.
+    ``norm``: f is ``rms_norm(x, eps) * norm`` (``norm``: ``[k]`` float32); ``swiglu``:
+    the rows of ``x`` hold ``[gate | up]`` (``2k`` floats) and f is ``silu(gate) * up``;
+    ``accumulate``: ``out`` (required then) += the product (a residual add).
+    """
+    lib = _lib()
+    x = x.contiguous().float()
+    if accumulate and out is None:
+        raise ValueError("qgemm: accumulate needs out")
+    m, (head, tail) = _qgemm_args(w, x, out, norm, eps, swiglu, accumulate)
+    y = out if out is not None else torch.empty(m, w.n, dtype=torch.float32)
+    if lib.qlib_qgemm_ex(*head, y.data_ptr(), *tail):
+        raise RuntimeError("qlib_qgemm_ex failed (out of memory)")
+    return y
+
+
+def qgemm_plan(
+    w: PackedWeight,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    swiglu: bool = False,
+    accumulate: bool = False,
+) -> KernelCall:
+    """``qgemm(x, w, out, norm=, eps=, swiglu=, accumulate=)`` as a prepared call on these
+    buffers (checked once; ``x`` and ``out`` of any shape with the right number of floats:
+    rows of ``k`` (``2k`` with ``swiglu``) and ``n``). The call returns nonzero when the
+    kernel could not allocate its scratch."""
+    lib = _lib()
+    if out is None:
+        raise ValueError("qgemm_plan: out is required (see qgemm_alloc_plan)")
+    _, (head, tail) = _qgemm_args(w, x, out, norm, eps, swiglu, accumulate)
+    return _prepared(lib.qlib_qgemm_ex, *head, out.data_ptr(), *tail, keep=(w, x, out, norm))
+
+
+def qgemm_alloc_plan(
+    w: PackedWeight, x: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 0.0
+) -> Callable[[], torch.Tensor]:
+    """``qgemm(x, w, norm=, eps=)`` as a prepared call that returns a new ``[m, n]`` float32
+    tensor each time (for results the caller keeps, such as logits)."""
+    lib = _lib()
+    m, (head, tail) = _qgemm_args(w, x, None, norm, eps, False, False)
+    y_ptr = ctypes.c_void_p()  # the one argument that changes: read by ctypes at each call
+    call = partial(lib.qlib_qgemm_ex, *head, y_ptr, *tail)
+    n, keep = w.n, (w, x, norm)
+
+    def run() -> torch.Tensor:
+        y = torch.empty(m, n)
+        y_ptr.value = y.data_ptr()
+        if call():
+            raise RuntimeError("qlib_qgemm_ex failed (out of memory)")
+        return y
+
+    run.keep = keep
+    return run
+
+
+class DecodePosition:
+    """The position of a decode step, shared by the ``attn_decode_plan`` calls of one model:
+    ``at(pos)`` sets it and the rows ``pos`` of the RoPE tables once per token.
+
+    ``cos``, ``sin``: ``[max_pos, d/2]`` float32 tables from position 0.
+    """
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        for name, t in (("cos", cos), ("sin", sin)):
+            _check(t, torch.float32, name)
+        if cos.dim() != 2 or sin.shape != cos.shape:
+            raise ValueError("DecodePosition: cos and sin [max_pos, d/2]")
+        self.cos, self.sin = cos, sin
+        self.max_pos, self.half = cos.shape  # positions, d/2
+        self._row = cos.shape[1] * cos.element_size()
+        self._cos0, self._sin0 = cos.data_ptr(), sin.data_ptr()
+        self.pos = ctypes.c_int(0)  # the C arguments, read at each call
+        self.cos_row = ctypes.c_void_p(self._cos0)
+        self.sin_row = ctypes.c_void_p(self._sin0)
+
+    def at(self, pos: int) -> None:
+        """Set the position of the next decode calls (``0 <= pos < max_pos``)."""
+        if not 0 <= pos < self.max_pos:
+            raise IndexError(f"decode position {pos} outside the RoPE tables ({self.max_pos})")
+        self.pos.value = pos
+        self.cos_row.value = self._cos0 + pos * self._row
+        self.sin_row.value = self._sin0 + pos * self._row
+
+
+def attn_decode_plan(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    position: DecodePosition,
+    out: torch.Tensor,
+    *,
+    n_head: int,
+    n_kv: int,
+    neox: bool,
+) -> KernelCall:
+    """One layer's decode attention as a prepared call, at ``position``: RoPE of q and k in
+    ``qkv`` (in place; ``neox``: pairs ``(i, i + d/2)``, else ``(2i, 2i + 1)``), k and v
+    into row ``pos`` of the caches, then GQA attention of the query heads over cache
+    positions ``0..pos`` into ``out``.
+
+    ``qkv``: ``(n_head + 2 n_kv) d`` float32 (q, k, v heads); ``k_cache``, ``v_cache``:
+    ``[n_kv, max_seq, d]`` float32; ``out``: ``n_head d`` float32; ``d % 16 == 0``,
+    ``d <= 128``. The call returns nonzero when out of memory.
+    """
+    lib = _lib()
+    for name, t in (("qkv", qkv), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        _check(t, torch.float32, name)
+    n_kv_c, max_seq, d = k_cache.shape
+    if (d % 16 or d > 128 or n_kv_c != n_kv or n_head % n_kv or v_cache.shape != k_cache.shape
+            or qkv.numel() != (n_head + 2 * n_kv) * d or out.numel() != n_head * d
+            or position.half * 2 != d or position.max_pos < max_seq):  # fmt: skip
+        raise ValueError("attn_decode_plan: shapes (d % 16 == 0, d <= 128, tables [., d/2])")
+    return _prepared(
+        lib.qlib_attn_decode, qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        position.pos, n_head, n_kv, d, max_seq, position.cos_row, position.sin_row, int(neox),
+        out.data_ptr(), keep=(qkv, k_cache, v_cache, out, position),
+    )  # fmt: skip
+
+
+# -- prefill.c: float32 arithmetic, bf16 matmul inputs/outputs -----------------------------
+
+
+def add_rmsnorm(
+    h: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``h += delta`` (in place, when given), then ``out = rms_norm(h) * weight``.
+
+    ``h``: ``[t, k]`` float32; ``delta``: ``[t, k]`` bfloat16; ``out``: ``[t, k]``
+    bfloat16 or float32. ``k % 16 == 0``.
+    """
+    lib = _lib()
+    t, k = h.shape
+    _check(h, torch.float32, "h")
+    _check(weight, torch.float32, "weight")
+    if k % 16 or out.shape != h.shape or weight.numel() != k:
+        raise ValueError("add_rmsnorm: shapes (k % 16 == 0, out like h, weight [k])")
+    if delta is not None:
+        _check(delta, torch.bfloat16, "delta")
+        if delta.shape != h.shape:
+            raise ValueError("add_rmsnorm: delta must be like h")
+    _check(out, out.dtype, "out")
+    if out.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError("add_rmsnorm: out is bfloat16 or float32")
+    bf16 = int(out.dtype == torch.bfloat16)
+    lib.qlib_add_rmsnorm(h.data_ptr(), _ptr(delta), t, k, weight.data_ptr(), eps,
+                         out.data_ptr(), bf16)  # fmt: skip
+    return out
+
+
+def swiglu_bf16(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gu``: ``[t, 2 n_ff]`` bfloat16 (gate | up) -> ``silu(gate) * up`` ``[t, n_ff]`` bf16."""
+    lib = _lib()
+    _check(gu, torch.bfloat16, "gu")
+    t, n2 = gu.shape
+    if n2 % 32:
+        raise ValueError("swiglu_bf16: n_ff % 16 == 0 needed")
+    out = out if out is not None else torch.empty(t, n2 // 2, dtype=torch.bfloat16)
+    _check(out, torch.bfloat16, "out")
+    if out.shape != (t, n2 // 2):
+        raise ValueError("swiglu_bf16: out [t, n_ff]")
+    lib.qlib_swiglu_bf16(gu.data_ptr(), t, n2 // 2, out.data_ptr())
+    return out
+
+
+def _check_attn_tables(kc, vc, cos, sin) -> None:
+    for name, c in (("kc", kc), ("vc", vc), ("cos", cos), ("sin", sin)):
+        _check(c, torch.float32, name)
+
+
+def attn_prefill(
+    qkv: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    pos: int,
+    n_head: int,
+    n_kv: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    neox: bool,
+    out: torch.Tensor | None = None,
+    q_from: int = 0,
+    amx: bool = False,
+) -> torch.Tensor:
+    """RoPE + KV-cache write + causal GQA attention of one layer's prefill chunk.
+
+    ``qkv``: ``[t, (n_head + 2 n_kv) d]`` bfloat16 (positions ``pos..pos+t-1``);
+    ``kc``, ``vc``: float32 caches ``[n_kv, max_seq, d]`` (rows ``pos..pos+t-1``
+    are written, rows before ``pos`` are read); ``cos``, ``sin``: ``[max_seq, d/2]``
+    tables from position 0. Returns ``[t - q_from, n_head d]`` bfloat16: the
+    attention output of rows ``q_from..t-1`` (all rows go to the cache).
+    ``amx``: the two attention matmuls on AMX tiles (q, k, v and the softmax weights
+    rounded to bf16) when ``amx_available()`` and ``d % 32 == 0``; else float32.
+    """
+    lib = _lib()
+    _check(qkv, torch.bfloat16, "qkv")
+    _check_attn_tables(kc, vc, cos, sin)
+    t = qkv.shape[0]
+    n_kv_c, max_seq, d = kc.shape
+    if (n_kv_c != n_kv or vc.shape != kc.shape or qkv.shape[1] != (n_head + 2 * n_kv) * d
+            or pos + t > max_seq or cos.shape[0] < pos + t or cos.shape[1] != d // 2
+            or sin.shape != cos.shape or not 0 <= q_from < t):  # fmt: skip
+        raise ValueError("attn_prefill: shapes")
+    out = out if out is not None else torch.empty(t - q_from, n_head * d, dtype=torch.bfloat16)
+    _check(out, torch.bfloat16, "out")
+    if out.shape != (t - q_from, n_head * d):
+        raise ValueError("attn_prefill: out shape")
+    rc = lib.qlib_attn_prefill_ex(qkv.data_ptr(), t, kc.data_ptr(), vc.data_ptr(), pos, n_head,
+                                  n_kv, d, max_seq, cos.data_ptr(), sin.data_ptr(), int(neox),
+                                  q_from, out.data_ptr(), int(amx and amx_available()))  # fmt: skip
+    if rc:
+        raise RuntimeError("qlib_attn_prefill failed (d % 16, d > 128, heads, memory)")
+    return out
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' vector ``e^x`` (float32, numel % 16 == 0), for tests."""
+    lib = _lib()
+    x = x.contiguous().float()
+    if x.numel() % 16:
+        raise ValueError("exp: numel % 16 == 0 needed")
+    y = torch.empty_like(x)
+    lib.qlib_exp(x.data_ptr(), x.numel(), y.data_ptr())
+    return y
+
+
+# -- prefill.c with AMX: the GEMM and the whole layer ----------------------------------------
+
+
+def _amx_lib() -> ctypes.CDLL:
+    lib = _lib()
+    if not amx_available():
+        raise RuntimeError(f"AMX is not available here: {amx_unavailable_reason()}")
+    return lib
+
+
+def amx_gemm(a: torch.Tensor, tiles: torch.Tensor | AmxWeight, epilogue: str = "bf16",
+             out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``a @ w.T`` on AMX tiles (``tiles`` from ``pack_amx``, or an ``AmxWeight``), for tests
+    and tools.
+
+    ``a``: ``[m, k]`` bf16. Epilogues: ``"bf16"`` -> a new ``[m, n]`` bf16; ``"add"``: ``out``
+    (``[m, n]`` float32) += the product; ``"swiglu"`` (interleaved tiles) -> ``[m, n/2]`` bf16
+    ``silu(gate) * up``.
+    """
+    lib = _amx_lib()
+    m, k = a.shape
+    if isinstance(tiles, torch.Tensor):
+        if tiles.shape[1:] != (k // 32, 16, 16, 2):
+            raise ValueError("amx_gemm: tiles [n/16, k/32, 16, 16, 2] for a [m, k]")
+        tiles = AmxWeight("bf16", tiles.shape[0] * 16, k, tiles.contiguous())
+    n = tiles.n
+    if a.dtype != torch.bfloat16 or tiles.k != k or k % 32:
+        raise ValueError("amx_gemm: a [m, k] bf16 and a weight of k columns")
+    if epilogue not in AMX_EPILOGUES:
+        raise ValueError(f"amx_gemm: epilogue {epilogue!r}: {', '.join(AMX_EPILOGUES)}")
+    padded = torch.zeros(m + 32, k, dtype=torch.bfloat16)  # row blocks of 32 read past m
+    padded[:m] = a
+    if epilogue == "add":
+        if out is None or out.dtype != torch.float32 or out.shape != (m, n):
+            raise ValueError("amx_gemm: 'add' needs out [m, n] float32")
+        _check(out, torch.float32, "out")
+    else:
+        out = torch.empty(m, n // 2 if epilogue == "swiglu" else n, dtype=torch.bfloat16)
+    w = tiles.c_struct()
+    if lib.qlib_amx_gemm(padded.data_ptr(), m, k, w.kind, w.t, w.d, w.m, n,
+                         AMX_EPILOGUES[epilogue], out.data_ptr(), out.shape[1]):  # fmt: skip
+        raise MemoryError("qlib_amx_gemm: out of memory")
+    return out
+
+
+class AmxLayer:
+    """The four AMX weights of one llama layer (wqkv; wo; w13, tiles interleaved as
+    gate 0, up 0, gate 1, ...; w2) and their C descriptors, for ``prefill_layer``."""
+
+    def __init__(self, wqkv: AmxWeight, wo: AmxWeight, w13: AmxWeight, w2: AmxWeight):
+        k, n_qkv, n_ff = wqkv.k, wqkv.n, w13.n // 2
+        if (wo.n != k or w13.k != k or w2.n != k or w2.k != n_ff or w13.n % 2
+                or any(x % 32 for x in (k, n_qkv, wo.k, n_ff))):  # fmt: skip
+            raise ValueError("AmxLayer: weights of one layer (widths % 32 == 0)")
+        self.weights = (wqkv, wo, w13, w2)  # held: the descriptors point into them
+        self.k, self.n_qkv, self.n_attn, self.n_ff = k, n_qkv, wo.k, n_ff
+        self.c = (AmxWeightC * 4)(*(w.c_struct() for w in self.weights))
+
+
+@dataclass
+class PrefillScratch:
+    """bf16 buffers of ``prefill_layer`` for up to ``rows`` rows, each with 32 rows of
+    padding (the kernel's row blocks of 32 read past the last row)."""
+
+    rows: int
+    a: torch.Tensor  # [rows + 32, k]
+    qkv: torch.Tensor  # [rows + 32, n_qkv]
+    y: torch.Tensor  # [rows + 32, n_head d]
+    g: torch.Tensor  # [rows + 32, n_ff]
+
+    @classmethod
+    def for_layer(cls, layer: AmxLayer, rows: int) -> PrefillScratch:
+        a, qkv, y, g = (torch.empty(rows + 32, n, dtype=torch.bfloat16)
+                        for n in (layer.k, layer.n_qkv, layer.n_attn, layer.n_ff))  # fmt: skip
+        return cls(rows, a, qkv, y, g)
+
+
+def prefill_layer(
+    h: torch.Tensor,
+    layer: AmxLayer,
+    scratch: PrefillScratch,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    *,
+    attn_norm: torch.Tensor,
+    ffn_norm: torch.Tensor,
+    eps: float,
+    pos: int,
+    n_head: int,
+    n_kv: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    neox: bool,
+    q_from: int = 0,
+) -> None:
+    """One llama layer of a prefill chunk on AMX, in place on the residual stream ``h``
+    (``[t, k]`` float32, positions ``pos..pos+t-1``): RmsNorm -> qkv (bf16) -> RoPE, KV
+    write (``kc``, ``vc``: ``[n_kv, max_seq, d]`` float32), attention of rows
+    ``q_from..t-1`` -> ``h[q_from:]`` += wo, then += the SwiGLU FFN of ``h[q_from:]``.
+    ``cos``, ``sin``: ``[max_seq, d/2]`` tables from position 0; ``d % 32 == 0``."""
+    lib = _amx_lib()
+    _check(h, torch.float32, "h")
+    _check_attn_tables(kc, vc, cos, sin)
+    for name, wt in (("attn_norm", attn_norm), ("ffn_norm", ffn_norm)):
+        _check(wt, torch.float32, name)
+        if wt.numel() != layer.k:
+            raise ValueError(f"prefill_layer: {name} [k]")
+    t, k = h.shape
+    n_kv_c, max_seq, d = kc.shape
+    if (k != layer.k or t > scratch.rows or scratch.a.shape[1] != k or vc.shape != kc.shape
+            or n_kv_c != n_kv or layer.n_qkv != (n_head + 2 * n_kv) * d
+            or layer.n_attn != n_head * d or scratch.qkv.shape[1] != layer.n_qkv
+            or scratch.y.shape[1] != layer.n_attn or scratch.g.shape[1] != layer.n_ff
+            or pos + t > max_seq or cos.shape[0] < pos + t or cos.shape[1] != d // 2
+            or sin.shape != cos.shape or d % 32 or not 0 <= q_from < t):  # fmt: skip
+        raise ValueError("prefill_layer: shapes")
+    s = scratch
+    if lib.qlib_prefill_layer(
+        h.data_ptr(), t, k, attn_norm.data_ptr(), ffn_norm.data_ptr(), eps, layer.c,
+        layer.n_qkv, layer.n_ff, s.a.data_ptr(), s.qkv.data_ptr(), s.y.data_ptr(),
+        s.g.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos, n_head, n_kv, d, max_seq,
+        cos.data_ptr(), sin.data_ptr(), int(neox), q_from,
+    ):  # fmt: skip
+        raise RuntimeError("qlib_prefill_layer failed (shapes or memory)")

@@ -1,0 +1,107 @@
+"""Weights into the layouts of ``layout``: QTensors -> ``PackedWeight`` (``pack``), bf16 or
+packed weights -> AMX tiles (``pack_amx``, ``pack_amx_quantized``)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import build, ops
+from .layout import TYPE_CODES, AmxWeight, PackedWeight
+
+
+def supports(type_name: str, k: int) -> bool:
+    """Whether the C kernel handles a weight of this type and row length."""
+    return type_name in TYPE_CODES and k % 64 == 0 and build.available()
+
+
+def pack(qtensors) -> PackedWeight:
+    """Repack one 2-D QTensor, or several with the same type and k stacked by rows."""
+    qtensors = list(qtensors) if isinstance(qtensors, (list, tuple)) else [qtensors]
+    name = qtensors[0].dtype.name
+    k = int(qtensors[0].shape[-1])
+    if any(q.dtype.name != name or int(q.shape[-1]) != k or len(q.shape) != 2 for q in qtensors):
+        raise ValueError("pack: weights must be 2-D with one type and one row length")
+    if name not in TYPE_CODES or k % 64:
+        raise ValueError(f"pack: no C kernel for {name} with k={k} (needs k % 64 == 0)")
+    n = sum(int(q.shape[0]) for q in qtensors)
+    G = k // 32
+    codes = torch.empty(n, k if name == "Q8_0" else k // 2, dtype=torch.uint8)
+    d = torch.empty(n, G, dtype=torch.int16)
+    m = torch.empty(n, G, dtype=torch.int16) if name == "Q4_1" else None
+    if build.available():
+        j = 0
+        for q in qtensors:  # each weight into its rows of the planes
+            rows, data = int(q.shape[0]), q.data.cpu().contiguous()
+            part = slice(j, j + rows)
+            ops.repack(name, data, k, codes[part], d[part], m[part] if m is not None else None)
+            j += rows
+        return PackedWeight(name, n, k, codes, d, m)
+    rows = torch.cat([q.data.cpu().reshape(-1) for q in qtensors])
+    blocks = rows.view(n, G, -1)  # the same in torch (slow), for machines without the kernel
+    d.copy_(blocks[:, :, 0:2].contiguous().view(torch.int16).reshape(n, G))
+    if name == "Q8_0":
+        codes.copy_(blocks[:, :, 2:34].reshape(n, k) ^ 0x80)
+    else:
+        if m is not None:
+            m.copy_(blocks[:, :, 2:4].contiguous().view(torch.int16).reshape(n, G))
+        qs = blocks[:, :, (4 if m is not None else 2) :][:, :, :16]
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n, k // 64, 2, 32)  # natural order
+        codes.copy_((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2))
+    return PackedWeight(name, n, k, codes, d, m)
+
+
+def _tile_rows(n: int, interleave: bool) -> torch.Tensor | None:
+    """The row order that puts the tiles of ``[gate; up]`` as gate 0, up 0, gate 1, ..."""
+    if not interleave:
+        return None
+    return torch.arange(n).view(2, n // 32, 16).transpose(0, 1).reshape(-1)
+
+
+def pack_amx(w: torch.Tensor, interleave: bool = False) -> torch.Tensor:
+    """A bf16 weight ``[n, k]`` (n % 32, k % 32 == 0) as AMX B tiles ``[n/16, k/32, 16, 16, 2]``.
+
+    Tile ``(j, c)``, row ``r``, column ``i`` holds ``w[16 j + i, 32 c + 2 r : 32 c + 2 r + 2]``
+    (the VNNI pairs ``_tile_dpbf16ps`` multiplies). ``interleave``: ``w`` is ``[gate; up]``
+    and its tiles are ordered gate 0, up 0, gate 1, up 1, ... (the SwiGLU epilogue's input).
+    """
+    n, k = w.shape
+    if w.dtype != torch.bfloat16 or n % 32 or k % 32:
+        raise ValueError(f"pack_amx: a bf16 [n, k] weight with n, k % 32 == 0, got {list(w.shape)}")
+    rows = _tile_rows(n, interleave)
+    if rows is not None:
+        w = w[rows]
+    return w.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def pack_amx_bf16(w: torch.Tensor, interleave: bool = False) -> AmxWeight:
+    """``pack_amx``'s tiles as an ``AmxWeight`` (``kind="bf16"``)."""
+    n, k = w.shape
+    return AmxWeight("bf16", n, k, pack_amx(w, interleave))
+
+
+def pack_amx_quantized(pw: PackedWeight, interleave: bool = False) -> AmxWeight:
+    """A repacked Q4_0 / Q4_1 / Q8_0 weight as AMX-ordered codes and float32 scales (see
+    ``AmxWeight``): 0.75 (4-bit) or 1.125 (Q8_0) bytes per weight instead of bf16's 2; the
+    GEMM expands them to exactly the bf16 values ``dequantize_bf16`` gives."""
+    n, k = pw.n, pw.k
+    if n % 32 or k % 64:
+        raise ValueError(f"pack_amx_quantized: n % 32 and k % 64 == 0 needed, got {n}x{k}")
+    d = pw.d.view(torch.float16).float()
+    if pw.type_name == "Q8_0":
+        q = (pw.codes.to(torch.int16) - 128).to(torch.int8)
+        m = None
+    else:  # per 64 elements 32 bytes: byte i = e[i] | e[i + 32] << 4
+        c = pw.codes.view(n, k // 64, 32)
+        q = torch.cat([c & 15, c >> 4], dim=-1).reshape(n, k)
+        m = pw.m.view(torch.float16).float() if pw.type_name == "Q4_1" else d * -8.0
+    rows = _tile_rows(n, interleave)
+    if rows is not None:
+        q, d = q[rows], d[rows]
+        m = m[rows] if m is not None else None
+    q = q.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
+    if pw.type_name == "Q8_0":
+        tiles, kind = q.contiguous(), "q8"
+    else:
+        tiles, kind = (q[..., 0] | (q[..., 1] << 4)).contiguous(), "q4"
+    scales = lambda x: x.reshape(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()  # noqa: E731
+    return AmxWeight(kind, n, k, tiles, scales(d), scales(m) if m is not None else None)

@@ -1,0 +1,192 @@
+"""How a weight's GGUF blocks are laid out for the CUDA kernels.
+
+GGUF blocks are 18, 20, 22, 34, 210 bytes..., not 4-byte aligned, so ``prepare(w)``
+repacks them once into planes (row-major, one row per weight row) that keep the GGUF
+values bit for bit:
+
+* ``qs``  uint8 ``[n, k/2]``: the low 4 bits of the codes; for each group of 32
+  elements, 16 bytes where byte ``i`` holds element ``i`` (low nibble) and
+  ``i + 16`` (high nibble): the GGUF order of Q4_0/Q4_1/Q5_x, and a reorder for
+  the K-quants. Q8_0 instead keeps ``qs`` int8 ``[n, k]``.
+* ``qh``  the high bits: Q5_x int32 ``[n, k/32]`` (bit ``j`` = fifth bit of
+  element ``j`` of the group: GGUF's ``qh``); Q6_K uint8 ``[n, k/4]`` (8 bytes a
+  group, byte ``j`` holding bits 4-5 of elements ``j, j+8, j+16, j+24``).
+* ``d``/``dm`` float16: per group of 32 (Q4_0..Q8_0: d, and the min m of
+  Q4_1/Q5_1), or per super-block of 256 (K-quants: d, dmin).
+* ``sc``/``mn``: K-quant sub-block scales and mins, uint8 ``[n, k/32]`` (Q4_K,
+  Q5_K, the 6-bit values unpacked), int8 ``[n, k/16]`` for Q6_K's scales.
+
+The planes take about the bytes of the GGUF tensor (Q4_K/Q5_K a little more:
+one byte per scale and min instead of 6 bits). They are kept beside the
+``QTensor`` (keyed on its ``data`` tensor, released with it); ``QTensor.data``
+is never changed. ``dequantize_prepared`` is the pure-torch reading of the
+planes that the kernels implement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..types import ggml_type
+
+NATIVE: tuple[str, ...] = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+FORMAT_ID: dict[str, int] = {name: i for i, name in enumerate(NATIVE)}
+_OFFSET = {"Q4_0": -8, "Q5_0": -16, "Q6_K": -32}  # symmetric formats: code - offset
+
+
+@dataclass
+class Prepared:
+    """A weight repacked into GPU planes (see the module docstring for the layout)."""
+
+    type_name: str
+    n: int
+    k: int
+    qs: torch.Tensor
+    qh: torch.Tensor | None = None
+    d: torch.Tensor | None = None
+    dm: torch.Tensor | None = None
+    sc: torch.Tensor | None = None
+    mn: torch.Tensor | None = None
+    cache: dict = field(default_factory=dict, repr=False)  # launch arguments, per kernel module
+
+    @property
+    def format_id(self) -> int:
+        return FORMAT_ID[self.type_name]
+
+    @property
+    def groups(self) -> int:
+        return self.k // 32
+
+    def nbytes(self) -> int:
+        planes = (self.qs, self.qh, self.d, self.dm, self.sc, self.mn)
+        return sum(t.numel() * t.element_size() for t in planes if t is not None)
+
+
+# --- repacking GGUF blocks into planes (pure torch, any device) ---------------------------
+
+
+def _field(blocks: torch.Tensor, offset: int, dtype: torch.dtype) -> torch.Tensor:
+    """One scalar field of every block: ``[n, nb, T]`` uint8 -> ``[n, nb]`` of ``dtype``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return blocks[..., offset : offset + size].contiguous().view(dtype).squeeze(-1)
+
+
+def _nibble_plane(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``[n, k]`` (< 16) -> ``[n, k/2]``: per 32-group, byte i = code i | code i+16 << 4."""
+    n, k = codes.shape
+    c = codes.reshape(n, k // 32, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def _bit_plane(bits: torch.Tensor) -> torch.Tensor:
+    """Bits ``[n, k]`` (0/1) -> int32 ``[n, k/32]``, bit j of word g = element 32g + j."""
+    n, k = bits.shape
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int64)
+    words = (bits.reshape(n, k // 32, 32).to(torch.int64) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _kquant_scales(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K 12 scale bytes ``[n, nb, 12]`` -> 6-bit scales, mins ``[n, nb, 8]`` (uint8)."""
+    lo, mid, hi = raw[..., 0:4], raw[..., 4:8], raw[..., 8:12]
+    sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], dim=-1)
+    mn = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=-1)
+    return sc, mn
+
+
+def repack(data: torch.Tensor, type_name: str, shape: tuple[int, int]) -> Prepared:
+    """GGUF blocks ``[n, row_bytes]`` (uint8, any device) -> ``Prepared`` planes on that device."""
+    t = ggml_type(type_name)
+    if t.name not in FORMAT_ID:
+        raise NotImplementedError(f"no GPU layout for {t.name} (native: {', '.join(NATIVE)})")
+    n, k = (int(s) for s in shape)
+    if k % t.block_size:
+        raise ValueError(f"{t.name} rows need a multiple of {t.block_size} elements, got {k}")
+    b = data.reshape(n, k // t.block_size, t.type_size)
+    name, f16, u8 = t.name, torch.float16, torch.uint8
+    if name == "Q8_0":
+        qs = b[..., 2:34].contiguous().view(torch.int8).reshape(n, k)
+        return Prepared(name, n, k, qs, d=_field(b, 0, f16))
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        has_m, has_h = name.endswith("_1"), name.startswith("Q5")
+        q0 = 2 + 2 * has_m + 4 * has_h
+        return Prepared(
+            name, n, k,
+            qs=b[..., q0 : q0 + 16].reshape(n, k // 2).contiguous(),
+            qh=_field(b, 2 + 2 * has_m, torch.int32) if has_h else None,
+            d=_field(b, 0, f16),
+            dm=_field(b, 2, f16) if has_m else None,
+        )  # fmt: skip
+    if name in ("Q4_K", "Q5_K"):
+        qs = b[..., 16:144] if name == "Q4_K" else b[..., 48:176]
+        qs = qs.reshape(n, -1, 4, 1, 32)  # [.., chunk, -, l]: elements 64c + l, 64c + 32 + l
+        codes = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, k)
+        qh = None
+        if name == "Q5_K":  # fifth bit of element 32j + l: bit j of qh[l]
+            shifts = torch.arange(8, device=b.device, dtype=u8).view(1, 1, 8, 1)
+            high = (b[..., 16:48].reshape(n, -1, 1, 32) >> shifts) & 1
+            qh = _bit_plane(high.reshape(n, k))
+        sc, mn = _kquant_scales(b[..., 4:16])
+        return Prepared(
+            name, n, k, _nibble_plane(codes), qh=qh, d=_field(b, 0, f16), dm=_field(b, 2, f16),
+            sc=sc.reshape(n, k // 32).contiguous(), mn=mn.reshape(n, k // 32).contiguous(),
+        )  # fmt: skip
+    # Q6_K: element 128h + 32j + l; ql byte 64h + 32(j % 2) + l, nibble j // 2; qh byte 32h + l
+    ql = b[..., 0:128].reshape(n, -1, 2, 2, 32)
+    low = torch.cat([ql & 15, ql >> 4], dim=3)
+    shifts = torch.tensor([0, 2, 4, 6], device=b.device, dtype=u8).view(1, 1, 1, 4, 1)
+    high = (b[..., 128:192].reshape(n, -1, 2, 1, 32) >> shifts) & 3
+    codes = (low | (high << 4)).reshape(n, k)  # 0..63
+    hb = (codes >> 4).reshape(n, k // 32, 4, 8)  # [.., group, e // 8, e % 8]
+    qh = hb[:, :, 0] | (hb[:, :, 1] << 2) | (hb[:, :, 2] << 4) | (hb[:, :, 3] << 6)
+    return Prepared(
+        name, n, k, _nibble_plane(codes & 15), qh=qh.reshape(n, k // 4).contiguous(),
+        d=_field(b, 208, f16), sc=b[..., 192:208].contiguous().view(torch.int8).reshape(n, k // 16),
+    )  # fmt: skip
+
+
+def dequantize_prepared(p: Prepared) -> torch.Tensor:
+    """Float32 ``[n, k]`` from the planes, exactly as the kernels read them (reference, tests)."""
+    n, G, dev = p.n, p.groups, p.qs.device
+    j = torch.arange(32, device=dev)
+    if p.type_name == "Q8_0":
+        q = p.qs.reshape(n, G, 32).to(torch.int32)
+    else:
+        c = p.qs.reshape(n, G, 16).to(torch.int32)
+        q = torch.cat([c & 15, c >> 4], dim=-1)
+        if p.type_name in ("Q5_0", "Q5_1", "Q5_K"):
+            q = q | (((p.qh.unsqueeze(-1) >> j) & 1) << 4)
+        elif p.type_name == "Q6_K":
+            h = p.qh.reshape(n, G, 8).to(torch.int32)[..., j % 8]
+            q = q | (((h >> (2 * (j // 8))) & 3) << 4)
+    q = q.float() + _OFFSET.get(p.type_name, 0)
+    if p.type_name in ("Q4_K", "Q5_K"):
+        d = p.d.float().repeat_interleave(8, dim=1)
+        s, off = d * p.sc.float(), -(p.dm.float().repeat_interleave(8, dim=1) * p.mn.float())
+        return (q * s.unsqueeze(-1) + off.unsqueeze(-1)).reshape(n, -1)
+    if p.type_name == "Q6_K":
+        s = p.d.float().repeat_interleave(16, dim=1) * p.sc.float()  # per 16 elements
+        return (q.reshape(n, -1, 16) * s.unsqueeze(-1)).reshape(n, -1)
+    y = q * p.d.float().unsqueeze(-1)
+    if p.dm is not None:
+        y = y + p.dm.float().unsqueeze(-1)
+    return y.reshape(n, -1)
+
+
+# --- the cache of prepared weights ---------------------------------------------------------
+
+_PREPARED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def prepare(w) -> Prepared:
+    """The GPU planes of QTensor ``w`` (made on first use, cached while ``w.data`` lives)."""
+    p = _PREPARED.get(w.data)
+    if p is None or p.type_name != w.dtype.name:
+        if len(w.shape) != 2:
+            raise ValueError(f"qmatmul needs a 2-D weight, got shape {list(w.shape)}")
+        p = repack(w.data, w.dtype.name, w.shape)
+        _PREPARED[w.data] = p
+    return p

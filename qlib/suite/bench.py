@@ -1,0 +1,243 @@
+"""The speed protocol (docs/design.md), for qlib and its peers.
+
+Prompt: the first N (203) tokens of ``data/passage.txt`` (no chat template,
+no special tokens). One run = prefill once, then greedy-decode ``steps``
+(128) tokens without stopping at EOS; every step reads the token back to the
+host. One process per configuration: load, one untimed run (reported as
+``first_run``), then ``reps`` runs on a fresh KV cache; min and median.
+
+``python -m qlib bench --json`` prints one JSON object. ``--peers`` also runs
+transformers and llama.cpp (when installed), each in its own process through
+this same module, and prints qlib / peer ratios from that one invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+PROMPT_TOKENS = 203
+STEPS = 128
+REPS = 5
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def prompt_ids(
+    tokenizer_encode: Callable[[str], list[int]], n: int, prompt_file: Path
+) -> list[int]:
+    ids = tokenizer_encode(prompt_file.read_text())
+    if len(ids) < n:
+        raise ValueError(f"{prompt_file} has only {len(ids)} tokens, {n} requested")
+    return ids[:n]
+
+
+def measure(run_once: Callable[[], tuple[float, float]], reps: int) -> dict:
+    """``run_once() -> (prefill_ms, decode_ms_per_token)``: first run, then ``reps`` timed."""
+    first = run_once()
+    runs = [run_once() for _ in range(reps)]
+    prefill = [r[0] for r in runs]
+    decode = [r[1] for r in runs]
+    return {
+        "prefill_ms": {"min": min(prefill), "median": statistics.median(prefill)},
+        "decode_ms_per_token": {"min": min(decode), "median": statistics.median(decode)},
+        "first_run": {"prefill_ms": first[0], "decode_ms_per_token": first[1]},
+        "runs": [{"prefill_ms": p, "decode_ms_per_token": d} for p, d in runs],
+    }
+
+
+# -- engines -----------------------------------------------------------------
+
+
+def bench_qlib(args: argparse.Namespace) -> dict:
+    import torch
+
+    from ..llama.engine import load, resolve
+    from ..tokenizer import Tokenizer
+
+    options = {"prefill": args.prefill} if args.prefill else {}
+    if args.attention:
+        options["attention"] = args.attention
+    times: dict[str, float] = {}
+    model, content = load(
+        args.model, args.device, engine=args.engine, form=args.form, times=times, **options
+    )
+    load_ms = times["read_ms"] + times["build_ms"]
+    tokenizer = Tokenizer.from_metadata(content.metadata)
+    ids = prompt_ids(tokenizer.encode, args.prompt_tokens, args.prompt_file)
+    device = model.device
+
+    def run_once() -> tuple[float, float]:
+        model.clear_kv_cache()
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            logits = model.forward(torch.tensor([ids], device=device), 0)
+            token = int(logits[0].argmax())
+            t1 = time.perf_counter()
+            pos = len(ids)
+            for _ in range(args.steps):
+                logits = model.forward(torch.tensor([[token]], device=device), pos)
+                token = int(logits[0].argmax())
+                pos += 1
+            t2 = time.perf_counter()
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3 / args.steps
+
+    result = measure(run_once, args.reps)
+    engine, form = resolve(args.engine, args.form)
+    result.update(runtime="qlib", engine=engine, form=form or "default", load_ms=load_ms)
+    if engine == "fast":
+        result.update(prefill=getattr(model, "prefill", args.prefill))
+    return result
+
+
+def bench_transformers(args: argparse.Namespace) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    model_path = Path(args.model)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+    start = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
+    model = (
+        AutoModelForCausalLM.from_pretrained(
+            model_path.parent, gguf_file=model_path.name, dtype=dtype
+        )
+        .to(args.device)
+        .eval()
+    )
+    load_ms = (time.perf_counter() - start) * 1e3
+    ids = prompt_ids(
+        lambda t: tok(t, add_special_tokens=False)["input_ids"],
+        args.prompt_tokens,
+        args.prompt_file,
+    )
+    prompt = torch.tensor([ids], device=args.device)
+
+    def next_token(x, cache) -> int:
+        out = model(x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return int(out.logits[0, -1].argmax())
+
+    def run_once() -> tuple[float, float]:
+        with torch.inference_mode():
+            cache = DynamicCache()
+            t0 = time.perf_counter()
+            token = next_token(prompt, cache)
+            t1 = time.perf_counter()
+            for _ in range(args.steps):
+                token = next_token(torch.tensor([[token]], device=args.device), cache)
+            t2 = time.perf_counter()
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3 / args.steps
+
+    result = measure(run_once, args.reps)
+    result.update(runtime="transformers", dtype=args.dtype, load_ms=load_ms)
+    return result
+
+
+def bench_llama_cpp(args: argparse.Namespace) -> dict:
+    import llama_cpp  # noqa: I001  (import before numpy/torch, as on the GPU machine)
+
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(
+        model_path=str(args.model),
+        n_ctx=args.prompt_tokens + args.steps + 8,
+        n_batch=512,
+        n_threads=args.threads or os.cpu_count(),
+        n_threads_batch=args.threads or os.cpu_count(),
+        n_gpu_layers=-1 if args.device == "cuda" else 0,
+        verbose=False,
+    )
+    load_ms = (time.perf_counter() - start) * 1e3
+    ids = prompt_ids(
+        lambda t: llm.tokenize(t.encode(), add_bos=False, special=False),
+        args.prompt_tokens,
+        args.prompt_file,
+    )
+    n_vocab = llm.n_vocab()
+
+    def argmax_last() -> int:
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+        return int(logits.argmax())
+
+    def run_once() -> tuple[float, float]:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        token = argmax_last()
+        t1 = time.perf_counter()
+        for _ in range(args.steps):
+            llm.eval([token])
+            token = argmax_last()
+        t2 = time.perf_counter()
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3 / args.steps
+
+    result = measure(run_once, args.reps)
+    result.update(runtime="llama.cpp", version=llama_cpp.__version__, load_ms=load_ms)
+    return result
+
+
+RUNTIMES = {"qlib": bench_qlib, "transformers": bench_transformers, "llama.cpp": bench_llama_cpp}
+
+
+def run_config(args: argparse.Namespace) -> dict:
+    """Run one configuration in this process."""
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    result = RUNTIMES[args.runtime](args)
+    result.update(
+        device=args.device,
+        threads=args.threads or os.cpu_count(),
+        prompt_tokens=args.prompt_tokens,
+        steps=args.steps,
+        reps=args.reps,
+        model=str(args.model),
+        peak_rss_mb=peak_rss_mb(),
+    )
+    return result
+
+
+def run_in_subprocess(argv: list[str]) -> dict:
+    """One configuration in a new process; returns its JSON or an ``error`` entry."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "qlib", "bench", *argv, "--json"], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1], "argv": argv}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def protocol_argv(args: argparse.Namespace) -> list[str]:
+    """The command-line arguments every runtime of one ``--peers`` invocation shares."""
+    argv = ["--model", str(args.model), "--prompt-file", str(args.prompt_file),
+            "--prompt-tokens", str(args.prompt_tokens), "--steps", str(args.steps),
+            "--reps", str(args.reps), "--device", args.device]  # fmt: skip
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    return argv
+
+
+def peer_configs(args: argparse.Namespace) -> list[list[str]]:
+    base = protocol_argv(args)
+    configs = [[*base, "--runtime", "transformers", "--dtype", "f32"]]
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("llama_cpp") is not None:
+            configs.append([*base, "--runtime", "llama.cpp"])
+    except ValueError:
+        pass
+    return configs

@@ -1,0 +1,94 @@
+"""What the experiments share: the loader, the chat prompt, one greedy step, teacher-forced
+logits and KV cache snapshots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...llama.engine import load
+from ...llama.faithful import ModelWeights
+from ...tokenizer import Tokenizer
+
+
+def build(path: str | Path, device: str = "cpu", **options: Any) -> tuple[Any, Tokenizer]:
+    """``qlib.llama.engine.load(path, device, **options)`` and the file's tokenizer.
+
+    ``options`` are ``load``'s: ``engine``, ``form``, ``metadata_overrides`` /
+    ``drop_keys`` (the metadata edited in memory, the tokenizer built from the
+    edited one), and the engine's own (``attention``, ``strict``, ``kv_cache``...).
+    """
+    model, content = load(path, device, **options)
+    return model, Tokenizer.from_metadata(content.metadata)
+
+
+def chat_ids(tokenizer: Any, text: str, system: bool = True) -> list[int]:
+    """Token ids of ``text`` as one chat turn, ready for the assistant's reply (no BOS added).
+
+    ``system=True`` renders the file's chat template as it is, with its own
+    default system message where it has one (SmolLM2's: "You are a helpful AI
+    assistant named SmolLM, trained by Hugging Face"). ``system=False`` on a
+    ChatML template (SmolLM2's) writes the user turn alone, as the seed's
+    program does (13 tokens for "What is Rust?"); other templates render as
+    with ``system=True``.
+    """
+    template = tokenizer.chat_template or ""
+    if not system and "<|im_start|>" in template:
+        prompt = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    else:
+        prompt = tokenizer.chat_prompt(text)
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def next_token(model: Any, ids: list[int], index_pos: int) -> int:
+    """One forward of ``ids`` at ``index_pos``; the argmax of the last position."""
+    with torch.inference_mode():
+        logits = model.forward(torch.tensor([ids], device=model.device), index_pos)
+    return int(logits[0].argmax())
+
+
+def teacher_forced_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    """Logits of every position of ``ids`` (one prefill at 0), (T, vocab) float32 on the CPU.
+
+    The KV cache is empty before and after.
+    """
+    model.clear_kv_cache()
+    with torch.inference_mode():
+        x = torch.tensor([ids], device=model.device)
+        out = model.forward(x, 0, all_logits=True)[0].float().cpu()
+    model.clear_kv_cache()
+    return out
+
+
+def snapshot_kv(model: ModelWeights) -> list:
+    """Every layer's KV cache, as ``restore_kv`` puts it back.
+
+    The cat cache is never written in place (each step makes new tensors), so
+    its tensors themselves are the snapshot; a static cache's are views of
+    buffers that later steps overwrite, so those are copied.
+    """
+    static = model.kv_cache_mode == "static"
+    return [
+        None if kv is None else (kv[0].clone(), kv[1].clone()) if static else kv
+        for kv in (layer.kv_cache for layer in model.layers)
+    ]
+
+
+def restore_kv(model: ModelWeights, snapshot: list, length: int | None = None) -> None:
+    """Put a ``snapshot_kv`` back, or only its first ``length`` positions.
+
+    Cut to ``length``, the cache is what a prefill of those positions leaves
+    (causal attention: the first positions do not depend on later ones), as
+    new contiguous tensors. A static cache gets the positions written into its
+    buffers.
+    """
+    for layer, kv in zip(model.layers, snapshot, strict=True):
+        layer.kv_cache = None
+        if kv is None:
+            continue
+        k, v = kv
+        if length is not None:
+            k, v = k[:, :, :length].clone(), v[:, :, :length].clone()
+        layer.put_kv(k, v, 0, model.max_seq_len)
