@@ -17,10 +17,8 @@ from ..suite.bench import (
     run_in_subprocess,
 )
 from .common import (
-    add_device_arg,
     add_engine_args,
-    add_model_arg,
-    add_threads_arg,
+    add_model_args,
     existing_file,
     positive_int,
 )
@@ -30,15 +28,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench", help="prefill / decode speed with the benchmark protocol (docs/design.md)"
     )
-    add_model_arg(p)
+    add_model_args(p)
     p.add_argument(
         "--prompt-file", type=existing_file, default=None, help="default: data/passage.txt"
     )
     p.add_argument("--prompt-tokens", type=positive_int, default=PROMPT_TOKENS)
     p.add_argument("--steps", type=positive_int, default=STEPS, help="greedy decode steps")
     p.add_argument("--reps", type=positive_int, default=REPS, help="timed runs")
-    add_device_arg(p)
-    add_threads_arg(p)
+
     add_engine_args(p)
     p.add_argument(
         "--prefill",

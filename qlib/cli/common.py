@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,18 +14,22 @@ from ..quants.qtensor import FORMS
 # -- argument types: a bad value ends in argparse's one-line usage error, before any work
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def at_least(lo: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``lo``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < lo:
+            bound = "0 or more" if lo == 0 else f"at least {lo}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its "invalid int value" message
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+positive_int = at_least(1)
+non_negative_int = at_least(0)
 
 
 def non_negative_float(text: str) -> float:
@@ -71,24 +76,20 @@ def available_device(text: str) -> str:
     return text
 
 
-def add_model_arg(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """``-m/--model``, ``--device`` and ``-t/--threads``, the same in every command."""
     p.add_argument(
-        "-m", "--model", type=existing_file, default=None,
+        "-m",
+        "--model",
+        type=existing_file,
+        default=None,
         help="GGUF file (default: the embedded SmolLM2)",
-    )  # fmt: skip
-
-
-def add_device_arg(p: argparse.ArgumentParser) -> None:
+    )
     p.add_argument(
         "--device", type=available_device, default="cpu", help="cpu, cuda or mps (default: cpu)"
     )
-
-
-def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "-t", "--threads", type=positive_int, default=None,
-        help="CPU threads (default: torch's choice, one per core)",
-    )  # fmt: skip
+    p.add_argument("-t", "--threads", type=positive_int, default=None,
+                   help="CPU threads (default: torch's choice, one per core)")  # fmt: skip
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

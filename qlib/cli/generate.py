@@ -13,10 +13,8 @@ import torch
 
 from .. import models
 from .common import (
-    add_device_arg,
     add_engine_args,
-    add_model_arg,
-    add_threads_arg,
+    add_model_args,
     engine_options,
     existing_file,
     non_empty,
@@ -28,9 +26,7 @@ from .common import (
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    add_model_arg(p)
-    add_device_arg(p)
-    add_threads_arg(p)
+    add_model_args(p)
     add_engine_args(p)
 
 

@@ -1,4 +1,4 @@
-"""Input checks shared by the fast engines."""
+"""What the fast engines share: the forward-input contract and the static KV cache state."""
 
 from __future__ import annotations
 
@@ -21,3 +21,21 @@ def check_input(x: torch.Tensor, index_pos: int, kv_len: int, max_seq_len: int) 
     if index_pos + t > max_seq_len:
         raise ModelError(f"{index_pos + t} positions exceed max_seq_len {max_seq_len}")
     return t
+
+
+class StaticKVState:
+    """A KV cache preallocated for ``max_seq_len`` positions, the first ``kv_len`` filled."""
+
+    max_seq_len: int
+    _kv_len: int = 0
+
+    @property
+    def kv_len(self) -> int:
+        return self._kv_len
+
+    def clear_kv_cache(self) -> None:
+        self._kv_len = 0
+
+    def check_input(self, x: torch.Tensor, index_pos: int) -> int:
+        """``check_input`` against this cache; returns the sequence length."""
+        return check_input(x, index_pos, self._kv_len, self.max_seq_len)

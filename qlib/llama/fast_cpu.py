@@ -54,7 +54,7 @@ from ..quants.api import dequantize_torch
 from ..quants.cpu.matmul import PreparedWeight, prepare, qmatmul_prepared
 from ..quants.qtensor import QTensor
 from ..spans import span
-from .checks import check_input
+from .checks import StaticKVState
 from .config import MAX_SEQ_LEN, LlamaConfig, precompute_freqs_cis
 from .errors import ModelError
 from .faithful import rope_neox
@@ -182,7 +182,7 @@ class FastLayer:
         self.ffn_norm = get(f"{p}.ffn_norm.weight").dequantize()
 
 
-class FastModel:
+class FastModel(StaticKVState):
     """A llama GGUF on CPU with fused packed weights, a static KV cache and fast kernels."""
 
     def __init__(
@@ -396,13 +396,6 @@ class FastModel:
 
     # -- state -------------------------------------------------------------
 
-    @property
-    def kv_len(self) -> int:
-        return self._kv_len
-
-    def clear_kv_cache(self) -> None:
-        self._kv_len = 0
-
     def nbytes(self) -> int:
         """Bytes held by the weights (packed, bf16 copies, norms)."""
         total = sum(
@@ -450,7 +443,7 @@ class FastModel:
 
         ``all_logits=True`` gives every position: ``(1, seq_len, vocab)``.
         """
-        t = check_input(x, index_pos, self._kv_len, self.max_seq_len)
+        t = self.check_input(x, index_pos)
         c = self.config
         nq, nkv, hd = c.head_count * c.head_dim, c.head_count_kv * c.head_dim, c.head_dim
         eps, dims, rows = c.rms_norm_eps, (c.embedding_length,), self.bf16_min_rows

@@ -38,7 +38,7 @@ from ..devices import DeviceLike, as_device
 from ..quants.cuda.layout import NATIVE, Prepared, repack
 from ..quants.qtensor import QTensor
 from ..spans import span
-from .checks import check_input
+from .checks import StaticKVState
 from .config import MAX_SEQ_LEN, LlamaConfig, precompute_freqs_cis
 from .errors import ModelError
 from .fused import FUSED_STACKS
@@ -110,7 +110,7 @@ class CudaLayer:
         self.ffn_norm = get(f"{p}.ffn_norm.weight").dequantize()
 
 
-class CudaFastModel:
+class CudaFastModel(StaticKVState):
     """A llama GGUF on one CUDA device: fused packed decode kernels, CUDA graphs, static cache."""
 
     def __init__(
@@ -197,13 +197,6 @@ class CudaFastModel:
                    attention=attention, max_seq_len=max_seq_len)  # fmt: skip
 
     # -- state -------------------------------------------------------------
-
-    @property
-    def kv_len(self) -> int:
-        return self._kv_len
-
-    def clear_kv_cache(self) -> None:
-        self._kv_len = 0
 
     def nbytes(self) -> int:
         """Bytes held by the weights (packed planes, dense prefill copies, embedding)."""
@@ -350,7 +343,7 @@ class CudaFastModel:
 
         ``all_logits=True`` gives every position: ``(1, seq_len, vocab)``.
         """
-        t = check_input(x, index_pos, self._kv_len, self.max_seq_len)
+        t = self.check_input(x, index_pos)
         ids = x.reshape(-1).to(self.device, torch.int64)
         with span("model"):
             if t == 1:
