@@ -185,3 +185,22 @@ def derive(
     if log:
         log(f"derived {dest} from {src.name}")
     return report.path
+
+
+def synthetic(
+    shape: str = "1b",
+    type_or_recipe: str = "Q8_0",
+    *,
+    force: bool = False,
+    log: Callable[[str], None] | None = print,
+) -> Path:
+    """A ``shape`` llama file with seeded random weights (``convert.synthetic``) in
+    ``models_dir()``, made on first use (the 1B shape takes a few minutes); its path."""
+    from .convert import normalize_spec
+    from .convert.synthetic import synthesize
+
+    spec = normalize_spec(type_or_recipe)
+    dest = models_dir() / f"synthetic-{shape}.{spec}.gguf"
+    if dest.is_file() and not force:
+        return dest
+    return synthesize(dest, path(), shape, spec, log=log)
