@@ -205,3 +205,15 @@ def test_design_picture_matches_the_code():
     code = package_edges()
     assert not code - drawn, f"arrows in the code missing from docs/design.md: {code - drawn}"
     assert not drawn - code, f"arrows in docs/design.md the code no longer has: {drawn - code}"
+
+
+def test_suite_finds_the_checkout():
+    """The suite's default folders are the checkout's (a module move once broke this)."""
+    from qlib.suite.catalogue import NOTEBOOKS_DIR, discover
+    from qlib.suite.machine import REPO_ROOT
+    from qlib.suite.results import results_dir
+
+    assert (REPO_ROOT / "pyproject.toml").is_file()
+    assert NOTEBOOKS_DIR == REPO_ROOT / "notebooks"
+    assert len(discover()) >= 10
+    assert results_dir().resolve().parent == REPO_ROOT

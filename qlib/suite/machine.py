@@ -17,7 +17,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # qlib/suite/machine.py -> the checkout
 # name in the record -> distribution name
 PACKAGES = {
     "torch": "torch",
