@@ -31,8 +31,10 @@ import pandas as pd
 import torch
 
 from qlib import models
+from qlib.suite import plots
 from qlib.suite.results import ResultWriter
 
+plots.style()
 model_path = str(model_path or models.path())
 torch.manual_seed(seed)
 w = ResultWriter("00_smoke", params=dict(model_path=model_path, device=device, seed=seed))
@@ -84,7 +86,7 @@ types
 
 # %%
 fig, ax = plt.subplots(figsize=(5, 2.8))
-ax.bar(types["type"], types["tensors"], color="#4c72b0")
+plots.bar_labels(ax, ax.bar(types["type"], types["tensors"]), "{:.0f}")
 ax.set_xlabel("ggml type")
 ax.set_ylabel("tensors")
 ax.set_title(f"{len(df)} tensors in {model_path.rsplit('/', 1)[-1]}", fontsize=9)

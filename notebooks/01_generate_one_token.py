@@ -40,16 +40,17 @@ seed = 0
 # %%
 import os
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
 from qlib import models
+from qlib.suite import plots
 from qlib.suite.experiments import phases
 from qlib.suite.experiments.common import chat_ids
 from qlib.suite.results import SEED_LABEL, ResultWriter
 from qlib.tokenizer import Tokenizer
 
+plots.style()
 model_path = str(model_path or models.path())
 torch.manual_seed(seed)
 if threads:
@@ -102,33 +103,16 @@ rows.round(1)
 # %%
 steps_df = w.save_table(phases.step_rows(all_rounds), "decode_steps",
                         caption="ms of each decode step, per round")
-fig, axes = plt.subplots(1, len(devices), figsize=(5 * len(devices), 3), squeeze=False)
-for ax, dev in zip(axes[0], devices, strict=True):
-    d = steps_df[steps_df.device == dev]
-    for rnd, g in d.groupby("round"):
-        ax.plot(g.step, g.ms, marker="o", ms=3, label=f"round {rnd}")
-    if d.ms.max() > 10 * d.ms.median():
-        ax.set_yscale("log")
-    ax.set(xlabel="decode step", ylabel="ms", title=f"{dev}: each decode step")
-    ax.set_xticks(range(1, steps + 1, max(1, steps // 10)))
-    ax.legend(fontsize=8)
-fig.tight_layout()
-w.save_plot(fig, "decode_steps", caption="time of every decode step, one line per round")
+fig = plots.decode_steps_figure(steps_df, devices)
+w.save_plot(fig, "decode_steps", caption="time of every decode step, one line per round, one y "
+            "axis for every device")
 
 # %%
 parts = {"read unbuffered": "read_unbuffered_ms", "read buffered": "read_buffered_ms",
-         "build": "build_ms", "prefill": "prefill_ms", "decode step (mean)": "decode_mean_ms",
-         f"{steps} decode steps": "decode_total_ms"}
-fig, ax = plt.subplots(figsize=(9, 3.2))
-width = 0.8 / len(rows)
-for i, (_, r) in enumerate(rows.iterrows()):
-    xs = [j + (i - (len(rows) - 1) / 2) * width for j in range(len(parts))]
-    ax.bar(xs, [r[c] for c in parts.values()], width, label=f"{r.device} round {r['round']}")
-ax.set_xticks(range(len(parts)), list(parts), fontsize=8)
-ax.set(yscale="log", ylabel="ms (log scale)", title="phases of each round")
-ax.legend(fontsize=7, ncol=2)
-fig.tight_layout()
-w.save_plot(fig, "phases", caption="every phase of every round, the header read both ways")
+         "build": "build_ms", "prefill": "prefill_ms", f"{steps} decode steps": "decode_total_ms"}
+fig = plots.phases_figure(rows, parts)
+w.save_plot(fig, "phases", caption="every phase of every round (ms, totals), the header read "
+            "both ways")
 
 # %%
 texts = pd.DataFrame([{"device": r.device, "round": r.round, "tokens": len(r.ids),

@@ -50,10 +50,12 @@ import torch
 from IPython.display import display
 
 from qlib import models
+from qlib.suite import plots
 from qlib.suite.experiments import span_study
 from qlib.suite.experiments.common import build, chat_ids
 from qlib.suite.results import SEED_LABEL, ResultWriter
 
+plots.style()
 model_path = str(model_path or models.path())
 torch.manual_seed(seed)
 if threads:
@@ -118,7 +120,7 @@ passes = list(dict.fromkeys(cpu_spans["pass"]))
 fig, axes = plt.subplots(1, len(passes), figsize=(10, 3))
 for ax, name in zip(axes, passes, strict=True):
     d = cpu_spans[cpu_spans["pass"] == name].sort_values("self_ms")
-    ax.barh(d.name + " ×" + d["count"].astype(str), d.self_ms, color="#4c72b0")
+    plots.bar_labels(ax, ax.barh(d.name + " ×" + d["count"].astype(str), d.self_ms), "{:.2g}")
     ax.set(xlabel="self time, ms", title=f"CPU {name}")
 fig.tight_layout()
 w.save_plot(fig, "spans", caption="self time per span name (with counts), CPU")

@@ -50,10 +50,12 @@ import pandas as pd
 import torch
 
 from qlib import models
+from qlib.suite import plots
 from qlib.suite.experiments import throughput
 from qlib.suite.experiments.common import build
 from qlib.suite.results import SEED_LABEL, ResultWriter
 
+plots.style()
 model_path = str(model_path or models.path())
 torch.manual_seed(seed)
 if threads:
@@ -87,12 +89,12 @@ fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
 for dev, g in pre.groupby("device", sort=False):
     axes[0].plot(g["T"], g.tok_s, marker="o", label=dev)
     axes[1].plot(g["T"], g.min_ms, marker="o", label=dev)
-axes[0].set(xscale="log", xlabel="prompt tokens T", ylabel="tok/s", title="prefill throughput")
-axes[1].set(xscale="log", yscale="log", xlabel="prompt tokens T", ylabel="ms",
-            title="prefill time (to argmax)")
+axes[0].set(xlabel="prompt tokens T", ylabel="tok/s", title="prefill throughput")
+axes[1].set(xlabel="prompt tokens T", ylabel="ms (log scale)", title="prefill time (to argmax)")
+plots.log_axis(axes[1], "y")
 for ax in axes:
-    ax.set_xticks(prefill_sizes, [str(t) for t in prefill_sizes])
-    ax.legend(fontsize=8)
+    plots.log2_axis(ax, "x", prefill_sizes)
+    ax.legend()
 fig.tight_layout()
 w.save_plot(fig, "prefill", caption="prefill tok/s and ms against prompt length")
 pre.round(1)
@@ -127,11 +129,10 @@ fig, axes = plt.subplots(1, len(devices), figsize=(5 * len(devices), 3.2), squee
 for ax, dev in zip(axes[0], devices, strict=True):
     for name, g in dec[dec.device == dev].groupby("variant", sort=False):
         ax.plot(g.context, g.ms_per_token, marker="o", label=name)
-    ax.set(xscale="log", xlabel="context (cached positions)", ylabel="ms / token",
-           title=f"{dev}: decode")
-    ax.set_xticks(decode_contexts, [str(c) for c in decode_contexts])
+    ax.set(xlabel="context (cached positions)", ylabel="ms / token", title=f"{dev}: decode")
+    plots.log2_axis(ax, "x", decode_contexts)
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
+    ax.legend()
 fig.tight_layout()
 w.save_plot(fig, "decode", caption="decode ms/token against context, per variant")
 dec.pivot_table(index="context", columns=["device", "variant"], values="ms_per_token",
@@ -161,8 +162,8 @@ for ax, dev in zip(axes[0], devices, strict=True):
         line, = ax.plot(g.context, g.layer_us, marker="o", label=f"{cache} + {attention}")
         ax.plot(g.context, g.copy_us, ls="--", color=line.get_color(),
                 label=f"{cache} + {attention}: copying")
-    ax.set(xscale="log", xlabel="context", ylabel="µs per layer", title=f"{dev}: attention core")
-    ax.set_xticks(decode_contexts, [str(c) for c in decode_contexts])
+    ax.set(xlabel="context", ylabel="µs per layer", title=f"{dev}: attention core")
+    plots.log2_axis(ax, "x", decode_contexts)
     ax.legend(fontsize=7)
 fig.tight_layout()
 w.save_plot(fig, "attention_core", caption="one layer's attention core against context")

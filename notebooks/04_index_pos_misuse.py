@@ -42,11 +42,13 @@ import torch
 
 from qlib import models
 from qlib.devices import gpu_device
+from qlib.suite import plots
 from qlib.suite.experiments import index_pos as ip
 from qlib.suite.experiments.common import build, chat_ids
 from qlib.suite.results import ResultWriter
 
 pd.set_option("display.max_colwidth", 120)
+plots.style()
 model_path = str(model_path or models.path())
 torch.manual_seed(seed)
 w = ResultWriter("04_index_pos_misuse", params=dict(
@@ -76,7 +78,8 @@ dv
 fig, axes = plt.subplots(1, 2, figsize=(8, 2.8))
 for ax, col, label in zip(axes, ["distinct_tokens", "longest_run"],
                           ["distinct tokens", "longest run of one token"], strict=True):
-    ax.bar(dv["variant"], dv[col], color=["#4c72b0", "#c44e52", "#dd8452", "#c44e52"])
+    plots.bar_labels(ax, ax.bar(dv["variant"], dv[col], color=["#4c72b0", "#c44e52", "#dd8452",
+                                                             "#c44e52"]), "{:.0f}")
     ax.axhline(steps, color="#999", lw=0.8, ls=":")
     ax.set_title(f"{label} (of {steps})", fontsize=9)
 fig.tight_layout()

@@ -42,6 +42,7 @@ import torch
 
 from qlib import models
 from qlib.devices import gpu_device
+from qlib.suite import plots
 from qlib.suite.experiments import rope
 from qlib.suite.experiments.common import chat_ids
 from qlib.suite.experiments.drift import passage_ids
@@ -49,6 +50,7 @@ from qlib.suite.results import ResultWriter
 from qlib.tokenizer import Tokenizer
 
 pd.set_option("display.max_colwidth", 120)
+plots.style()
 model_path = str(model_path or models.path())
 torch.manual_seed(seed)
 w = ResultWriter("05_rope_mismatch", params=dict(

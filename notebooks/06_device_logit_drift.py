@@ -44,10 +44,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
-from matplotlib.colors import LogNorm
 
 from qlib import models
 from qlib.devices import gpu_device
+from qlib.suite import plots
 from qlib.suite.experiments import drift
 from qlib.suite.experiments.common import chat_ids
 from qlib.suite.results import ResultWriter
@@ -55,6 +55,7 @@ from qlib.tokenizer import Tokenizer
 
 pd.set_option("display.max_colwidth", 80)
 pd.set_option("display.width", 200)
+plots.style()
 model_path = str(model_path or models.path())
 torch.manual_seed(seed)
 w = ResultWriter("06_device_logit_drift", params=dict(
@@ -77,6 +78,7 @@ print(f"GPU half: {gpu_dev or 'none'}; {len(ids)} teacher-forced tokens; "
 
 # %%
 paths = {t: drift.variant_path(model_path, t) for t in variants}
+model_files = ", ".join(p.name for p in paths.values())  # the plots' footer
 files = w.save_table([{"variant": t, "file": p.name, "bytes": p.stat().st_size,
                        "derived": str(p) != model_path} for t, p in paths.items()], "files",
                      caption="the files compared")
@@ -123,25 +125,10 @@ for t, r in runs.items():
     pairs += drift.long_pairs(mx, mean, variant=t)
 w.save_table(pairs, "drift_pairs", caption="max and mean |logit diff| of every pair of sources")
 
-fig, axes = plt.subplots(2, len(matrices), figsize=(5.2 * len(matrices), 9), squeeze=False)
-for col, (t, mats) in enumerate(matrices.items()):
-    for row, (m, what) in enumerate(zip(mats, ["max", "mean"], strict=True)):
-        ax, vals = axes[row, col], m.to_numpy()
-        shown = np.where(vals > 0, vals, np.nan)
-        im = ax.imshow(shown, norm=LogNorm(vmin=1e-6, vmax=max(np.nanmax(shown), 1e-5)),
-                       cmap="viridis")
-        ax.set_xticks(range(len(m)), m.columns, rotation=40, ha="right", fontsize=8)
-        ax.set_yticks(range(len(m)), m.index, fontsize=8)
-        for i in range(len(m)):
-            for j in range(len(m)):
-                txt = "0" if i == j else f"{vals[i, j]:.2g}"
-                ax.text(j, i, txt, ha="center", va="center", fontsize=7,
-                        color="black" if i == j or vals[i, j] > 1e-2 else "white")
-        ax.set_title(f"{t}: {what} |logit diff|", fontsize=10)
-        fig.colorbar(im, ax=ax, shrink=0.7)
-fig.tight_layout()
+fig = plots.drift_matrix_figure(matrices)
 w.save_plot(fig, "drift_matrix", caption="drift matrix: max (top) and mean (bottom) |logit "
-            "difference| between every pair of sources, per file")
+            "difference| between every pair of sources, per file (one colour scale)",
+            model=model_files)
 
 # %% [markdown]
 # ## Against the reference
@@ -204,14 +191,14 @@ for ax, (t, r) in zip(axes[0], runs.items(), strict=True):
     pdrift = drift.position_drift(r, reference[t])
     for name in pdrift:
         ax.plot(pdrift.index, pdrift[name].clip(lower=1e-7), lw=0.9, label=name)
-    ax.set_yscale("log")
+    plots.log_axis(ax, "y")
     ax.set_xlabel("teacher-forced position")
     ax.set_ylabel(f"max |logit diff| vs {reference[t]}", fontsize=8)
     ax.set_title(t, fontsize=10)
     ax.legend(fontsize=7)
 fig.tight_layout()
 w.save_plot(fig, "drift_by_position", caption="max |logit difference| from the reference at "
-            "each teacher-forced position")
+            "each teacher-forced position", model=model_files)
 
 # %% [markdown]
 # ## Sensitivity: one ulp before the CPU quantization
@@ -232,16 +219,9 @@ ulp
 
 # %%
 if len(ulp):
-    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(ulp)))
-    labels = [f"{a}: {b}" for a, b in zip(ulp.variant, ulp.comparison, strict=True)]
-    ax.barh(labels, ulp.max_abs_diff.clip(lower=1e-9), color="#4c72b0", alpha=0.35, label="max")
-    ax.barh(labels, ulp.mean_abs_diff.clip(lower=1e-9), color="#4c72b0", label="mean")
-    ax.set_xscale("log")
-    ax.invert_yaxis()
-    ax.set_xlabel("|logit diff| over the teacher-forced passage")
-    ax.tick_params(axis="y", labelsize=8)
-    ax.legend(fontsize=8, loc="lower right")
-    w.save_plot(fig, "ulp_sensitivity", caption="one-ulp nudge vs the quantized-vs-f32 drift")
+    fig = plots.ulp_figure(ulp)
+    w.save_plot(fig, "ulp_sensitivity", caption="one-ulp nudge vs the quantized-vs-f32 drift",
+                model=model_files)
 u = ulp.set_index(["variant", "comparison"])
 for t in runs:
     keys = [(t, "qlib cpu quantized: nudged by 1 ulp vs not"), (t, "qlib cpu f32: nudged by 1 ulp "

@@ -34,11 +34,13 @@ repeats = 3  # timed calls after one untimed call; the minimum is reported
 dtype_ms = [1, 16]  # rows for the f16/bf16 input check
 
 # %%
-import matplotlib.pyplot as plt
 import pandas as pd
 
+from qlib.suite import plots
 from qlib.suite.experiments import qmatmul_forms as qf
 from qlib.suite.results import ResultWriter
+
+plots.style()
 
 w = ResultWriter("07_qmatmul_forms", params=dict(device=device, types=types, ms=ms, n=n, k=k,
                                                  repeats=repeats, dtype_ms=dtype_ms))
@@ -60,21 +62,9 @@ w.save_table(df, "forms", key=True,
 df.pivot_table(index=["device", "type", "m"], columns="form", values="ms").round(3)
 
 # %%
-fig, axes = plt.subplots(len(devices), len(types), figsize=(4 * len(types), 3.2 * len(devices)),
-                         squeeze=False, sharex=True)
-for i, dev in enumerate(devices):
-    for j, t in enumerate(types):
-        ax = axes[i][j]
-        for form, g in df[(df.device == dev) & (df.type == t)].groupby("form"):
-            ax.plot(g["m"], g["ms"], marker="o", label=form)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{t} on {dev}", fontsize=9)
-        ax.set_xlabel("input rows m")
-        ax.set_ylabel("ms per call")
-        ax.legend(fontsize=7)
-fig.tight_layout()
-w.save_plot(fig, "forms", caption="time per call against input rows (log-log)")
+fig = plots.forms_figure(df, devices, types)
+w.save_plot(fig, "forms", caption="time per call against input rows (log-log; one y axis per "
+            "device)", model=f"a seeded random {n}x{k} weight in {', '.join(types)}")
 
 # %% [markdown]
 # ## One row: bytes over bandwidth

@@ -44,18 +44,19 @@ torch_engines = ["x86", "qnnpack"]  # torch.ao dynamic int8 with these quantized
 import time
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from IPython.display import display
 
 from qlib import models
 from qlib.convert import gguf_to_hf, hf_to_gguf
+from qlib.suite import plots
 from qlib.suite.experiments import self_quantize as sq
 from qlib.suite.experiments.common import build, teacher_forced_logits
 from qlib.suite.results import ResultWriter
 from qlib.tokenizer import Tokenizer
 
+plots.style()
 t_start = time.perf_counter()
 model_path = str(model_path or models.path())
 work = Path(work_dir) if work_dir else models.models_dir() / "self_quantize"
@@ -297,19 +298,10 @@ w.save_table(errors, "errors", key=True, caption="error against the transformers
 errors.round(5)
 
 # %%
-ok = errors[errors.engine != "transformers"].iloc[::-1]
-labels = [r.model + (f" [{r.form}]" if r.engine == "qlib" else "")
-          + (f", {r.bytes / 1e6:.0f} MB" if pd.notna(r.bytes) else "") for r in ok.itertuples()]
-fig, axes = plt.subplots(1, 2, figsize=(12, 0.32 * len(ok) + 1.4), sharey=True)
-axes[0].barh(labels, ok["step0_max_diff"].clip(lower=1e-6), color="#4c72b0")
-axes[0].set_xscale("log")
-axes[0].set_xlabel(f"max |logit diff| at the last prompt position\n(max |ref| {ref.max_abs:.1f})")
-axes[1].barh(labels, 100 * ok["argmax_agree"] / ok["positions"], color="#dd8452")
-axes[1].set_xlabel(f"argmax agreement (%)\nover {len(passage_ids)} teacher-forced positions")
-axes[1].set_xlim(0, 100)
-fig.suptitle("error against transformers f32", fontsize=10)
-fig.tight_layout()
-w.save_plot(fig, "errors", caption="logit error and argmax agreement per file / model")
+ok = errors[errors.engine != "transformers"]
+fig = plots.errors_figure(ok, max_ref=ref.max_abs, positions=len(passage_ids))
+w.save_plot(fig, "errors", caption="logit error and argmax agreement per file / model",
+            model=f"{Path(model_path).name} (the source of every file)")
 
 # %% [markdown]
 # ## 6. Batch dependence

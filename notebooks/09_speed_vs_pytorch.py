@@ -37,13 +37,14 @@ transformers_dtypes = ["f32", "bf16"]
 peers = True  # also run transformers and llama.cpp (when installed)
 
 # %%
-import matplotlib.pyplot as plt
 import pandas as pd
 
 from qlib import models
+from qlib.suite import plots
 from qlib.suite.experiments import speed
 from qlib.suite.results import ResultWriter
 
+plots.style()
 model_path = str(model_path or models.path())
 w = ResultWriter("09_speed_vs_pytorch", params=dict(
     model_path=model_path, device=device, threads=threads, prompt_tokens=prompt_tokens,
@@ -58,7 +59,7 @@ if peers and not speed.llama_cpp_available():
 # %% [markdown]
 # ## The matrix
 #
-# One process per row.
+# One process per row. A configuration's name ends in its CPU thread count (`2t`: 2 threads).
 
 # %%
 rows = speed.run_matrix(configs, model=model_path, prompt_tokens=prompt_tokens, steps=steps,
@@ -87,15 +88,9 @@ if len(rat):
 rat.round(3) if len(rat) else print(w.skipped("ratios", f"baseline {baseline} did not run"))
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(10, 0.35 * len(ok) + 1.5), sharey=True)
-axes[0].barh(ok["config"], ok["prefill_ms_min"], color="#4c72b0")
-axes[0].set_xlabel(f"prefill {prompt_tokens} tokens (ms, min)")
-axes[1].barh(ok["config"], ok["decode_ms_min"], color="#dd8452")
-axes[1].set_xlabel("decode (ms/token, min)")
-axes[0].invert_yaxis()
-fig.suptitle(f"speed on {device}", fontsize=10)
-fig.tight_layout()
-w.save_plot(fig, "speed", caption="prefill and decode time per configuration (lower is better)")
+fig = plots.speed_figure(ok, prompt_tokens=prompt_tokens, device=device)
+w.save_plot(fig, "speed", caption="prefill and decode time per configuration, coloured by engine "
+            "family, grouped by CPU threads (lower is better)")
 
 # %% [markdown]
 # ## First run vs steady state

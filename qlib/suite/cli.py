@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -11,60 +11,60 @@ from typing import Any
 
 from . import report
 from .catalogue import NOTEBOOKS_DIR, discover, notebook_intro, notebook_parameters
+from .params import combine, load_params_file, parse_grid, parse_value
 from .results import results_dir
 from .runner import run_suite
 
+__all__ = ["add_parser", "parse_value"]
 
-def parse_value(text: str) -> Any:
-    """A command-line value as a scalar: int, float, bool, None, JSON list/dict, or string.
 
-    Quote a value to keep it a string: ``-p tag "'42'"``.
-    """
-    s = text.strip()
-    low = s.lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    if low in ("none", "null", "~"):
-        return None
-    for conv in (int, float):
-        try:
-            return conv(s)
-        except ValueError:
-            pass
-    if len(s) >= 2 and s[0] == s[-1] and s[0] in "'\"":
-        return s[1:-1]
-    if s[:1] in "[{":
-        try:
-            return json.loads(s)
-        except json.JSONDecodeError:
-            import yaml  # flow style: [a, b], {k: v}
-
-            try:
-                return yaml.safe_load(s)
-            except yaml.YAMLError:
-                pass
-    return text
+def _parameters(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """(fixed, grid) from -f, -p, --grid and --device; ValueError for a bad one."""
+    file_fixed, file_grid = load_params_file(args.params_file) if args.params_file else ({}, {})
+    cli_fixed = {k: parse_value(v) for k, v in (args.param or [])}
+    cli_grid: dict[str, list[Any]] = {}
+    for spec in args.grid or []:
+        name, values = parse_grid(spec)
+        if name in cli_grid:
+            raise ValueError(f"--grid {name} given twice (list every value in one --grid)")
+        cli_grid[name] = values
+    fixed, grid = combine(file_fixed, file_grid, cli_fixed, cli_grid)
+    if args.device:
+        if "device" in grid:
+            raise ValueError("device: given with both --device and --grid")
+        fixed["device"] = args.device
+    return fixed, grid
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    params = {k: parse_value(v) for k, v in (args.param or [])}
-    if args.device:
-        params["device"] = args.device
+    try:
+        params, grid = _parameters(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    executor = args.executor or ("dask" if args.scheduler else "local")
+    if args.scheduler and executor != "dask":
+        print("error: --scheduler goes with --executor dask", file=sys.stderr)
+        return 2
+    if executor == "dask" and not grid:
+        print("error: --executor dask runs sweeps: give --grid (or `grid:` in -f)", file=sys.stderr)
+        return 2
     notebooks = discover(args.notebooks, args.only)
     if not notebooks:
         print(f"no notebooks in {args.notebooks}", file=sys.stderr)
         return 2
+    if grid:
+        return _run_sweep(args, notebooks, params, grid, executor)
+    workers = args.workers or 1
     out = Path(args.output_dir)
     t0 = time.perf_counter()
     results = run_suite(
         notebooks,
         out,
         params,
-        workers=args.workers,
+        workers=workers,
         timeout=args.timeout,
-        progress=args.workers <= 1 and not args.quiet,
+        progress=workers <= 1 and not args.quiet,
         resume=args.resume,
     )
     failed = [r for r in results if not r.ok]
@@ -74,18 +74,67 @@ def _cmd_run(args: argparse.Namespace) -> int:
         + (f" ({skipped} skipped: done before)" if skipped else "")
         + f" in {time.perf_counter() - t0:.1f} s; results in {out}"
     )
-    rc = 0
-    try:
-        md = report.build(out, notebooks_dir=args.notebooks)
-        print(f"report: {md}, {md.with_suffix('.html')} and {md.with_name('index.json')}")
-    except Exception as exc:  # keep the run's verdict; say why the report is missing
-        print(f"report failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        rc = 1
+    rc = _report(out, args.notebooks)
     if failed:
         print(f"{len(failed)} notebook(s) failed:", file=sys.stderr)
         for r in failed:
             where = f" ({out / r.output})" if r.output else ""
             print(f"  {r.name}: {r.error_line()}{where}", file=sys.stderr)
+        rc = 1
+    return rc
+
+
+def _report(out: Path, notebooks: Path) -> int:
+    """Build the report; 1 (and why) when it fails, without losing the run's verdict."""
+    try:
+        md = report.build(out, notebooks_dir=notebooks)
+        print(f"report: {md}, {md.with_suffix('.html')} and {md.with_name('index.json')}")
+    except Exception as exc:
+        print(f"report failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_sweep(
+    args: argparse.Namespace,
+    notebooks: list[Path],
+    params: dict[str, Any],
+    grid: dict[str, list[Any]],
+    executor: str,
+) -> int:
+    from . import sweep
+
+    out = Path(args.output_dir)
+    workers = args.workers or ((os.cpu_count() or 2) if executor == "dask" else 1)
+    axes = "; ".join(f"{k}={', '.join(map(repr, v))}" for k, v in grid.items())
+    print(f"sweep over {axes} on {executor}", flush=True)
+    done = sweep.run_sweep(
+        notebooks,
+        out,
+        params,
+        grid,
+        executor=executor,
+        workers=workers,
+        scheduler=args.scheduler,
+        timeout=args.timeout,
+        progress=executor == "local" and workers <= 1 and not args.quiet,
+        resume=args.resume,
+    )
+    s = done.summary
+    print(sweep.format_summary(s))
+    c = s["counts"]
+    print(
+        f"{c['ok']} of {c['points']} points ok"
+        + (f" ({c['skipped']} skipped: done before)" if c["skipped"] else "")
+        + f" in {s['seconds']:.1f} s; summary in {out / sweep.SUMMARY}, "
+        f"points in {out / sweep.SWEEPS_DIR}"
+    )
+    rc = _report(out, args.notebooks)
+    if done.failed:
+        print(f"{len(done.failed)} point(s) failed:", file=sys.stderr)
+        for e in done.failed:
+            where = f" ({out / e['executed_notebook']})" if e.get("executed_notebook") else ""
+            print(f"  {e['notebook']} {e['point']}: {e['failure']}{where}", file=sys.stderr)
         rc = 1
     return rc
 
@@ -148,11 +197,39 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="set a parameter (value parsed as int/float/bool/None/JSON, else string)",
     )
     r.add_argument(
+        "-f",
+        "--params-file",
+        type=Path,
+        metavar="FILE",
+        help="YAML mapping name -> value (papermill's -f); its `grid:` mapping name -> list "
+        "holds sweep axes. -p and --grid win over it",
+    )
+    r.add_argument(
+        "--grid",
+        action="append",
+        metavar="NAME=V1,V2,...",
+        help="sweep: run every combination of the values (each parsed like a -p value; "
+        "commas inside [] or quotes do not split) of every --grid, one run per point, "
+        "into DIR/sweeps/<notebook>/<point>/",
+    )
+    r.add_argument(
+        "--executor",
+        choices=("local", "dask"),
+        help="where a sweep's points run: local (default; --workers processes) or dask "
+        "(a LocalCluster of --workers processes, or --scheduler)",
+    )
+    r.add_argument(
+        "--scheduler",
+        metavar="ADDRESS",
+        help="a running Dask scheduler (tcp://host:8786) for --executor dask",
+    )
+    r.add_argument(
         "--workers",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
-        help="run N notebooks in parallel processes (no per-cell progress bars)",
+        help="run N notebooks (points) in parallel processes (no per-cell progress bars); "
+        "with --executor dask: the LocalCluster's worker processes (default: the cores)",
     )
     r.add_argument(
         "--timeout",
@@ -164,8 +241,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--resume",
         action="store_true",
-        help="skip notebooks whose last run here ended ok with the same parameters, notebook "
-        "and commit; run the others",
+        help="skip notebooks (sweep points) whose last run here ended ok with the same "
+        "parameters, notebook and commit; run the others",
     )
     r.add_argument("-q", "--quiet", action="store_true", help="no per-notebook progress bars")
     r.set_defaults(func=_cmd_run)

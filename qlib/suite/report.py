@@ -28,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from . import sweep
 from .machine import summary
 from .results import SEED_LABEL, atomic_write_text, dump_json, now
 
@@ -385,11 +386,13 @@ def render(
     experiments: list[Experiment],
     results_dir: Path,
     pages: dict[str, NotebookPage] | None = None,
+    sweeps: Sweeps | None = None,
 ) -> str:
     """The whole report as markdown.
 
     ``pages``: the executed notebooks' HTML pages (``render_notebooks``); None:
-    link those already beside their notebook.
+    link those already beside their notebook. ``sweeps``: the points under
+    ``sweeps/`` and their views (``collect_sweeps``), shown after the experiments.
     """
     devices = sorted({r.device for e in experiments for r in e.runs}, key=_device_key)
     lines = ["# qlab results", "", f"Built {now()} by `python -m qlib suite report`."]
@@ -414,16 +417,181 @@ def render(
         ]
         if failed:
             lines += [f"**Failed** ({len(failed)}):", "", *failed, ""]
+    if sweeps and sweeps.runs:
+        lines += [_sweeps_line(sweeps), ""]
     for e in experiments:
         title = f": {e.title}" if e.title and e.title != e.name else ""
         lines += [f'<a id="{e.name.replace("_", "-")}"></a>', "", f"## {e.name}{title}", ""]
         if e.intro:
             lines += [f"> {e.intro}", ""]
-        if not e.runs:
+        if not e.runs and sweeps and e.name in sweeps.runs:
+            sweep_link = f"[its sweep](#{_sweep_anchor(e.name)})"
+            lines += [f"**Not run** on its own (no results in `{e.name}/`): see {sweep_link}.", ""]
+        elif not e.runs:
             lines += [f"**Not run**: no results in `{e.name}/`.", ""]
         for run in e.runs:
             lines += _device_section(e, run, results_dir, pages)
+    if sweeps and sweeps.runs:
+        titles = {e.name: e.title for e in experiments}
+        lines += _sweeps_section(sweeps, results_dir, titles)
     return "\n".join(lines).rstrip() + "\n"
+
+
+# -- sweeps ---------------------------------------------------------------------
+
+
+@dataclass
+class Sweeps:
+    """The points under ``DIR/sweeps/`` by notebook, and each notebook's view (if any)."""
+
+    runs: dict[str, list[sweep.PointRun]] = field(default_factory=dict)
+    views: dict[str, sweep.ViewResult] = field(default_factory=dict)
+
+
+def collect_sweeps(results_dir: Path, *, build_views: bool = True) -> Sweeps:
+    """Read every sweep point back; ``build_views``: write the views' CSV and plot."""
+    runs = sweep.collect(results_dir)
+    views = sweep.build_views(results_dir, runs) if build_views else {}
+    return Sweeps(runs, views)
+
+
+def _sweep_anchor(name: str) -> str:
+    return "sweep-" + name.replace("_", "-")
+
+
+def _sweeps_line(sweeps: Sweeps) -> str:
+    parts = []
+    for name, runs in sweeps.runs.items():
+        ok = sum(bool(r.ok) for r in runs)
+        parts.append(f"[{name}](#{_sweep_anchor(name)}) {len(runs)} points ({ok} ok)")
+    return "**Sweeps:** " + "; ".join(parts) + "."
+
+
+def _sweep_state(status: dict[str, Any] | None) -> str:
+    if status is None:
+        return "—"
+    if status.get("ok"):
+        return "ok"
+    state = {"running": "did not finish", "error": None}.get(
+        status.get("state"), status.get("state")
+    )
+    return "**failed**" + (f" ({state})" if state else "")
+
+
+def _sweeps_section(sweeps: Sweeps, results_dir: Path, titles: dict[str, str]) -> list[str]:
+    """A section per swept notebook: its points, failures, and its view's table and plot."""
+    lines = ['<a id="sweeps"></a>', "", "## Sweeps", ""]
+    lines += [
+        "Each point of a sweep is one run of the notebook with the grid values shown "
+        "(`python -m qlib suite run --grid ...`), in its own folder under `sweeps/`.",
+        "",
+    ]
+    for name, runs in sweeps.runs.items():
+        title = titles.get(name)
+        head = f"### {name}" + (f": {title}" if title and title != name else "")
+        lines += [f'<a id="{_sweep_anchor(name)}"></a>', "", head, ""]
+        axes: list[str] = []
+        for r in runs:
+            axes += [a for a in r.values if a not in axes]
+        rows = []
+        for r in runs:
+            st = r.status or {}
+            nb = r.executed_notebook(results_dir)
+            row: dict[str, Any] = {"point": f"`{r.point}`"}
+            row.update({a: sweep.value_cell(r.values.get(a)) for a in axes})
+            row.update(
+                {
+                    "device": r.device,
+                    "state": _sweep_state(r.status),
+                    "seconds": st.get("seconds"),
+                    "executor": st.get("executor") or "",
+                    "host": st.get("host") or "",
+                    "finished": st.get("finished") or "",
+                    "notebook": f"[.ipynb]({nb})" if nb else "",
+                }
+            )
+            rows.append(row)
+        lines += [markdown_table(rows), ""]
+        failed = [
+            f"- `{r.point}` on {r.device}: {failure_reason(r.status)}"
+            for r in runs
+            if r.status is not None and not r.status.get("ok")
+        ]
+        if failed:
+            lines += [f"**Failed** ({len(failed)}):", "", *failed, ""]
+        vr = sweeps.views.get(name)
+        if vr is not None:
+            lines += _sweep_view(vr, results_dir)
+    return lines
+
+
+def _sweep_view(vr: sweep.ViewResult, results_dir: Path) -> list[str]:
+    import pandas as pd
+
+    view = vr.view
+    head = f"**{view.table} across the points**" + (f": {view.caption}" if view.caption else "")
+    if vr.csv is None:
+        return [f"{head}: {vr.note}", ""]
+    try:
+        df = pd.read_csv(results_dir / vr.csv)
+    except (OSError, ValueError) as exc:
+        return [f"{head} ([CSV]({vr.csv})): cannot read it: {exc}", ""]
+    shown = df.head(MAX_ROWS).astype(object).where(df.head(MAX_ROWS).notna(), None)
+    lines = [
+        f"{head} ({len(df)} rows of {vr.points} points, [CSV]({vr.csv}))",
+        "",
+        markdown_table(shown.to_dict("records")),
+    ]
+    if len(df) > MAX_ROWS:
+        lines.append(f"\n*… {len(df) - MAX_ROWS} more rows in the CSV.*")
+    lines.append("")
+    if vr.png:
+        lines += [f"![{view.caption or view.table}]({vr.png})", ""]
+    elif vr.note:
+        lines += [f"*No plot: {vr.note}*", ""]
+    return lines
+
+
+def sweep_index(sweeps: Sweeps, results_dir: Path) -> list[dict[str, Any]]:
+    """``index.json``'s ``sweeps``: one entry per point and device."""
+    out = []
+    for name, runs in sweeps.runs.items():
+        for r in runs:
+            st, meta = r.status or {}, r.meta or {}
+            failed = r.status is not None and not st.get("ok")
+            folder = f"{r.folder}/{name}"
+            out.append(
+                {
+                    "notebook": name,
+                    "point": r.point,
+                    "values": r.values,
+                    "device": r.device,
+                    "state": st.get("state") or ("by hand" if r.meta else "unknown"),
+                    "ok": st.get("ok") if r.status is not None else None,
+                    "error": st.get("error") if failed else None,
+                    "failure": failure_reason(st) if failed else None,
+                    "seconds": st.get("seconds"),
+                    "executor": st.get("executor"),
+                    "host": st.get("host"),
+                    "worker": st.get("worker"),
+                    "machine": st.get("machine"),
+                    "waited_s": st.get("waited_s"),
+                    "run_id": st.get("run_id") or meta.get("run_id"),
+                    "started": st.get("started") or meta.get("started"),
+                    "finished": st.get("finished"),
+                    "parameters": st.get("parameters"),
+                    "commit": (st.get("code") or {}).get("commit"),
+                    "files": {
+                        "dir": r.folder,
+                        "executed_notebook": r.executed_notebook(results_dir),
+                        "status": f"{folder}/status_{r.device}.json" if r.status else None,
+                        "meta": f"{folder}/meta_{r.device}.json" if r.meta else None,
+                        "tables": [f"{folder}/{t['csv']}" for t in meta.get("tables") or []],
+                        "plots": [f"{folder}/{p['png']}" for p in meta.get("plots") or []],
+                    },
+                }
+            )
+    return out
 
 
 # -- executed notebooks as HTML -------------------------------------------------
@@ -614,21 +782,39 @@ def index(
     experiments: list[Experiment],
     results_dir: Path,
     pages: dict[str, NotebookPage] | None = None,
+    sweeps: Sweeps | None = None,
 ) -> dict[str, Any]:
     """``index.json``: one entry per run (notebook and device), for scripts.
 
     Each entry: the run's state and timing (from ``status_<device>.json``), its
     parameters and code version, and the files it wrote (tables, plots, JSON,
     the executed notebook and its HTML page), paths relative to the results dir.
-    Experiments with no run are listed under ``not_run``.
+    Experiments with no run are listed under ``not_run``; every sweep point (state,
+    time, executor, host, files) under ``sweeps`` and each notebook's sweep view (its
+    concatenated table and plot) under ``sweep_views``.
     """
     results_dir = Path(results_dir)
+    sweeps = sweeps or Sweeps()
     return {
         "schema": INDEX_SCHEMA,
         "built": now(),
         "report": {"markdown": "REPORT.md", "html": "REPORT.html"},
         "runs": [_run_entry(e, r, results_dir, pages) for e in experiments for r in e.runs],
         "not_run": [e.name for e in experiments if not e.runs],
+        "sweeps": sweep_index(sweeps, results_dir),
+        "sweep_views": {
+            name: {
+                "table": v.view.table,
+                "x": v.view.x,
+                "y": v.view.y,
+                "csv": v.csv,
+                "png": v.png,
+                "rows": v.rows,
+                "points": v.points,
+                "note": v.note,
+            }
+            for name, v in sweeps.views.items()
+        },
     }
 
 
@@ -662,8 +848,10 @@ def build(results_dir: str | Path, notebooks_dir: str | Path | None = None) -> P
     results_dir.mkdir(parents=True, exist_ok=True)
     experiments = collect(results_dir, Path(notebooks_dir) if notebooks_dir else None)
     pages = render_notebooks(results_dir, experiments)
-    md = render(experiments, results_dir, pages)
+    sweeps = collect_sweeps(results_dir)
+    md = render(experiments, results_dir, pages, sweeps)
     path = atomic_write_text(results_dir / "REPORT.md", md)
     atomic_write_text(results_dir / "REPORT.html", to_html(md))
-    atomic_write_text(results_dir / "index.json", dump_json(index(experiments, results_dir, pages)))
+    entries = index(experiments, results_dir, pages, sweeps)
+    atomic_write_text(results_dir / "index.json", dump_json(entries))
     return path

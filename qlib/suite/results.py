@@ -9,7 +9,7 @@ One ``ResultWriter`` per notebook run::
               tps=best.tps, t=best.T)
 
 Files land in ``<output_dir>/<name>/``: ``prefill_cpu.csv`` (and ``.json``),
-``prefill_cpu.png``, ``meta_cpu.json``. The suffix is the device, so a CPU run
+``prefill_cpu.png`` (and ``.svg``), ``meta_cpu.json``. The suffix is the device, so a CPU run
 and a GPU run sit side by side. ``output_dir`` is ``$QLIB_RESULTS_DIR`` (set by
 ``python -m qlib suite run``) or ``results/`` of the checkout, so a notebook
 opened by hand writes to the same place. Every file is written atomically
@@ -278,13 +278,44 @@ class ResultWriter:
         self._record("tables", entry)
         return df
 
-    def save_plot(self, fig: Any, stem: str, *, caption: str = "", dpi: int = 120) -> Path:
-        """Save a matplotlib figure as PNG (the figure stays open for inline display)."""
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-        p = atomic_write_bytes(self.path(stem, "png"), buf.getvalue())
-        self._record("plots", {"stem": stem, "png": p.name, "caption": caption})
-        return p
+    def save_plot(
+        self,
+        fig: Any,
+        stem: str,
+        *,
+        caption: str = "",
+        dpi: int = 160,
+        model: Any = None,
+        footer: bool = True,
+    ) -> Path:
+        """Save a matplotlib figure as PNG (``dpi``) and SVG beside it; returns the PNG's path.
+
+        ``footer``: first write 'model: ... · machine: ...' under the figure
+        (``qlib.suite.plots.footer``): the model is ``model`` (a path or a description),
+        else the file name of ``params["model_path"]``; the machine comes from
+        ``meta["machine"]`` and the device. The figure stays open for inline display.
+        """
+        if footer:
+            from .plots import footer as add_footer
+            from .plots import machine_line
+
+            dev = self.params.get("device")
+            if dev is None or device_tag(dev) != self.device:
+                dev = self.device
+            add_footer(
+                fig,
+                model=model if model is not None else self.params.get("model_path"),
+                machine=machine_line(self.meta["machine"], dev),
+            )
+        saved = {}
+        for fmt in ("png", "svg"):
+            buf = io.BytesIO()
+            kwargs = {"dpi": dpi} if fmt == "png" else {"metadata": {"Date": None}}
+            fig.savefig(buf, format=fmt, bbox_inches="tight", **kwargs)
+            saved[fmt] = atomic_write_bytes(self.path(stem, fmt), buf.getvalue())
+        entry = {"stem": stem, "png": saved["png"].name, "svg": saved["svg"].name}
+        self._record("plots", {**entry, "caption": caption})
+        return saved["png"]
 
     def save_json(self, obj: Any, stem: str, *, timing: bool = False) -> Path:
         """Save any JSON-able object (numpy values and NaN are converted).

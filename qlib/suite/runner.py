@@ -82,6 +82,15 @@ class NotebookResult:
     cell_index: int | None = None  # 1-based position of the failing cell in the executed notebook
     notebook_sha256: str | None = None  # of the source notebook
     code: dict[str, Any] | None = None  # code_version() of the run
+    # where it ran (a sweep's points; None for a plain run): "local" or "dask", the host's
+    # name, the Dask worker's address, the machine's summary line, the sweep point's id and
+    # the seconds spent waiting for the host (qlib.suite.cluster.host_slot)
+    executor: str | None = None
+    host: str | None = None
+    worker: str | None = None
+    machine: str | None = None
+    point: str | None = None
+    waited_s: float | None = None
     skipped: bool = False  # --resume found it done: nothing ran (not saved in the status)
 
     def error_line(self) -> str:
@@ -274,10 +283,13 @@ def run_notebook(
     progress: bool = True,
     run_id: str | None = None,
     code: dict[str, Any] | None = None,
+    provenance: dict[str, Any] | None = None,
 ) -> NotebookResult:
     """Execute one notebook into ``output_dir``; never raises for a notebook's failure.
 
-    ``code``: the ``code_version()`` to record (looked up when None).
+    ``code``: the ``code_version()`` to record (looked up when None). ``provenance``:
+    where it runs (``executor``, ``host``, ``worker``, ``machine``, ``point``,
+    ``waited_s``: fields of ``NotebookResult``), recorded in the status.
     """
     import papermill
 
@@ -298,6 +310,7 @@ def run_notebook(
         parameters=parameters,
         notebook_sha256=file_sha256(path),
         code=code if code is not None else code_version(),
+        **(provenance or {}),
     )
     status = output_dir / path.stem / f"status_{device}.json"
     # "running" until it ends: a runner killed meanwhile leaves a failed status behind
