@@ -1,12 +1,20 @@
 """qlib.tokenizer against independent references.
 
-Real-file tests compare with transformers' own GGUF tokenizer
+The ids must be llama.cpp's. The ``peers`` tests compare with llama.cpp itself
+(llama-cpp-python, ``Llama(path, vocab_only=True).tokenize``) on vocab-only GGUF files
+written here: a SentencePiece vocabulary trained with ``sentencepiece`` and a byte-level
+BPE trained with ``tokenizers`` under every ``tokenizer.ggml.pre`` value qlib knows
+(``tests/synthetic_tokenizers.py``), on varied and random texts with special-token text,
+in all four (add_special, parse_special) modes; and on the real SmolLM2 file.
+
+Real-file tests also compare with transformers' own GGUF tokenizer
 (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``). transformers ignores
 ``tokenizer.ggml.pre == "smollm"`` (it applies the plain GPT-2 split, without
 SmolLM2's isolated digits), so ids are also compared with transformers' vocabulary
 under SmolLM2's own pre-tokenizer (Digits + ByteLevel, as in its tokenizer.json
 and llama.cpp); see ``test_transformers_gguf_ignores_smollm_digit_split``.
-SentencePiece vocabularies are checked against ``sentencepiece`` itself.
+SentencePiece vocabularies are checked against ``sentencepiece`` itself, chat templates
+against transformers' and llama-cpp-python's renderers.
 """
 
 from __future__ import annotations
@@ -22,14 +30,17 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
+import synthetic_tokenizers as st  # noqa: E402
 
 from qlib import models  # noqa: E402
+from qlib.gguf import GGUFValueType, Typed  # noqa: E402
 from qlib.tokenizer import (  # noqa: E402
     BYTE,
     CONTROL,
     NORMAL,
     PRE_TOKENIZERS,
     UNKNOWN,
+    UNSUPPORTED_PRE,
     USER_DEFINED,
     TemplateError,
     Tokenizer,
@@ -317,10 +328,9 @@ def test_gguf_metadata_helper_reads_plain_values(metadata: dict[str, Any]):
 def test_ids_match_llama_cpp(tok: Tokenizer, model_path: Path):
     llama_cpp = pytest.importorskip("llama_cpp")
     llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
-    for name, text in CASES.items():
-        if text:
-            ids = llm.tokenize(text.encode(), add_bos=False, special=True)
-            assert tok.encode(text) == ids, name
+    texts = {**CASES, **st.STRESS_CASES, **random_cases(20)}
+    n, bad = llama_cpp_mismatches(llm, tok, texts)
+    assert not bad, f"{len(bad)} of {n} differ from llama.cpp, e.g. {bad[:3]}"
 
 
 # synthetic vocabularies (no model file needed)
@@ -466,3 +476,411 @@ def test_sentencepiece_special_tokens(spm):
     assert ids[0] == sp.bos_id() and ids[-1] == sp.eos_id()
     assert ids[1:-1] == sp.encode("Hi")  # a space is prefixed after a special token, as llama.cpp
     assert tok.decode(ids, skip_special_tokens=True) == "Hi"
+
+
+# tokenizer.ggml.pre values
+
+# the values llama-architecture GGUF files carry (llama.cpp's convert_hf_to_gguf.py writes
+# them for Llama 2/3, DeepSeek LLM/Coder, SmolLM, Mistral Nemo, Falcon 3, Seed-Coder, ...)
+LLAMA_ARCH_PRE = (
+    "default llama-bpe llama3 deepseek-llm deepseek-coder deepseek-r1-qwen smollm gpt-2"
+    " starcoder refact falcon3 tekken pixtral qwen2 smaug-bpe dbrx mpt olmo stablelm2"
+    " seed-coder minerva-7b exaone viking poro-chat command-r jais codeshell mellum2"
+).split()
+
+
+def test_llama_architecture_pre_tokenizers_are_known():
+    assert set(LLAMA_ARCH_PRE) <= set(PRE_TOKENIZERS)
+    assert len(PRE_TOKENIZERS) >= 80  # every byte-level BPE value of llama-vocab.cpp
+    # llama.cpp's defaults for add_bos_token
+    assert {n for n, p in PRE_TOKENIZERS.items() if p.add_bos} >= {"llama-bpe", "tekken"}
+    assert not PRE_TOKENIZERS["deepseek-llm"].add_bos
+
+
+def test_unknown_pre_tokenizer_names_itself_and_the_known_ones():
+    with pytest.raises(NotImplementedError) as e:
+        Tokenizer.from_metadata(byte_level_metadata(**{"tokenizer.ggml.pre": "no-such-pre"}))
+    msg = str(e.value)
+    assert "'no-such-pre'" in msg and "deepseek-llm" in msg and "llama-bpe" in msg
+    with pytest.raises(NotImplementedError, match="hand-written"):
+        Tokenizer.from_metadata(byte_level_metadata(**{"tokenizer.ggml.pre": "kimi-k2"}))
+    assert not set(UNSUPPORTED_PRE) & set(PRE_TOKENIZERS)
+
+
+def split(pre: str, text: str) -> list[str]:
+    """Pieces of the pre-tokenizer, back in plain text."""
+    tok = Tokenizer.from_metadata(byte_level_metadata(**{"tokenizer.ggml.pre": pre}))
+    pieces = tok.backend.pre_tokenizer.pre_tokenize_str(text)
+    return [bytes(byte_to_unicode_inverse[c] for c in p).decode() for p, _ in pieces]
+
+
+byte_to_unicode_inverse = {c: b for b, c in byte_to_unicode().items()}
+
+
+def test_deepseek_pre_tokenizers_split_as_llama_cpp():
+    # DeepSeek LLM: newlines alone, letter runs (with one leading space), punctuation runs,
+    # trailing whitespace, CJK runs, number runs
+    assert split("deepseek-llm", "Hello, 世界 123!\n\nx  ") == [
+        "Hello",
+        ",",
+        " ",
+        "世界",
+        " ",
+        "123",
+        "!",
+        "\n",
+        "\n",
+        "x",
+        "  ",
+    ]
+    # the ideographic space is whitespace to llama.cpp, not part of a CJK or "、-。" run
+    assert split("deepseek-llm", "中\u3000文\u2000字") == ["中", "\u3000", "文", "\u2000", "字"]
+    # DeepSeek Coder: digits one by one; "=" is a symbol, not punctuation: left as it is
+    assert split("deepseek-coder", "x = 2024;") == ["x", " = ", "2", "0", "2", "4", ";"]
+
+
+def test_cased_split_is_llama_cpps():
+    # llama.cpp's GPT-4o/Tekken regex tells upper from lower case in ASCII only
+    assert split("gpt-4o", "HelloWorld") == ["Hello", "World"]
+    assert split("gpt-4o", "ÉcoleÉcole") == ["ÉcoleÉcole"]
+    assert split("tiny_aya", "x  1234 y") == ["x", " ", " ", "1", "234", " y"]
+
+
+# special tokens as llama.cpp finds them
+
+
+def test_special_tokens_longest_first():
+    # llama.cpp cuts out the longest special token first, wherever it is (not the leftmost)
+    meta = byte_level_metadata()
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "s><a"]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], CONTROL]
+    tok = Tokenizer.from_metadata(meta)
+    long = tok.vocab_size - 1
+    assert tok.split_special("x<s><a>") == ["x<", long, ">"]
+    assert tok.split_special("<s>x</s>") == [0, "x", 1]
+    assert tok.split_special("<s><a>", parse_special=False) == ["<s><a>"]
+    assert tok.encode("x<think>y", parse_special=False)[1] == 2  # USER_DEFINED: always
+
+
+def test_control_tokens_by_text_as_llama_cpp():
+    # llama.cpp treats end-of-generation and fill-in-the-middle tokens as CONTROL by text
+    meta = byte_level_metadata()
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "<|im_end|>", "<PRE>"]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], NORMAL, NORMAL]
+    tok = Tokenizer.from_metadata(meta)
+    im_end, pre = tok.vocab_size - 2, tok.vocab_size - 1
+    assert tok.token_types[im_end] == CONTROL and tok.token_types[pre] == CONTROL
+    assert tok.encode("a<|im_end|>") == [tok.token_to_id("a"), im_end]
+    assert im_end not in tok.encode("a<|im_end|>", parse_special=False)
+    assert tok.decode([im_end], skip_special_tokens=True) == ""
+    named = Tokenizer.from_metadata({**meta, "tokenizer.ggml.fim_pre_token_id": 3})
+    assert named.token_types[pre] == NORMAL  # the file names its FIM prefix token
+
+
+def spm_tiny(**extra: Any) -> Tokenizer:
+    """A hand-made SentencePiece vocabulary: <unk> <s> </s>, bytes, a few pieces."""
+    pieces = ["▁", "h", "i", "▁h", "▁hi", "x", "[INST]"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [UNKNOWN, CONTROL, CONTROL, *[BYTE] * 256, *[NORMAL] * 6, USER_DEFINED]
+    scores = [0.0] * 259 + [-1.0, -2.0, -3.0, -0.5, -0.25, -4.0, 0.0]
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": scores,
+        **extra,
+    }
+    return Tokenizer.from_metadata(meta)
+
+
+def test_sentencepiece_special_tokens_as_llama_cpp():
+    tok = spm_tiny()
+    hi = tok.token_to_id("▁hi")
+    assert (tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (1, 2, 0)  # defaults
+    assert tok.encode("hi", add_special_tokens=True) == [1, hi]
+    # special-token text: <s>, </s> and <unk> become their ids; a space is prefixed to the
+    # text after each (llama.cpp's add_space_prefix)
+    assert tok.encode("<s>hi</s><unk>hi") == [1, hi, 2, 0, hi]
+    plain = tok.encode("<unk>", parse_special=False)
+    assert 0 not in plain and tok.decode(plain) == "<unk>"
+    inst = tok.token_to_id("[INST]")
+    assert tok.encode("[INST]hi", parse_special=False) == [inst, hi]  # USER_DEFINED: always
+    assert tok.encode("é") == [tok.token_to_id("▁"), 3 + 0xC3, 3 + 0xA9]  # byte fallback
+    no_prefix = spm_tiny(**{"tokenizer.ggml.add_space_prefix": False})
+    assert no_prefix.encode("hi") == [no_prefix.token_to_id("h"), no_prefix.token_to_id("i")]
+
+
+def test_sentencepiece_ties_merge_leftmost():
+    # equal scores (converters without tokenizer.model write -1000 for every token):
+    # llama.cpp merges the leftmost pair first, whatever the token ids
+    tokens = ["<unk>", "<s>", "</s>", "a", "b", "c", "bc", "ab"]
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [UNKNOWN, CONTROL, CONTROL] + [NORMAL] * 5,
+        "tokenizer.ggml.scores": [0.0] * 3 + [-1000.0] * 5,
+        "tokenizer.ggml.add_space_prefix": False,
+    }
+    tok = Tokenizer.from_metadata(meta)
+    assert tok.encode("abc") == [7, 5]  # "ab" "c", not "a" "bc"
+    assert tok.encode("abcabc") == [7, 5, 7, 5]
+    meta["tokenizer.ggml.scores"] = [0.0] * 3 + [-1000.0] * 3 + [-1.0, -2.0]
+    assert Tokenizer.from_metadata(meta).encode("abc") == [3, 6]  # "bc" scores best
+
+
+# llama.cpp itself
+
+MODES = ((False, True), (True, True), (False, False), (True, False))  # add, parse special
+
+
+def random_cases(n: int, seed: int = 0) -> dict[str, str]:
+    return {f"random{i}": t for i, t in enumerate(st.random_texts(seed, n))}
+
+
+LLAMA_CPP_TEXTS = {**CASES, **st.STRESS_CASES, **random_cases(80)}
+
+
+def llama_cpp_mismatches(
+    llm: Any, tok: Tokenizer, texts: dict[str, str], modes=MODES
+) -> tuple[int, list[tuple]]:
+    """(number of comparisons, the ones where qlib's ids are not llama.cpp's)."""
+    bad, n = [], 0
+    for name, text in texts.items():
+        for add, special in modes:
+            n += 1
+            want = llm.tokenize(text.encode(), add_bos=add, special=special)
+            got = tok.encode(text, add_special_tokens=add, parse_special=special)
+            if got != want:
+                bad.append((name, add, special, want[:12], got[:12]))
+    return n, bad
+
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+    return pytest.importorskip("llama_cpp")
+
+
+def with_llama_cpp(llama_cpp, path: Path, md: dict[str, Any]) -> tuple[Any, Tokenizer]:
+    st.write_vocab_gguf(path, md)
+    return llama_cpp.Llama(str(path), vocab_only=True, verbose=False), Tokenizer.from_gguf(path)
+
+
+@pytest.fixture(scope="module")
+def trained_bpe() -> dict[str, Any]:
+    """A byte-level BPE trained on the very texts compared (merges across every boundary)."""
+    return st.bpe_metadata("gpt-2", vocab_size=3000, texts=list(LLAMA_CPP_TEXTS.values()))
+
+
+@pytest.fixture(scope="module")
+def trained_spm() -> dict[str, Any]:
+    pytest.importorskip("sentencepiece")
+    return st.spm_metadata(vocab_size=2500, texts=list(LLAMA_CPP_TEXTS.values()))
+
+
+# one name per distinct pre-tokenizer
+DISTINCT_PRE = list({id(p): n for n, p in reversed(PRE_TOKENIZERS.items())}.values())[::-1]
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("pre", DISTINCT_PRE)
+def test_bpe_ids_match_llama_cpp(llama_cpp, trained_bpe, tmp_path, pre):
+    md = {**trained_bpe, "tokenizer.ggml.pre": pre}
+    llm, tok = with_llama_cpp(llama_cpp, tmp_path / "vocab.gguf", md)
+    n, bad = llama_cpp_mismatches(llm, tok, LLAMA_CPP_TEXTS)
+    assert not bad, f"{len(bad)} of {n} differ from llama.cpp, e.g. {bad[:3]}"
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("pre", sorted(PRE_TOKENIZERS))
+def test_llama_cpp_knows_every_pre_value(llama_cpp, trained_bpe, tmp_path, pre):
+    # every name loads in llama.cpp and gets the same flags (add_bos, ignore_merges) there
+    md = {**trained_bpe, "tokenizer.ggml.pre": pre}
+    llm, tok = with_llama_cpp(llama_cpp, tmp_path / "vocab.gguf", md)
+    texts = {k: CASES[k] for k in ("paragraph0", "digits", "cjk", "special_tokens", "crlf")}
+    n, bad = llama_cpp_mismatches(llm, tok, {**texts, **random_cases(10, seed=1)})
+    assert not bad, f"{len(bad)} of {n} differ from llama.cpp, e.g. {bad[:3]}"
+
+
+SPM_VARIANTS = {
+    "as trained": lambda md: md,
+    # converters without tokenizer.model write -1000 for every score
+    "tied scores": lambda md: {
+        **md,
+        "tokenizer.ggml.scores": [
+            -1000.0 if t == NORMAL else 0.0 for t in st.plain(md)["tokenizer.ggml.token_type"]
+        ],
+    },
+    "no space prefix": lambda md: {**md, "tokenizer.ggml.add_space_prefix": False},
+    "add eos, no bos": lambda md: {
+        **md,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.ggml.add_eos_token": True,
+    },
+    "no special ids": lambda md: {
+        k: v for k, v in md.items() if not k.endswith(("_token_id", "add_bos_token"))
+    },
+}
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("variant", list(SPM_VARIANTS))
+def test_sentencepiece_ids_match_llama_cpp(llama_cpp, trained_spm, tmp_path, variant):
+    md = SPM_VARIANTS[variant](trained_spm)
+    llm, tok = with_llama_cpp(llama_cpp, tmp_path / "vocab.gguf", md)
+    n, bad = llama_cpp_mismatches(llm, tok, LLAMA_CPP_TEXTS)
+    assert not bad, f"{len(bad)} of {n} differ from llama.cpp, e.g. {bad[:3]}"
+
+
+@pytest.mark.peers
+def test_special_token_types_as_llama_cpp(llama_cpp, trained_bpe, tmp_path):
+    # tokens typed wrongly in the file, found by text in llama.cpp; a long special token
+    # overlapping a shorter one
+    md = dict(trained_bpe)
+    plain = st.plain(md)
+    tokens, types = list(plain["tokenizer.ggml.tokens"]), list(plain["tokenizer.ggml.token_type"])
+    types[tokens.index("<|im_end|>")] = NORMAL
+    types[tokens.index("<|eot_id|>")] = USER_DEFINED
+    # one token per fill-in-the-middle role: with several, llama.cpp takes the first its
+    # hash map yields
+    tokens += ["<|fim_prefix|>", "<SUF>", "m_end|><|im_st"]
+    types += [NORMAL, USER_DEFINED, CONTROL]
+    md.update(
+        {
+            "tokenizer.ggml.pre": "llama-bpe",
+            "tokenizer.ggml.tokens": Typed(GGUFValueType.STRING, tokens),
+            "tokenizer.ggml.token_type": Typed(GGUFValueType.INT32, types),
+            "tokenizer.ggml.add_eos_token": True,
+        }
+    )
+    llm, tok = with_llama_cpp(llama_cpp, tmp_path / "vocab.gguf", md)
+    texts = {
+        "fim": "<|fim_prefix|>def f(<SUF>x<|im_end|><|eot_id|> <|endoftext|>",
+        "overlap": "<|im_end|><|im_start|> a<|im_end|><|eot_id|><|im_start|>",
+        **{k: LLAMA_CPP_TEXTS[k] for k in ("special_tokens", "special_overlap", "varied")},
+    }
+    n, bad = llama_cpp_mismatches(llm, tok, texts)
+    assert not bad, f"{len(bad)} of {n} differ from llama.cpp, e.g. {bad[:3]}"
+    assert tok.eog_token_ids == llama_cpp_eog(llm, tok.vocab_size)
+
+
+def llama_cpp_eog(llm: Any, n: int) -> set[int]:
+    import llama_cpp
+
+    return {i for i in range(n) if llama_cpp.llama_vocab_is_eog(llm._model.vocab, i)}
+
+
+@pytest.mark.peers
+def test_end_of_generation_ids_match_llama_cpp(llama_cpp, trained_bpe, trained_spm, tmp_path):
+    for md in (trained_bpe, trained_spm):
+        llm, tok = with_llama_cpp(llama_cpp, tmp_path / "vocab.gguf", md)
+        assert tok.eog_token_ids == llama_cpp_eog(llm, tok.vocab_size)
+
+
+@pytest.mark.peers
+def test_smollm2_end_of_generation_ids_match_llama_cpp(llama_cpp, tok, model_path):
+    llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+    assert tok.eog_token_ids == llama_cpp_eog(llm, tok.vocab_size) == {0, 2, 4}
+    assert tok.stop_token_ids == {2}  # EOS only: what qlib.generate stops at
+
+
+# chat templates as GGUF metadata
+
+
+CHAT_SPECIALS = {  # bos, eos of each model's vocabulary
+    "llama2": ("<s>", "</s>"),
+    "llama3": ("<|begin_of_text|>", "<|eot_id|>"),
+    "deepseek-llm": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "deepseek-coder": ("<｜begin▁of▁sentence｜>", "<|EOT|>"),
+}
+
+
+@pytest.fixture(scope="module")
+def chat_vocab() -> dict[str, dict[str, Any]]:
+    """Each template's model: SentencePiece for Llama 2, byte-level BPE for the others."""
+    pytest.importorskip("sentencepiece")
+    spm = st.spm_metadata()
+    bpe = st.bpe_metadata("llama-bpe", vocab_size=800)
+    pre = {
+        "llama3": "llama-bpe",
+        "deepseek-llm": "deepseek-llm",
+        "deepseek-coder": "deepseek-coder",
+    }
+    out = {}
+    for name, (bos, eos) in CHAT_SPECIALS.items():
+        md = dict(spm if name == "llama2" else {**bpe, "tokenizer.ggml.pre": pre[name]})
+        tokens = st.plain(md)["tokenizer.ggml.tokens"]
+        md["tokenizer.ggml.bos_token_id"] = Typed(GGUFValueType.UINT32, tokens.index(bos))
+        md["tokenizer.ggml.eos_token_id"] = Typed(GGUFValueType.UINT32, tokens.index(eos))
+        md["tokenizer.chat_template"] = st.CHAT_TEMPLATES[name]
+        out[name] = md
+    return out
+
+
+CHATS = [
+    [{"role": "user", "content": "What is Rust?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi there \n"}],
+    CONVERSATION,
+    CONVERSATION[1:],
+]
+
+EXPECTED_PROMPTS = {  # chat_prompt("Hi", system="Be brief.")
+    "llama2": "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST]",
+    "llama3": (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    ),
+    "deepseek-llm": "<｜begin▁of▁sentence｜>Be brief.\n\nUser: Hi\n\nAssistant:",
+    "deepseek-coder": "<｜begin▁of▁sentence｜>Be brief.### Instruction:\nHi\n### Response:\n",
+}
+
+
+@pytest.mark.parametrize("name", list(CHAT_SPECIALS))
+def test_chat_template_renders(chat_vocab, name):
+    tok = Tokenizer.from_metadata(st.plain(chat_vocab[name]))
+    bos, eos = CHAT_SPECIALS[name]
+    assert tok.chat_prompt("Hi", system="Be brief.") == EXPECTED_PROMPTS[name]
+    prompt = tok.chat_prompt("Hi")
+    assert prompt.startswith(bos)
+    if name == "deepseek-coder":
+        assert "You are an AI programming assistant" in prompt  # the template's default
+    # the prompt's special-token text becomes the special ids
+    ids = tok.encode(tok.apply_chat_template(CONVERSATION[1:], add_generation_prompt=False))
+    assert ids[0] == tok.bos_token_id and tok.eos_token_id in ids
+
+
+def test_llama2_template_refuses_roles_out_of_turn(chat_vocab):
+    tok = Tokenizer.from_metadata(st.plain(chat_vocab["llama2"]))
+    with pytest.raises(TemplateError, match="alternate"):
+        tok.apply_chat_template([{"role": "user", "content": "a"}] * 2)
+
+
+@pytest.mark.parametrize("name", list(CHAT_SPECIALS))
+def test_chat_templates_match_transformers(chat_vocab, name):
+    transformers = pytest.importorskip("transformers")
+    tok = Tokenizer.from_metadata(st.plain(chat_vocab[name]))
+    bos, eos = CHAT_SPECIALS[name]
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok.backend, bos_token=bos, eos_token=eos
+    )
+    hf.chat_template = st.CHAT_TEMPLATES[name]
+    for messages in CHATS:
+        for gen in (True, False):
+            want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert tok.apply_chat_template(messages, gen) == want
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name", list(CHAT_SPECIALS))
+def test_chat_prompts_match_llama_cpp(llama_cpp, chat_vocab, tmp_path, name):
+    # llama-cpp-python renders the file's template itself; llama.cpp tokenizes the result
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    md = chat_vocab[name]
+    llm, tok = with_llama_cpp(llama_cpp, tmp_path / "vocab.gguf", md)
+    bos, eos = CHAT_SPECIALS[name]
+    fmt = Jinja2ChatFormatter(st.CHAT_TEMPLATES[name], eos_token=eos, bos_token=bos)
+    for messages in CHATS:
+        prompt = fmt(messages=messages).prompt
+        assert tok.apply_chat_template(messages) == prompt
+        assert tok.encode(prompt) == llm.tokenize(prompt.encode(), add_bos=False, special=True)

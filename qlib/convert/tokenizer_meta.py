@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..gguf import GGUFValueType, Typed
-from ..tokenizer import CONTROL, NORMAL, PRE_TOKENIZERS, USER_DEFINED
+from ..tokenizer import CONTROL, NORMAL, PRE_TOKENIZERS, USER_DEFINED, hf_pre_tokenizer
 
 VT = GGUFValueType
 
@@ -33,16 +33,6 @@ def _content(v: Any) -> str | None:
     return v
 
 
-def _pre_tokenizer(name: str):
-    from tokenizers import Regex, pre_tokenizers
-
-    regexes = PRE_TOKENIZERS[name].regexes
-    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-    return pre_tokenizers.Sequence(
-        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
-
-
 def detect_pre(tokenizer_json: str) -> str:
     """The ``tokenizer.ggml.pre`` name whose splitting matches this ``tokenizer.json``'s."""
     from tokenizers import Tokenizer as HFTokenizer
@@ -56,8 +46,10 @@ def detect_pre(tokenizer_json: str) -> str:
         if id(spec) in seen:
             continue
         seen.add(id(spec))
-        if [p for p, _ in _pre_tokenizer(name).pre_tokenize_str(CHECK_TEXT)] == want:
-            return name
+        # llama.cpp's regexes, and the tokenizer.json ones where they are written otherwise
+        for regexes in filter(None, (spec.regexes, spec.hf_regexes)):
+            if [p for p, _ in hf_pre_tokenizer(regexes).pre_tokenize_str(CHECK_TEXT)] == want:
+                return name
     raise NotImplementedError(
         "the tokenizer's pre-tokenizer matches none of qlib's tokenizer.ggml.pre values; "
         "pass pre=NAME to choose one"
