@@ -1,6 +1,7 @@
 # qlab: two commands on a fresh clone.
 #   make run    set up .venv, provision the model, run the whole experiment suite into results/
 #   make test   set up .venv, provision the model, run the test suite
+#   make lab    open the notebooks in JupyterLab (LAB_ARGS="--no-browser --port 8899")
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -16,7 +17,7 @@ export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=
   -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: run test setup models lint clean-results
+.PHONY: run test setup models lint clean-results lab
 
 run: setup models
 	$(PY) -m qlib suite run
@@ -37,6 +38,10 @@ $(STAMP): pyproject.toml
 
 models: setup
 	$(PY) -m qlib models fetch
+
+# JupyterLab on notebooks/ with the venv's kernel; LAB_ARGS go to it (e.g. --no-browser --port 8899)
+lab: setup models
+	$(PY) -m qlib lab $(LAB_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check qlib tests

@@ -97,7 +97,7 @@ def test_cycle_finder_finds_a_cycle():
 LAYERS = {  # a module may import its own layer and those below it, never one above
     "qlib.cli": 5,
     "qlib.suite": 4,
-    "qlib.generate": 3, "qlib.convert": 3, "qlib.models": 3, "qlib.tokenizer": 3,
+    "qlib.chat": 3, "qlib.generate": 3, "qlib.convert": 3, "qlib.models": 3, "qlib.tokenizer": 3,
     "qlib.llama": 2,
     "qlib.gguf": 1,
     "qlib.quants": 0, "qlib.devices": 0, "qlib.spans": 0,

@@ -97,3 +97,186 @@ def test_models_list_and_path_by_type(capsys):
     assert models.DEFAULT_MODEL in out and "Q4_1" in out and "embedded" in out
     assert main(["models", "path", "Q4_1"]) == 0  # a type names the default model's variant
     assert capsys.readouterr().out.strip() == str(models.path())
+
+
+# -- the flags every model command shares, and what the commands print ------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory):
+    """A tiny random llama with SmolLM2's tokenizer and chat template (fast to run)."""
+    from synthetic import write_tiny_llama
+
+    from qlib import models
+    from qlib.tokenizer import read_metadata
+
+    md = read_metadata(models.path())
+    return write_tiny_llama(
+        tmp_path_factory.mktemp("tok") / "tiny.gguf",
+        vocab=len(md["tokenizer.ggml.tokens"]),
+        extra_metadata={k: v for k, v in md.items() if k.startswith("tokenizer.")},
+    )
+
+
+@pytest.mark.parametrize("command", ["generate", "logits", "bench", "chat"])
+def test_seed_and_threads_everywhere(command):
+    from qlib.cli import build_parser
+
+    extra = {"generate": ["-p", "hi"], "logits": ["--text-file", __file__, "--out", "x.npy"]}
+    args = build_parser().parse_args([command, "-s", "7", "-t", "1", *extra.get(command, [])])
+    assert (args.seed, args.threads) == (7, 1)
+    long = build_parser().parse_args([command, "--seed", "8", "--threads", "2",
+                                      *extra.get(command, [])])  # fmt: skip
+    assert (long.seed, long.threads) == (8, 2)
+
+
+def test_steps_are_new_tokens_in_generate(tiny_chat_model, capsys):
+    assert main(["generate", "-m", str(tiny_chat_model), "-p", "hi", "-n", "3", "-s", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "3 new tokens (1 from the prefill + 2 decode steps)" in err, err
+    assert "tok/s" in err
+
+
+def test_logits_with_a_seed(tiny_chat_model, tmp_path, capsys):
+    import numpy as np
+
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.")
+    outs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"l{seed}.npy"
+        argv = ["logits", "-m", str(tiny_chat_model), "--text-file", str(text), "--out", str(out)]
+        assert main([*argv, "-s", seed, "-t", "1"]) == 0
+        outs.append(np.load(out))
+    assert outs[0].shape[0] > 5 and np.array_equal(outs[0], outs[1])  # nothing is sampled
+
+
+BENCH = ["bench", "--steps", "2", "--reps", "1", "--prompt-tokens", "8", "-t", "1", "-s", "3"]
+
+
+def test_bench_formats(tiny_chat_model, capsys):
+    import csv
+    import io
+    import json
+
+    argv = [*BENCH, "-m", str(tiny_chat_model)]
+    assert main([*argv, "--format", "json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["steps"] == 2 and r["prompt_tokens"] == 8 and r["threads"] == 1
+    for kind, ms, n in (("prefill", "prefill_ms", 8), ("decode", "decode_ms_per_token", 1)):
+        assert r[f"{kind}_tok_s"]["median"] == pytest.approx(n * 1e3 / r[ms]["median"])
+        assert r[f"{kind}_tok_s"]["max"] == pytest.approx(n * 1e3 / r[ms]["min"])
+    assert main([*argv, "--json"]) == 0  # the old spelling
+    assert set(json.loads(capsys.readouterr().out)) == set(r)
+
+    assert main([*argv, "--format", "csv"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [row["test"] for row in rows] == ["pp8", "tg2"]
+    assert rows[0]["model"] == "tiny" and rows[0]["runtime"] == "qlib"
+    assert int(rows[0]["params"]) > 49152 * 64 and int(rows[0]["threads"]) == 1
+    assert float(rows[1]["tok_s_median"]) == pytest.approx(1e3 / float(rows[1]["ms_median"]))
+
+    assert main(argv) == 0  # md, the default
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("| model | size | params | runtime | variant |")
+    assert "t/s median" in lines[0] and "peak RSS" in lines[0]
+    assert set(lines[1]) <= set("|-:")
+    assert "| pp8 |" in lines[2] and "| tg2 |" in lines[3] and "faithful default" in lines[2]
+
+    rc, err = run([*argv, "--json", "--format", "csv"], capsys)
+    assert rc == 1 and "--json is --format json" in err
+
+
+def test_bench_steps_are_decode_steps(tiny_chat_model, capsys):
+    """bench --steps counts decode steps after the prefill (the protocol's 128), not new tokens:
+    the table's test is tg<steps>, and the help says so."""
+    import json
+
+    assert main([*BENCH, "-m", str(tiny_chat_model), "--steps", "3", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["steps"] == 3
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "decode steps after the prefill" in " ".join(capsys.readouterr().out.split())
+
+
+def test_only_lab_takes_unknown_arguments(capsys):
+    rc, err = run(["generate", "-p", "hi", "--no-browser"], capsys)
+    assert rc == 2 and "unrecognized arguments: --no-browser" in err
+
+
+def test_lab_command_line():
+    import importlib.util
+
+    from qlib.cli.lab import NOTEBOOKS_DIR, command
+
+    if importlib.util.find_spec("jupyterlab") is None:
+        pytest.skip("jupyterlab is not installed (the lab extra)")
+    argv = command(["--no-browser", "--port", "8899"])
+    assert argv[:5] == [sys.executable, "-m", "jupyterlab", "--notebook-dir", str(NOTEBOOKS_DIR)]
+    assert argv[-3:] == ["--no-browser", "--port", "8899"]
+    assert (NOTEBOOKS_DIR / "00_smoke.ipynb").is_file()
+
+
+def test_lab_without_jupyterlab_names_the_fix(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "jupyterlab" else real(name)
+    )
+    rc, err = run(["lab", "--no-browser"], capsys)
+    assert rc == 1 and "JupyterLab is not installed" in err and "pip install -e .[lab]" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_lab_serves_the_notebooks(tmp_path):
+    """`python -m qlib lab` starts JupyterLab on notebooks/ (about 15 s on 2 busy cores)."""
+    import json
+    import os
+    import socket
+    import time
+    import urllib.request
+
+    pytest.importorskip("jupyterlab")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = "qlab-test"
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"),
+           "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qlib", "lab", "--no-browser", "--port", str(port),
+         f"--IdentityProvider.token={token}", "--ServerApp.ip=127.0.0.1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+
+    def get(path: str):
+        with urllib.request.urlopen(f"{base}{path}?token={token}", timeout=5) as r:
+            return r.status, r.read()
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            try:
+                status, body = get("/api/contents")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "JupyterLab did not answer in 120 s"
+                time.sleep(0.5)
+        names = {c["name"] for c in json.loads(body)["content"]}
+        assert {"00_smoke.ipynb", "00_smoke.py", "09_speed_vs_pytorch.ipynb"} <= names
+        specs = json.loads(get("/api/kernelspecs")[1])
+        assert specs["default"] == "python3" and "python3" in specs["kernelspecs"]
+        assert get("/lab")[0] == 200
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

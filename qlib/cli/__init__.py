@@ -15,7 +15,9 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 
 # command modules, in the order `--help` lists them
-COMMAND_MODULES = ("cli.models", "cli.generate", "cli.bench", "convert", "suite.cli")
+COMMAND_MODULES = (
+    "cli.models", "cli.generate", "cli.chat", "cli.bench", "convert", "suite.cli", "cli.lab",
+)  # fmt: skip
 
 
 class Parser(argparse.ArgumentParser):
@@ -68,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     traceback = "--traceback" in argv or os.environ.get("QLIB_TRACEBACK", "") not in ("", "0")
     argv = [a for a in argv if a != "--traceback"]  # accepted anywhere on the line
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):  # only `lab` passes arguments on
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
+from pathlib import Path
 
 from .. import models
 from ..suite.bench import (
@@ -19,22 +22,56 @@ from ..suite.bench import (
 from .common import (
     add_engine_args,
     add_model_args,
+    add_seed_arg,
+    apply_seed_and_threads,
     existing_file,
     positive_int,
 )
 
+FORMATS = ("md", "csv", "json")
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "bench", help="prefill / decode speed with the benchmark protocol (docs/design.md)"
+        "bench",
+        help="prefill / decode speed with the benchmark protocol (docs/design.md)",
+        description="The benchmark protocol: the first --prompt-tokens tokens of the prompt "
+        "file, prefilled once, then --steps greedy decode steps (each reads the token back to "
+        "the host); one untimed first run, then --reps timed runs on a fresh KV cache; min and "
+        "median. The table has one row per runtime and test: ppN = prefill of N prompt "
+        "tokens, tgN = N decode steps.",
     )
     add_model_args(p)
     p.add_argument(
-        "--prompt-file", type=existing_file, default=None, help="default: data/passage.txt"
+        "--prompt-file",
+        type=existing_file,
+        default=None,
+        help="the prompt's text (default: data/passage.txt)",
     )
-    p.add_argument("--prompt-tokens", type=positive_int, default=PROMPT_TOKENS)
-    p.add_argument("--steps", type=positive_int, default=STEPS, help="greedy decode steps")
-    p.add_argument("--reps", type=positive_int, default=REPS, help="timed runs")
+    p.add_argument(
+        "--prompt-tokens",
+        type=positive_int,
+        default=PROMPT_TOKENS,
+        help="prompt tokens, from the start of the file (default: %(default)s)",
+    )
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=STEPS,
+        help="greedy decode steps after the prefill (default: %(default)s, the "
+        "protocol's); a run generates steps + 1 tokens, the prefill's included",
+    )
+    p.add_argument(
+        "--reps",
+        type=positive_int,
+        default=REPS,
+        help="timed runs after the untimed first one (default: %(default)s)",
+    )
+    add_seed_arg(
+        p,
+        "seeds torch (default: %(default)s); the protocol decodes greedily, so "
+        "the tokens do not depend on it",
+    )
 
     add_engine_args(p)
     p.add_argument(
@@ -51,42 +88,181 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="what runs the model: qlib (default), or a peer (transformers, llama.cpp)",
     )
     p.add_argument(
-        "--dtype", default="f32", choices=("f32", "bf16", "f16"), help="transformers dtype"
+        "--dtype",
+        default="f32",
+        choices=("f32", "bf16", "f16"),
+        help="transformers dtype (default: f32)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="md: a table (default); csv: the same rows; json: one JSON object with every run",
+    )
+    p.add_argument("--json", action="store_true", help="the same as --format json")
     p.add_argument(
         "--peers",
         action="store_true",
-        help="also run transformers and llama.cpp, each in its own process",
+        help="also run transformers and llama.cpp (where installed), each in its own process, "
+        "and print qlib / peer ratios",
     )
     p.set_defaults(func=main)
 
 
-def _line(r: dict) -> str:
-    if "error" in r:
-        return f"{' '.join(r['argv'])}: FAILED {r['error']}"
-    variant = "fast" if r.get("engine") == "fast" else r.get("form") or r.get("dtype", "")
-    name = f"{r['runtime']} {variant}".rstrip()
-    if r.get("prefill"):
-        name += f" ({r['prefill']} prefill)"
-    return (
-        f"{name:<24} prefill {r['prefill_ms']['min']:8.1f} ms (median "
-        f"{r['prefill_ms']['median']:.1f})  decode {r['decode_ms_per_token']['min']:7.2f} "
-        f"ms/token (median {r['decode_ms_per_token']['median']:.2f})  "
-        f"first run {r['first_run']['prefill_ms']:.1f} / "
-        f"{r['first_run']['decode_ms_per_token']:.2f}  peak RSS {r['peak_rss_mb']:.0f} MB  "
-        f"load {r['load_ms']:.0f} ms"
-    )
+# -- the table ---------------------------------------------------------------
+
+COLUMNS = (
+    "model",
+    "size",
+    "params",
+    "runtime",
+    "variant",
+    "device",
+    "threads",
+    "test",
+    "t/s median",
+    "t/s max",
+    "ms median",
+    "first run ms",
+    "peak RSS",
+)
+CSV_COLUMNS = (
+    "model",
+    "size_bytes",
+    "params",
+    "runtime",
+    "variant",
+    "device",
+    "threads",
+    "test",
+    "tokens",
+    "tok_s_median",
+    "tok_s_max",
+    "ms_median",
+    "ms_min",
+    "first_run_ms",
+    "peak_rss_mb",
+    "load_ms",
+    "error",
+)
+
+
+def model_facts(path: str) -> dict:
+    """Name, file size and parameter count of a GGUF file (its header only)."""
+    from ..gguf import Content
+
+    p = Path(path)
+    facts = {"model": p.name.removesuffix(".gguf"), "size_bytes": None, "params": None}
+    try:
+        facts["size_bytes"] = p.stat().st_size
+        content = Content.read_path(p)
+        facts["params"] = sum(t.n_elements for t in content.tensor_infos.values())
+    except (OSError, ValueError):
+        pass
+    return facts
+
+
+def variant(r: dict) -> str:
+    if r["runtime"] == "qlib":
+        if r.get("engine") == "fast":
+            return f"fast ({r['prefill']} prefill)" if r.get("prefill") else "fast"
+        return f"faithful {r.get('form') or 'default'}"
+    if r["runtime"] == "transformers":
+        return r.get("dtype", "")
+    return f"v{r['version']}" if r.get("version") else ""
+
+
+def _runtime_of(r: dict) -> str:
+    if "runtime" in r:
+        return r["runtime"]
+    argv = r.get("argv", [])
+    return argv[argv.index("--runtime") + 1] if "--runtime" in argv else "qlib"
+
+
+def rows(results: list[dict]) -> list[dict]:
+    """Two rows per configuration (ppN: the prefill, tgN: the decode steps), CSV names."""
+    facts: dict[str, dict] = {}
+    out = []
+    for r in results:
+        if "error" in r:
+            out.append({"runtime": _runtime_of(r), "error": r["error"]})
+            continue
+        f = facts.setdefault(r["model"], model_facts(r["model"]))
+        common = {**f, "runtime": r["runtime"], "variant": variant(r), "device": r["device"],
+                  "threads": r["threads"], "peak_rss_mb": r["peak_rss_mb"],
+                  "load_ms": r.get("load_ms")}  # fmt: skip
+        for test, n, ms, tok_s, first in (
+            ("pp", r["prompt_tokens"], "prefill_ms", "prefill_tok_s", "prefill_ms"),
+            ("tg", r["steps"], "decode_ms_per_token", "decode_tok_s", "decode_ms_per_token"),
+        ):
+            out.append({**common, "test": f"{test}{n}", "tokens": n,
+                        "tok_s_median": r[tok_s]["median"], "tok_s_max": r[tok_s]["max"],
+                        "ms_median": r[ms]["median"], "ms_min": r[ms]["min"],
+                        "first_run_ms": r["first_run"][first]})  # fmt: skip
+    return out
+
+
+def _size(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _params(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def markdown(results: list[dict], ratios: dict | None = None) -> str:
+    table = [rw for rw in rows(results) if "error" not in rw]
+    lines = ["| " + " | ".join(COLUMNS) + " |",
+             "|" + "|".join("---:" if c.startswith(("t/s", "ms", "first", "peak", "threads",
+                                                     "size", "params")) else "---"
+                            for c in COLUMNS) + "|"]  # fmt: skip
+    for rw in table:
+        unit = "" if rw["test"].startswith("pp") else "/token"
+        cells = (rw["model"], _size(rw["size_bytes"]), _params(rw["params"]), rw["runtime"],
+                 rw["variant"], rw["device"], str(rw["threads"]), rw["test"],
+                 f"{rw['tok_s_median']:.2f}", f"{rw['tok_s_max']:.2f}",
+                 f"{rw['ms_median']:.2f}{unit}", f"{rw['first_run_ms']:.2f}{unit}",
+                 f"{rw['peak_rss_mb']:.0f} MB")  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    loads = [f"{rw['runtime']} {rw['load_ms']:.0f} ms" for rw in table[::2] if rw["load_ms"]]
+    notes = [f"\nload (read + build): {', '.join(loads)}"] if loads else []
+    notes += [f"{rw['runtime']}: FAILED {rw['error']}" for rw in rows(results) if "error" in rw]
+    for peer, r in (ratios or {}).items():
+        notes.append(
+            f"qlib / {peer}: prefill time x{r['prefill']:.2f}, decode time x{r['decode']:.2f}, "
+            f"peak RSS x{r['peak_rss']:.2f} (below 1: qlib faster / smaller)"
+        )
+    return "\n".join(lines + notes)
+
+
+def csv_text(results: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows(results))
+    return buf.getvalue().rstrip("\n")
+
+
+def _format(args: argparse.Namespace) -> str:
+    if args.json and args.format not in (None, "json"):
+        raise ValueError(f"--json is --format json; it cannot go with --format {args.format}")
+    return args.format or ("json" if args.json else "md")
 
 
 def main(args: argparse.Namespace) -> int:
+    fmt = _format(args)
     args.model = args.model or models.path()
     args.prompt_file = args.prompt_file or models.data_file("passage.txt")
     if not args.peers:
+        apply_seed_and_threads(args)
         result = run_config(args)
-        print(json.dumps(result) if args.json else _line(result))
+        if fmt == "json":
+            print(json.dumps(result))
+        else:
+            print(markdown([result]) if fmt == "md" else csv_text([result]))
         return 0
-    own = protocol_argv(args)
+    seed = ["--seed", str(args.seed)]
+    own = protocol_argv(args) + seed
     for flag, value in (
         ("--engine", args.engine),
         ("--form", args.form),
@@ -95,7 +271,7 @@ def main(args: argparse.Namespace) -> int:
     ):
         if value:
             own += [flag, value]
-    results = [run_in_subprocess(own)] + [run_in_subprocess(c) for c in peer_configs(args)]
+    results = [run_in_subprocess(own)] + [run_in_subprocess(c + seed) for c in peer_configs(args)]
     ours = results[0]
     ratios = {}
     for peer in results[1:]:
@@ -106,14 +282,10 @@ def main(args: argparse.Namespace) -> int:
             "decode": ours["decode_ms_per_token"]["min"] / peer["decode_ms_per_token"]["min"],
             "peak_rss": ours["peak_rss_mb"] / peer["peak_rss_mb"],
         }
-    if args.json:
+    if fmt == "json":
         print(json.dumps({"qlib": ours, "peers": results[1:], "ratios": ratios}))
-        return 0
-    for r in results:
-        print(_line(r))
-    for peer, r in ratios.items():
-        print(
-            f"qlib / {peer}: prefill x{r['prefill']:.2f}, decode x{r['decode']:.2f}, "
-            f"peak RSS x{r['peak_rss']:.2f} (below 1 = qlib faster / smaller)"
-        )
+    elif fmt == "csv":
+        print(csv_text(results))
+    else:
+        print(markdown(results, ratios))
     return 0

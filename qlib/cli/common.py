@@ -89,7 +89,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--device", type=available_device, default="cpu", help="cpu, cuda or mps (default: cpu)"
     )
     p.add_argument("-t", "--threads", type=positive_int, default=None,
-                   help="CPU threads (default: torch's choice, one per core)")  # fmt: skip
+                   help="CPU threads (default: torch's, one per core)")  # fmt: skip
+
+
+DEFAULT_SEED = 299792458  # LogitsProcessor's, as candle's examples
+
+
+def add_seed_arg(p: argparse.ArgumentParser, help: str) -> None:
+    """``-s/--seed``: seeds torch (and the sampler, where the command samples)."""
+    p.add_argument("-s", "--seed", type=int, default=DEFAULT_SEED, help=help)
+
+
+def apply_seed_and_threads(args: argparse.Namespace) -> None:
+    """Seed torch with ``--seed`` and set its CPU threads from ``--threads``, before any work."""
+    if getattr(args, "seed", None) is not None:
+        torch.manual_seed(args.seed)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

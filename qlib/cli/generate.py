@@ -15,6 +15,8 @@ from .. import models
 from .common import (
     add_engine_args,
     add_model_args,
+    add_seed_arg,
+    apply_seed_and_threads,
     engine_options,
     existing_file,
     non_empty,
@@ -31,28 +33,63 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    g = sub.add_parser("generate", help="generate text and print the phase timings")
-    _model_args(g)
-    g.add_argument("-p", "--prompt", required=True, type=non_empty)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("-n", "--steps", type=positive_int, default=20, help="new tokens to generate")
-    g.add_argument(
-        "--temperature", type=non_negative_float, default=None, help="0 or unset: greedy"
+    g = sub.add_parser(
+        "generate",
+        help="generate text and print the phase timings",
+        description="Prefill the prompt, then decode: -n N new tokens are the one the prefill "
+        "yields and N-1 decode steps. The text streams to a terminal as it comes; the timings "
+        "go to stderr (--json: one JSON object on stdout instead).",
     )
-    g.add_argument("--top-k", type=non_negative_int, default=None, help="0 or unset: all")
-    g.add_argument("--top-p", type=probability, default=None, help="in (0, 1]; unset: 1")
-    g.add_argument("-s", "--seed", type=int, default=299792458, help="sampling seed")
-    g.add_argument("--stop-at-eos", action="store_true")
+    _model_args(g)
+    g.add_argument("-p", "--prompt", required=True, type=non_empty, help="the prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument(
+        "-n",
+        "--steps",
+        type=positive_int,
+        default=20,
+        help="new tokens to generate: 1 from the prefill + N-1 decode steps (default: 20)",
+    )
+    g.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=None,
+        help="sampling temperature (default: unset = greedy; 0 is greedy too)",
+    )
+    g.add_argument(
+        "--top-k",
+        type=non_negative_int,
+        default=None,
+        help="sample from the k most likely tokens (default: unset = all)",
+    )
+    g.add_argument(
+        "--top-p",
+        type=probability,
+        default=None,
+        help="nucleus sampling, in (0, 1] (default: unset = 1)",
+    )
+    add_seed_arg(g, "sampling seed, also seeds torch (default: %(default)s); greedy ignores it")
+    g.add_argument("--stop-at-eos", action="store_true", help="stop at the EOS token")
     g.add_argument("--unbuffered", action="store_true", help="read the GGUF unbuffered")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=run_generate)
 
     lg = sub.add_parser("logits", help="teacher-forced logits of a text, every position, as .npy")
     _model_args(lg)
-    lg.add_argument("--text-file", required=True, type=existing_file)
-    lg.add_argument("--out", required=True, type=Path)
     lg.add_argument(
-        "--max-tokens", type=positive_int, default=None, help="use only the first N tokens"
+        "--text-file", required=True, type=existing_file, help="the text (no special tokens added)"
+    )
+    lg.add_argument(
+        "--out", required=True, type=Path, help="the .npy file to write: float32 (tokens, vocab)"
+    )
+    lg.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=None,
+        help="use only the first N tokens (default: all)",
+    )
+    add_seed_arg(
+        lg, "seeds torch (default: %(default)s); the logits are deterministic, nothing is sampled"
     )
     lg.set_defaults(func=run_logits)
 
@@ -99,17 +136,12 @@ class _Stream:
             self.shown = text
 
 
-def apply_threads(args: argparse.Namespace) -> None:
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-
-
 def run_generate(args: argparse.Namespace) -> int:
     from ..generate import LogitsProcessor, generate_timed
 
     path = _model_path(args.model)
     preflight(path, args.prompt, args.chat, args.steps)
-    apply_threads(args)
+    apply_seed_and_threads(args)
     stream = _Stream(path) if sys.stdout.isatty() and not args.json else None
     processor = LogitsProcessor(args.seed, args.temperature, args.top_k, args.top_p)
     result = generate_timed(
@@ -129,25 +161,36 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.as_dict()))
         return 0
-    t = result.timings
     if stream is None:
         print(result.text)
     else:
         print(result.text[len(stream.shown) :])
-    print(
-        f"\n{len(result.ids)} new tokens | read {t.read_ms:.1f} ms | build {t.build_ms:.1f} ms | "
-        f"prefill {len(result.prompt_ids)} tok {t.prefill_ms:.1f} ms | "
-        f"decode {len(t.decode_ms)} steps {t.decode_ms_per_token:.2f} ms/token",
-        file=sys.stderr,
-    )
+    print(summary(result), file=sys.stderr)
     return 0
+
+
+def summary(result) -> str:
+    """The stderr line: new tokens = the prefill's one + the decode steps, and their speeds."""
+    t, n_prompt, steps = result.timings, len(result.prompt_ids), len(result.timings.decode_ms)
+    decode = (
+        f"decode {steps} steps {t.decode_ms_per_token:.2f} ms/token "
+        f"({1e3 / t.decode_ms_per_token:.1f} tok/s)"
+        if steps
+        else "no decode step"
+    )
+    return (
+        f"\n{len(result.ids)} new tokens (1 from the prefill + {steps} decode steps) | "
+        f"read {t.read_ms:.1f} ms | build {t.build_ms:.1f} ms | "
+        f"prefill {n_prompt} prompt tokens {t.prefill_ms:.1f} ms "
+        f"({n_prompt / t.prefill_ms * 1e3:.1f} tok/s) | {decode}"
+    )
 
 
 def run_logits(args: argparse.Namespace) -> int:
     from ..llama.engine import load
     from ..tokenizer import Tokenizer
 
-    apply_threads(args)
+    apply_seed_and_threads(args)
     model, content = load(
         _model_path(args.model),
         args.device,

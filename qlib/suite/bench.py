@@ -4,7 +4,8 @@ Prompt: the first N (203) tokens of ``data/passage.txt`` (no chat template,
 no special tokens). One run = prefill once, then greedy-decode ``steps``
 (128) tokens without stopping at EOS; every step reads the token back to the
 host. One process per configuration: load, one untimed run (reported as
-``first_run``), then ``reps`` runs on a fresh KV cache; min and median.
+``first_run``), then ``reps`` runs on a fresh KV cache; min and median, and the
+speeds from them (``prefill_tok_s``, ``decode_tok_s``: max and median).
 
 ``python -m qlib bench --json`` prints one JSON object. ``--peers`` also runs
 transformers and llama.cpp (when installed), each in its own process through
@@ -207,7 +208,21 @@ def run_config(args: argparse.Namespace) -> dict:
         model=str(args.model),
         peak_rss_mb=peak_rss_mb(),
     )
+    result.update(tokens_per_s(result))
     return result
+
+
+def tokens_per_s(result: dict) -> dict:
+    """Speeds beside the times: prefill tok/s = prompt tokens / prefill s, decode tok/s =
+    1000 / ms per token; ``max`` from the min time, ``median`` from the median."""
+    n = result["prompt_tokens"]
+    return {
+        "prefill_tok_s": {k: n * 1e3 / result["prefill_ms"][m] for k, m in _STATS},
+        "decode_tok_s": {k: 1e3 / result["decode_ms_per_token"][m] for k, m in _STATS},
+    }
+
+
+_STATS = (("max", "min"), ("median", "median"))
 
 
 def run_in_subprocess(argv: list[str]) -> dict:
