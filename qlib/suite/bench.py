@@ -31,8 +31,20 @@ REPS = 5
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident set size of this process image, in MiB.
+
+    Linux: ``VmHWM`` from /proc/self/status. ``ru_maxrss`` would do elsewhere, but on Linux it
+    keeps the parent's peak across fork + exec, so a configuration started from a big process
+    (a notebook kernel, pytest) would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def prompt_ids(
