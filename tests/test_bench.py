@@ -18,5 +18,6 @@ def test_peak_rss_is_the_configurations_own():
     parent = peak_rss_mb()
     r = run_in_subprocess(["--steps", "2", "--reps", "1", "--prompt-tokens", "8"])
     assert "error" not in r, r
-    assert r["peak_rss_mb"] < parent - 1000, (r["peak_rss_mb"], parent)
+    # with the parent's peak the child would report >= parent; its own is far below
+    assert r["peak_rss_mb"] < parent - big.nbytes / 2**21, (r["peak_rss_mb"], parent)
     del big
