@@ -4,11 +4,15 @@
 the usual llama.cpp tensor names and shapes (torch order: (out, in)).
 ``tiny_llama_weights`` gives, for the same arguments, the float32 values the file
 holds (after rounding to F16 or quantizing), so an engine can be compared against
-a hand-written torch reference.
+a hand-written torch reference. ``weight_types`` mixes types within a file, as
+llama.cpp's recipes do: ``{"*.attn_v.weight": "Q6_K", "blk.0.*": "Q8_0"}`` (``fnmatch``
+patterns over tensor names; the first that matches wins, else ``weight_type``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -113,11 +117,22 @@ def _encode(name: str, w: np.ndarray, weight_type: str) -> tuple[Any, np.ndarray
     return q, q.dequantize().numpy().astype(np.float32)
 
 
-def _build(weight_type: str, tie_output: bool, seed: int, sizes: dict):
+def tensor_type(name: str, weight_type: str, weight_types: Mapping[str, str] | None) -> str:
+    """The type of tensor ``name``: the first pattern of ``weight_types`` it matches, else
+    ``weight_type``."""
+    for pattern, type_name in (weight_types or {}).items():
+        if fnmatchcase(name, pattern):
+            return type_name
+    return weight_type
+
+
+def _build(weight_type: str, tie_output: bool, seed: int, sizes: dict,
+           weight_types: Mapping[str, str] | None = None):  # fmt: skip
     floats = tiny_llama_float_weights(**sizes, seed=seed, tie_output=tie_output)
     tensors, held = {}, {}
     for name, w in floats.items():
-        tensors[name], held[name] = _encode(name, w, weight_type)
+        wt = tensor_type(name, weight_type, weight_types)
+        tensors[name], held[name] = _encode(name, w, wt)
     return tensors, held
 
 
@@ -132,12 +147,13 @@ def tiny_llama_weights(
     weight_type: str = "F32",
     seed: int = 0,
     tie_output: bool = True,
+    weight_types: Mapping[str, str] | None = None,
 ) -> dict[str, np.ndarray]:
     """The float32 values ``write_tiny_llama`` with the same arguments stores."""
     sizes = dict(
         n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, n_ff=n_ff, vocab=vocab
     )
-    return _build(weight_type, tie_output, seed, sizes)[1]
+    return _build(weight_type, tie_output, seed, sizes, weight_types)[1]
 
 
 def write_tiny_llama(
@@ -156,11 +172,13 @@ def write_tiny_llama(
     extra_metadata: dict[str, Any] | None = None,
     tie_output: bool = True,
     return_weights: bool = False,
+    weight_types: Mapping[str, str] | None = None,
 ) -> Path | tuple[Path, dict[str, np.ndarray]]:
     """Write a small random llama GGUF to ``path``; returns the path (and weights if asked).
 
     Matrices use ``weight_type`` (F32/F16 always work; quantized types need
-    ``qlib.quants``); norms are F32. ``drop_keys`` removes metadata keys,
+    ``qlib.quants``), or the type of the first ``weight_types`` pattern their name matches
+    (``fnmatch``); norms are F32. ``drop_keys`` removes metadata keys,
     ``extra_metadata`` adds or overrides some (values may be ``Typed``).
     ``tie_output=True`` writes no ``output.weight`` (the embedding is shared).
     """
@@ -173,7 +191,7 @@ def write_tiny_llama(
     metadata.update(extra_metadata or {})
     for key in drop_keys:
         metadata.pop(key, None)
-    tensors, held = _build(weight_type, tie_output, seed, sizes)
+    tensors, held = _build(weight_type, tie_output, seed, sizes, weight_types)
     path = Path(path)
     with open(path, "wb") as f:
         write(f, metadata, tensors)

@@ -27,7 +27,7 @@ from qlib import models
 from qlib.gguf import Content, write
 from qlib.llama.errors import IndexPosError, ModelError, ShapeError
 from qlib.llama.faithful import ModelWeights
-from qlib.llama.fast_cuda import CudaFastModel
+from qlib.llama.fast_cuda import CudaFastModel, DenseWeight
 from qlib.quants.cuda import matmul as gpu
 
 CUDA = torch.cuda.is_available() and gpu.triton_available()
@@ -160,12 +160,17 @@ def test_index_pos_and_shape_errors(tmp_path):
         fast.forward(torch.tensor([list(range(17))]), 0)
 
 
-def test_unsupported_weight_type_is_named(tmp_path):
+def test_types_without_kernels_are_dense_parts(tmp_path):
+    """No type is refused: F16 (no Triton kernel) becomes float32 ``DenseWeight`` parts, the
+    prefill copy's rows (every type and mix: ``tests/test_mixed_types.py``)."""
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="F16")
     with open(path, "rb") as f:
         content = Content.read(f)
-        with pytest.raises(ModelError, match="no kernel for F16"):
-            CudaFastModel.from_gguf(content, f, "cpu")
+        fast = CudaFastModel.from_gguf(content, f, "cpu")
+    lin = fast.layers[0].wqkv
+    assert lin.types == ["F16"] and isinstance(lin.parts[0], DenseWeight)
+    assert lin.parts[0].w.data_ptr() == lin.dense.data_ptr()
+    assert isinstance(fast.tok_embd, DenseWeight)
 
 
 # -- the real model ------------------------------------------------------------------------

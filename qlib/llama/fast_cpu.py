@@ -6,25 +6,32 @@ none of candle's sharp edges. What differs from the faithful path:
 
 * **decode GEMVs** (and every matmul of fewer than ``bf16_min_rows`` rows) run
   the AVX-512 VNNI kernel of ``qlib.quants.cpu`` on the packed 4/8-bit
-  weights: ggml semantics (Q8 activations, exact integer block dots), so the
-  logits equal the faithful ``quantized`` form's to float rounding. Without
-  the kernel (no compiler, no AVX-512) ``qlib.quants.cpu.matmul`` does the same sums;
+  weights (Q4_0, Q4_1, Q8_0; Q5_0 widened to Q8_0 codes, the same values): ggml
+  semantics (Q8 activations, exact integer block dots), so the logits equal the
+  faithful ``quantized`` form's to float rounding. Other types (K-quants, Q5_1,
+  F32 / F16 / BF16), and every type without the kernel (no compiler, no AVX-512),
+  go through ``qlib.quants.cpu.matmul``, which does the same sums in torch;
 * **fused weights**: q, k, v stacked into one matrix, gate and up into another
-  (one activation quantization and one kernel call each);
+  (one activation quantization and one kernel call each). A stack of mixed types
+  (Q4_K_M's Q6_K ``attn_v``, 32-block fallbacks) is split into runs of neighbours
+  of one type (``LinearPart``), each its own C call or torch matmul into its slice
+  of the same output buffer, inside the same prepared decode step; nothing is refused;
 * **prefill** (``prefill="bf16"``, default): matmuls on bfloat16 weights and
   inputs. Where the CPU has AMX-BF16 (``cpu.amx_available()``) Q4_0 / Q4_1 / Q8_0
-  weights stay 4/8-bit in AMX tile order and are expanded to bf16 tiles inside
-  the GEMM (other types: a bf16 tile copy made at load; ``amx_packed=False``: a
-  copy for all), and each layer is one C call (``cpu.prefill_layer``, in
+  weights (uniform stacks) stay 4/8-bit in AMX tile order and are expanded to bf16
+  tiles inside the GEMM (other types and mixed stacks: a bf16 tile copy of the
+  dequantized values made at load; ``amx_packed=False``: a copy for all), and each
+  layer is one C call (``cpu.prefill_layer``, in
   ``qlib/quants/cpu/prefill.c``): RmsNorm -> bf16, our AMX GEMM with fused
   epilogues (qkv -> bf16; wo and down added to the float32 residual; gate/up ->
   SwiGLU -> bf16), RoPE + KV-cache write + AMX attention (scores from hi/lo bf16
   splits, ~16 bits). Elsewhere (or ``amx=False``, ``QLIB_NO_AMX=1``) a bf16 copy
-  made at load is prepacked in oneDNN's blocked layout and oneDNN bf16 matmuls run with one C
-  call between each pair (add + RmsNorm, RoPE + KV write + float32 attention,
-  SwiGLU). The residual stream, the KV cache and all arithmetic outside the
-  matmuls stay float32. ``prefill="int8"`` keeps ggml semantics for every row
-  instead (the C kernel over all rows; no extra memory, slower);
+  made at load (any type or mix: one matrix per stack) is prepacked in oneDNN's
+  blocked layout and oneDNN bf16 matmuls run with one C call between each pair
+  (add + RmsNorm, RoPE + KV write + float32 attention, SwiGLU). The residual
+  stream, the KV cache and all arithmetic outside the matmuls stay float32.
+  ``prefill="int8"`` keeps ggml semantics for every row instead (the C kernel
+  over all rows; no extra memory, slower);
 * **huge pages**: after load, the large resident anonymous mappings (the
   weights) are advised and collapsed onto 2 MB pages (``hugepages=False`` to
   skip; ``cpu.collapse_hugepages``);
@@ -80,6 +87,51 @@ def _stack(qtensors: list[QTensor]) -> QTensor:
     return QTensor(data, (rows, qtensors[0].shape[-1]), qtensors[0].dtype)
 
 
+def _runs(qtensors: list[QTensor]) -> list[list[QTensor]]:
+    """The projections of a stack in runs of neighbours that share a type (q, k Q4_K and
+    v Q6_K: two runs); each run is one weight, rows after rows."""
+    runs: list[list[QTensor]] = []
+    for q in qtensors:
+        if runs and runs[-1][0].dtype.name == q.dtype.name:
+            runs[-1].append(q)
+        else:
+            runs.append([q])
+    return runs
+
+
+class LinearPart:
+    """Rows ``r0 .. r0 + n`` of a (stacked) weight, all of one GGUF type: the C kernel's
+    planes (``packed``; Q5_0 widened to Q8_0 codes, the same values) or, for the types the
+    kernel lacks, the torch matmul with ggml semantics (``prepared``: int8 codes and float32
+    scales; the dequantized float32 weight for F32 / F16 / BF16)."""
+
+    def __init__(self, qtensors: list[QTensor], r0: int):
+        self.type_name = qtensors[0].dtype.name
+        self.r0 = r0
+        self.n = sum(q.shape[0] for q in qtensors)
+        self.packed: cpu.PackedWeight | None = None
+        self.prepared: PreparedWeight | None = None
+        if cpu.packable(self.type_name, qtensors[0].shape[-1]):
+            self.packed = cpu.pack(qtensors)
+        else:
+            self.prepared = prepare(_stack(qtensors))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """ggml semantics: ``x`` ``[m, k]`` float32 -> ``[m, n]`` float32."""
+        if self.packed is not None:
+            return cpu.qgemm(x, self.packed)
+        return qmatmul_prepared(x.float(), self.prepared)
+
+    def dequantize_bf16(self, qtensors: list[QTensor]) -> torch.Tensor:
+        """The weight's values rounded to bf16 (``qtensors``: the ones it was made from)."""
+        if self.packed is not None:
+            return cpu.dequantize_bf16(self.packed)
+        return torch.cat([q.dequantize(dtype=torch.bfloat16) for q in qtensors])
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes() if self.packed is not None else self.prepared.nbytes()
+
+
 def _prepack_bf16(w: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked layout of a bf16 weight (``mkldnn._reorder_linear_weight``), or None.
 
@@ -97,21 +149,30 @@ def _prepack_bf16(w: torch.Tensor) -> torch.Tensor | None:
 
 
 class FastLinear:
-    """``y = x @ W.T`` for one (possibly stacked) weight: C kernel, fallback, bf16 copy."""
+    """``y = x @ W.T`` for one (possibly stacked) weight: C kernel, fallback, bf16 copy.
+
+    The projections of a stack (q, k, v; gate, up) are fused where they share a type: each
+    run of neighbours of one type is one ``LinearPart`` (rows ``r0 .. r0 + n`` of the output),
+    run one after the other into slices of one output. Uniform stacks are one part (``packed``
+    or ``prepared`` is then that part's; both None for a mixed stack). The bf16 prefill copy
+    (and the AMX tiles) is always one matrix: a mix of types is dequantized to bf16 values.
+    """
 
     def __init__(self, qtensors: list[QTensor], bf16: bool, amx: bool = False,
                  interleave: bool = False, amx_packed: bool = True):  # fmt: skip
-        names = {q.dtype.name for q in qtensors}
-        if len(names) != 1 or len({q.shape[-1] for q in qtensors}) != 1:
-            raise ModelError("fused weights need one type and one row length")
+        if len({q.shape[-1] for q in qtensors}) != 1:
+            rows = ", ".join(str(q.shape[-1]) for q in qtensors)
+            raise ModelError(f"stacked projections read one input: rows of {rows} elements")
         self.out_features = sum(q.shape[0] for q in qtensors)
         self.in_features = qtensors[0].shape[-1]
-        self.packed: cpu.PackedWeight | None = None
-        self.prepared: PreparedWeight | None = None
-        if cpu.supports(qtensors[0].dtype.name, self.in_features):
-            self.packed = cpu.pack(qtensors)
-        else:
-            self.prepared = prepare(_stack(qtensors))
+        runs = _runs(qtensors)
+        self.parts: list[LinearPart] = []
+        for run in runs:
+            r0 = self.parts[-1].r0 + self.parts[-1].n if self.parts else 0
+            self.parts.append(LinearPart(run, r0))
+        one = self.parts[0] if len(self.parts) == 1 else None
+        self.packed: cpu.PackedWeight | None = one.packed if one is not None else None
+        self.prepared: PreparedWeight | None = one.prepared if one is not None else None
         # the weight for prefill: for the AMX layer kernel the packed 4/8-bit codes in tile
         # order (expanded to bf16 inside the GEMM) or bf16 tiles; else a bf16 copy,
         # oneDNN-prepacked when possible (``bf16_prepacked``; then no plain copy)
@@ -121,11 +182,7 @@ class FastLinear:
         if bf16 and amx and amx_packed and self.packed is not None:
             self.amx = cpu.pack_amx_quantized(self.packed, interleave)
         elif bf16:
-            w = (
-                cpu.dequantize_bf16(self.packed)
-                if self.packed is not None
-                else torch.cat([q.dequantize(dtype=torch.bfloat16) for q in qtensors])
-            )
+            w = torch.cat([p.dequantize_bf16(run) for p, run in zip(self.parts, runs, strict=True)])
             if amx:
                 self.amx = cpu.pack_amx_bf16(w, interleave)
             else:
@@ -137,11 +194,58 @@ class FastLinear:
     def has_bf16(self) -> bool:
         return self.bf16 is not None
 
+    @property
+    def types(self) -> list[str]:
+        """The GGUF type of each part, in row order."""
+        return [p.type_name for p in self.parts]
+
     def quantized(self, x: torch.Tensor) -> torch.Tensor:
         """ggml semantics for every row (``x``: ``[m, k]`` float32)."""
         if self.packed is not None:
             return cpu.qgemm(x, self.packed)
-        return qmatmul_prepared(x.float(), self.prepared)
+        if self.prepared is not None:
+            return qmatmul_prepared(x.float(), self.prepared)
+        return torch.cat([p.matmul(x) for p in self.parts], dim=1)
+
+    def plan(self, x: torch.Tensor, out: torch.Tensor, *, norm: torch.Tensor | None = None,
+             eps: float = 0.0, swiglu: bool = False,
+             accumulate: bool = False) -> cpu.KernelCall:  # fmt: skip
+        """One decode GEMV as a prepared call: ``out (+)= f(x) @ W.T`` for one row ``x``, with
+        ``f`` as in ``cpu.qgemm_plan`` (RmsNorm with ``norm``, or SwiGLU of ``[gate | up]``).
+
+        A single C part is ``cpu.qgemm_plan`` itself. Otherwise each C part is its own
+        prepared kernel call into its slice of ``out`` (the norm or SwiGLU done inside it),
+        and the torch parts share one ``f(x)`` computed in torch per call.
+        """
+        if self.packed is not None:
+            return cpu.qgemm_plan(self.packed, x, out, norm=norm, eps=eps, swiglu=swiglu,
+                                  accumulate=accumulate)  # fmt: skip
+        k, flat = self.in_features, out.view(-1)
+        flags = dict(norm=norm, eps=eps, swiglu=swiglu, accumulate=accumulate)
+        calls = [cpu.qgemm_plan(p.packed, x, flat[p.r0 : p.r0 + p.n], **flags)
+                 for p in self.parts if p.packed is not None]  # fmt: skip
+        torch_parts = [p for p in self.parts if p.packed is None]
+
+        def run() -> int:
+            for call in calls:
+                if call():
+                    return 1
+            if torch_parts:
+                v = x.view(1, -1)
+                if norm is not None:
+                    v = F.rms_norm(v, (k,), norm, eps)
+                elif swiglu:
+                    v = F.silu(v[:, :k]) * v[:, k:]
+                for p in torch_parts:
+                    y, dst = qmatmul_prepared(v, p.prepared).view(-1), flat[p.r0 : p.r0 + p.n]
+                    if accumulate:
+                        dst.add_(y)
+                    else:
+                        dst.copy_(y)
+            return 0
+
+        run.keep = (x, out, norm, calls)
+        return run
 
     def linear_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` in bf16 (``x``: ``[m, k]`` bfloat16 -> ``[m, n]`` bfloat16)."""
@@ -161,7 +265,7 @@ class FastLinear:
         return self.quantized(x)
 
     def nbytes(self) -> int:
-        n = self.packed.nbytes() if self.packed is not None else self.prepared.nbytes()
+        n = sum(p.nbytes() for p in self.parts)
         n += self.bf16.numel() * 2 if self.bf16 is not None else 0
         return n + (self.amx.nbytes() if self.amx is not None else 0)
 
@@ -233,12 +337,11 @@ class FastModel(StaticKVState):
     def _decode_plan(self) -> list[tuple[cpu.KernelCall, ...]] | None:
         """The fused C decode step, prepared once: per layer 5 calls (qkv GEMV of the RmsNorm
         of ``h``; RoPE + KV write + attention; ``h +=`` wo GEMV; gate/up GEMV of the RmsNorm of
-        ``h``; ``h +=`` down GEMV of the SwiGLU), or None (torch decode)."""
+        ``h``; ``h +=`` down GEMV of the SwiGLU), or None (torch decode). A GEMV whose weight
+        is not one C part (a mix of types, a type without a kernel) is ``FastLinear.plan``'s
+        call: its C parts as kernel calls into slices of the same buffer, the rest in torch."""
         c = self.config
         if not cpu.available() or c.head_dim % 16 or c.head_dim > 128 or c.rope_dim != c.head_dim:
-            return None
-        linears = [w for ly in self.layers for w in (ly.wqkv, ly.wo, ly.w13, ly.w2)]
-        if any(w.packed is None for w in [*linears, self.output]):
             return None
         n_ff = self.layers[0].w13.out_features // 2 if self.layers else 0
         h = self._h = torch.empty(1, c.embedding_length)
@@ -252,13 +355,20 @@ class FastModel(StaticKVState):
         for i, ly in enumerate(self.layers):
             kc, vc = self.cache[i, 0], self.cache[i, 1]
             plan.append((
-                cpu.qgemm_plan(ly.wqkv.packed, h, qkv, norm=ly.attn_norm, eps=eps),
+                ly.wqkv.plan(h, qkv, norm=ly.attn_norm, eps=eps),
                 cpu.attn_decode_plan(qkv, kc, vc, self._pos, att, **heads),
-                cpu.qgemm_plan(ly.wo.packed, att, h, accumulate=True),
-                cpu.qgemm_plan(ly.w13.packed, h, gu, norm=ly.ffn_norm, eps=eps),
-                cpu.qgemm_plan(ly.w2.packed, gu, h, swiglu=True, accumulate=True),
+                ly.wo.plan(att, h, accumulate=True),
+                ly.w13.plan(h, gu, norm=ly.ffn_norm, eps=eps),
+                ly.w2.plan(gu, h, swiglu=True, accumulate=True),
             ))  # fmt: skip
-        self._logits_plan = cpu.qgemm_alloc_plan(self.output.packed, h, norm=self.norm, eps=eps)
+        if self.output.packed is not None:
+            self._logits_plan = cpu.qgemm_alloc_plan(self.output.packed, h, norm=self.norm, eps=eps)
+        else:  # an output type without a kernel: the torch matmul with ggml semantics
+
+            def logits() -> torch.Tensor:
+                return self.output.quantized(F.rms_norm(h, (c.embedding_length,), self.norm, eps))
+
+            self._logits_plan = logits
         return plan
 
     def _fused_prefill_ok(self) -> bool:

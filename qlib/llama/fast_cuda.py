@@ -20,8 +20,16 @@ the kernels, float32 activations and accumulation), so its logits equal the
   CUDA graph per prompt length (the first call runs eagerly, the second captures);
 * **static KV cache** ``[layers, 2, n_kv, max_seq_len, d]`` float32.
 
+**Any mix of types.** Projections that read one input are stacked where neighbours share
+a type (``stack_runs``): a uniform q/k/v or gate/up is one weight and one fused kernel; a
+mix (Q4_K_M's Q6_K ``attn_v``, Q5_0 / Q8_0 fallbacks) is one part per run, each a GEMV into
+its slice of the same buffer, then RoPE + cache write (``rope_store``) or the gate epilogue.
+Types with Triton kernels (``qlib.quants.cuda.layout.NATIVE``) keep their packed planes;
+the others (F32, F16, BF16, Q2_K, Q3_K) are a float32 ``DenseWeight`` multiplied by cuBLAS
+(the same values and float32 accumulation, so the numerics above hold for every part).
+
 ``index_pos`` must equal the cache length or be 0 (starts over): anything else
-raises ``IndexPosError``. Weights must be in a format of ``qlib.quants.cuda.layout.NATIVE``.
+raises ``IndexPosError``.
 """
 
 from __future__ import annotations
@@ -29,13 +37,14 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import BinaryIO
 
 import torch
 import torch.nn.functional as F
 
 from ..devices import DeviceLike, as_device
-from ..quants.cuda.layout import NATIVE, Prepared, repack
+from ..quants.cuda.layout import EPI_ADD, EPI_GATE, EPI_STORE, EPI_SWIGLU, NATIVE, Prepared, repack
 from ..quants.qtensor import QTensor
 from ..spans import span
 from .checks import StaticKVState
@@ -48,36 +57,75 @@ ATTENTION_MODES = ("split", "single")  # decode attention: blocks in parallel, o
 GRAPH_CACHE = 4  # prefill graphs kept (one per prompt length)
 
 
-def _prepare_stacked(qtensors: list[QTensor]) -> list[Prepared]:
-    """GPU planes of several weights with one row length: stacked by rows where the types agree."""
-    groups: list[list[QTensor]] = []
-    for q in qtensors:
-        if q.dtype.name not in NATIVE:
-            raise ModelError(
-                f"the fast CUDA path has no kernel for {q.dtype.name} weights "
-                f"(native: {', '.join(NATIVE)}); use ModelWeights(form='f32') instead"
-            )
-        if groups and groups[-1][0].dtype.name == q.dtype.name:
-            groups[-1].append(q)
+@dataclass
+class DenseWeight:
+    """A weight of a type without Triton kernels (not in ``NATIVE``: F32, F16, BF16, Q2_K,
+    Q3_K): its float32 values ``[n, k]`` on the device, multiplied by torch (cuBLAS)."""
+
+    type_name: str
+    n: int
+    k: int
+    w: torch.Tensor
+
+    def nbytes(self) -> int:
+        return self.w.numel() * self.w.element_size()
+
+
+Part = Prepared | DenseWeight  # one run of a stack: Triton planes or a dense fallback
+
+
+def stack_runs(types: list[str]) -> list[tuple[str, int, int]]:
+    """The runs of a stack's projections (their types, in row order) that share a type, as
+    ``(type, first, end)`` indices: each run becomes one part (q, k Q5_0 and v Q8_0: two)."""
+    runs: list[tuple[str, int, int]] = []
+    for i, t in enumerate(types):
+        if runs and runs[-1][0] == t:
+            runs[-1] = (t, runs[-1][1], i + 1)
         else:
-            groups.append([q])
-    out = []
-    for g in groups:
-        data = torch.cat([q.data.reshape(q.shape[0], -1) for q in g])
-        out.append(repack(data, g[0].dtype.name, (data.shape[0], g[0].shape[-1])))
+            runs.append((t, i, i + 1))
+    return runs
+
+
+def _prepare_stacked(qtensors: list[QTensor], dense: torch.Tensor | None = None) -> list[Part]:
+    """The parts of several weights with one row length, stacked by rows where the types agree:
+    GPU planes for the ``NATIVE`` types, float32 values for the others (rows of ``dense``, the
+    float32 stack, when given; else dequantized here)."""
+    if len({q.shape[-1] for q in qtensors}) != 1:
+        raise ModelError("stacked projections read one input: one row length")
+    out: list[Part] = []
+    row0 = [0]
+    for q in qtensors:
+        row0.append(row0[-1] + q.shape[0])
+    for name, i, j in stack_runs([q.dtype.name for q in qtensors]):
+        g = qtensors[i:j]
+        n, k = row0[j] - row0[i], g[0].shape[-1]
+        if name in NATIVE:
+            data = torch.cat([q.data.reshape(q.shape[0], -1) for q in g])
+            out.append(repack(data, name, (n, k)))
+        else:
+            w = (dense[row0[i] : row0[j]] if dense is not None
+                 else torch.cat([q.dequantize(dtype=torch.float32) for q in g]))  # fmt: skip
+            out.append(DenseWeight(name, n, k, w))
     return out
 
 
 class CudaLinear:
-    """One (possibly stacked) weight: packed planes for decode, a dense copy for prefill."""
+    """One (possibly stacked) weight: packed planes for decode (a float32 ``DenseWeight`` for
+    types without kernels), a dense copy for prefill. A stack of mixed types is one part per
+    run of one type, run one after the other into slices of one output."""
 
     def __init__(self, qtensors: list[QTensor], dense: bool):
-        self.parts = _prepare_stacked(qtensors)
-        self.out_features = sum(p.n for p in self.parts)
-        self.in_features = self.parts[0].k
         self.dense: torch.Tensor | None = None
         if dense:
             self.dense = torch.cat([q.dequantize(dtype=torch.float32) for q in qtensors])
+        self.parts = _prepare_stacked(qtensors, self.dense)
+        self.out_features = sum(p.n for p in self.parts)
+        self.in_features = self.parts[0].k
+
+    @property
+    def types(self) -> list[str]:
+        """The GGUF type of each part, in row order."""
+        return [p.type_name for p in self.parts]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` for a block of rows ``[t, k]`` (prefill)."""
@@ -88,13 +136,53 @@ class CudaLinear:
         y = torch.empty(x.shape[0], self.out_features, device=x.device)
         row = 0
         for p in self.parts:
-            kernels.gemm(x, p, y[:, row : row + p.n])
+            if isinstance(p, DenseWeight):
+                y[:, row : row + p.n] = x @ p.w.t()
+            else:
+                kernels.gemm(x, p, y[:, row : row + p.n])
             row += p.n
         return y
 
     def nbytes(self) -> int:
-        n = sum(p.nbytes() for p in self.parts)
+        # dense parts are rows of the prefill copy when there is one (not counted twice)
+        shared = self.dense is not None
+        n = sum(p.nbytes() for p in self.parts if not (shared and isinstance(p, DenseWeight)))
         return n + (self.dense.numel() * 4 if self.dense is not None else 0)
+
+
+def gemv(x: torch.Tensor, w: Part, y: torch.Tensor, *, norm: torch.Tensor | None = None,
+         eps: float = 0.0, epilogue: int = EPI_STORE) -> None:  # fmt: skip
+    """``fused.norm_gemv`` for any part: the Triton kernel for planes, torch ops with the same
+    epilogues (``EPI_*``) for a ``DenseWeight``."""
+    if not isinstance(w, DenseWeight):
+        from ..quants.cuda import fused
+
+        fused.norm_gemv(x, w, y, norm=norm, eps=eps, epilogue=epilogue)
+        return
+    v = x.reshape(1, w.k)
+    if norm is not None:
+        v = F.rms_norm(v, (w.k,), norm, eps)
+    r, out = (v @ w.w.t()).view(-1), y.view(-1)
+    if epilogue == EPI_STORE:
+        out.copy_(r)
+    elif epilogue == EPI_ADD:
+        out.add_(r)
+    elif epilogue == EPI_SWIGLU:
+        out.copy_(F.silu(r[: w.n // 2]) * r[w.n // 2 :])
+    elif epilogue == EPI_GATE:
+        out.copy_(F.silu(out) * r)
+    else:
+        raise ValueError(f"gemv: unknown epilogue {epilogue}")
+
+
+def embed(ids: torch.Tensor, w: Part, out: torch.Tensor) -> None:
+    """``out[t] = W[ids[t]]`` (float32) for int64 device ids, any part."""
+    if isinstance(w, DenseWeight):
+        torch.index_select(w.w, 0, ids, out=out)
+        return
+    from ..quants.cuda import fused
+
+    fused.embed(ids, w, out)
 
 
 class CudaLayer:
@@ -116,10 +204,10 @@ class CudaFastModel(StaticKVState):
     def __init__(
         self,
         config: LlamaConfig,
-        tok_embd: Prepared,
+        tok_embd: Part,
         layers: list[CudaLayer],
         norm: torch.Tensor,
-        output: Prepared,
+        output: Part,
         device: torch.device,
         *,
         prefill: str = "f32",
@@ -220,32 +308,31 @@ class CudaFastModel(StaticKVState):
             attend = self._split_attention
         else:
             attend = functools.partial(fused.attn_decode, heads=self.heads)
-        fused.embed(self._tok, self.tok_embd, h)
+        embed(self._tok, self.tok_embd, h)
         for i, ly in enumerate(self.layers):
             kc, vc = self.cache[i, 0], self.cache[i, 1]
-            if len(ly.wqkv.parts) == 1:
-                fused.qkv_rope(h, ly.attn_norm, eps, ly.wqkv.parts[0], self._q, kc, vc,
-                               self._pos, self.cos, self.sin, heads=self.heads,
+            qkv = ly.wqkv.parts
+            if len(qkv) == 1 and isinstance(qkv[0], Prepared):
+                fused.qkv_rope(h, ly.attn_norm, eps, qkv[0], self._q, kc, vc, self._pos,
+                               self.cos, self.sin, heads=self.heads,
                                neox=c.rope_is_neox)  # fmt: skip
-            else:  # q, k, v of different types: one GEMV each, then RoPE + cache write
+            else:  # q, k, v of different types (or none native): one GEMV each, then RoPE
                 row = 0
-                for p in ly.wqkv.parts:
-                    fused.norm_gemv(h, p, self._qkv[row : row + p.n], norm=ly.attn_norm, eps=eps)
+                for p in qkv:
+                    gemv(h, p, self._qkv[row : row + p.n], norm=ly.attn_norm, eps=eps)
                     row += p.n
                 fused.rope_store(self._qkv[None], self._q[None], kc, vc, self._pos, self.cos,
                                  self.sin, heads=self.heads, neox=c.rope_is_neox)  # fmt: skip
             attend(self._q, kc, vc, self._att, self._pos)
-            fused.norm_gemv(self._att, ly.wo.parts[0], h, epilogue=fused.EPI_ADD)
+            gemv(self._att, ly.wo.parts[0], h, epilogue=EPI_ADD)
             if len(ly.w13.parts) == 1:
-                fused.norm_gemv(h, ly.w13.parts[0], self._g, norm=ly.ffn_norm, eps=eps,
-                                epilogue=fused.EPI_SWIGLU)  # fmt: skip
+                gemv(h, ly.w13.parts[0], self._g, norm=ly.ffn_norm, eps=eps, epilogue=EPI_SWIGLU)
             else:
                 gate, up = ly.w13.parts
-                fused.norm_gemv(h, gate, self._g, norm=ly.ffn_norm, eps=eps)
-                fused.norm_gemv(h, up, self._g, norm=ly.ffn_norm, eps=eps,
-                                epilogue=fused.EPI_GATE)  # fmt: skip
-            fused.norm_gemv(self._g, ly.w2.parts[0], h, epilogue=fused.EPI_ADD)
-        fused.norm_gemv(h, self.output, self._logits, norm=self.norm, eps=eps)
+                gemv(h, gate, self._g, norm=ly.ffn_norm, eps=eps)
+                gemv(h, up, self._g, norm=ly.ffn_norm, eps=eps, epilogue=EPI_GATE)
+            gemv(self._g, ly.w2.parts[0], h, epilogue=EPI_ADD)
+        gemv(h, self.output, self._logits, norm=self.norm, eps=eps)
 
     def _decode_step(self) -> None:
         """The decode kernels, then the device position moves to the next one."""
@@ -286,7 +373,7 @@ class CudaFastModel(StaticKVState):
         nq, nkv, hd = self.heads
         eps, dims, group = c.rms_norm_eps, (c.embedding_length,), nq // nkv
         h = torch.empty(t, c.embedding_length, device=self.device)
-        fused.embed(ids, self.tok_embd, h)
+        embed(ids, self.tok_embd, h)
         mask = None
         if pos:  # a chunk after a prefix: row i sees columns <= pos + i
             cols = torch.arange(end, device=self.device)
@@ -308,10 +395,11 @@ class CudaFastModel(StaticKVState):
             n_ff = gu.shape[1] // 2
             h = h + ly.w2.matmul(F.silu(gu[:, :n_ff]) * gu[:, n_ff:])
         if all_logits:
-            w = kernels.dequantize(self.output, torch.float32)  # transient: exact values
-            return F.rms_norm(h, dims, self.norm, eps) @ w.t()
+            out = self.output
+            w = out.w if isinstance(out, DenseWeight) else kernels.dequantize(out, torch.float32)
+            return F.rms_norm(h, dims, self.norm, eps) @ w.t()  # (transient: exact values)
         logits = torch.empty(1, self.output.n, device=self.device)
-        fused.norm_gemv(h[t - 1], self.output, logits, norm=self.norm, eps=eps)
+        gemv(h[t - 1], self.output, logits, norm=self.norm, eps=eps)
         return logits
 
     def _prefill(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:

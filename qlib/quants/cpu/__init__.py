@@ -1,4 +1,4 @@
-"""AVX-512 VNNI kernels for the CPU quantized matmul (Q4_0, Q4_1, Q8_0 weights).
+"""AVX-512 VNNI kernels for the CPU quantized matmul (Q4_0, Q4_1, Q8_0 weights; Q5_0 widened).
 
 ``kernels.c`` (the quantized GEMM/GEMV and the decode attention step) and
 ``prefill.c`` (RmsNorm, SwiGLU, RoPE + KV write + causal attention between the
@@ -15,7 +15,8 @@ Modules, each importing only those above it:
 * ``ops``: the C signatures and one typed, checked wrapper per C entry point
   (``qgemm``, ``add_rmsnorm``, ``attn_prefill``, ...), the prepared calls of the
   decode step (``qgemm_plan``, ``attn_decode_plan``), ``amx_available()``;
-* ``packing``: QTensors -> ``PackedWeight`` (``pack``), weights -> AMX tiles;
+* ``packing``: QTensors -> ``PackedWeight`` (``pack``; Q5_0 widened to Q8_0 codes, the same
+  values: ``WIDENED``, ``packable``), weights -> AMX tiles;
 * ``memory``: ``collapse_hugepages`` (2 MB pages for the weights);
 * ``matmul``: the quantized matmul with ggml semantics in torch, using the C kernels
   when they take the weight (not imported here).
@@ -28,7 +29,7 @@ off) for the prefill kernels. This package re-exports the public names of its mo
 """
 
 from .build import available, cache_dir, unavailable_reason
-from .layout import TYPE_CODES, AmxWeight, AmxWeightC, PackedWeight
+from .layout import TYPE_CODES, WIDENED, AmxWeight, AmxWeightC, PackedWeight
 from .memory import collapse_hugepages
 from .ops import (
     AmxLayer,
@@ -50,13 +51,21 @@ from .ops import (
     qgemm_plan,
     swiglu_bf16,
 )
-from .packing import pack, pack_amx, pack_amx_bf16, pack_amx_quantized, supports
+from .packing import (
+    pack,
+    pack_amx,
+    pack_amx_bf16,
+    pack_amx_quantized,
+    packable,
+    supports,
+)
 
 __all__ = [
     "available",
     "cache_dir",
     "unavailable_reason",
     "TYPE_CODES",
+    "WIDENED",
     "AmxWeight",
     "AmxWeightC",
     "PackedWeight",
@@ -83,5 +92,6 @@ __all__ = [
     "pack_amx",
     "pack_amx_bf16",
     "pack_amx_quantized",
+    "packable",
     "supports",
 ]

@@ -26,7 +26,7 @@
 
 #include "simd.h"
 
-enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q8_0 = 8 };
+enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q8_0 = 8 }; /* Q5_0: repack only */
 
 /* One row of k floats -> int8 codes, d (f16-rounded float) and s = f16(d * sum q). */
 static void quantize_row_q8(const float *x, int k, int8_t *q, float *d, float *s) {
@@ -258,7 +258,8 @@ int qlib_attn_decode(float *qkv, float *kc, float *vc, int pos, int n_head, int 
 /* GGUF blocks [n, k/32 blocks] -> the planes above (codes, d, m). */
 void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, uint16_t *d,
                  uint16_t *m) {
-    const int G = k / 32, bsize = type == QLIB_Q8_0 ? 34 : type == QLIB_Q4_1 ? 20 : 18;
+    const int G = k / 32;
+    const int bsize = type == QLIB_Q8_0 ? 34 : type == QLIB_Q5_0 ? 22 : type == QLIB_Q4_1 ? 20 : 18;
 #pragma omp parallel for schedule(static)
     for (int j = 0; j < n; j++) {
         for (int b = 0; b < G; b++) {
@@ -266,6 +267,18 @@ void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, 
             memcpy(d + (size_t)j * G + b, blk, 2);
             if (type == QLIB_Q8_0) {
                 for (int i = 0; i < 32; i++) codes[(size_t)j * k + b * 32 + i] = blk[2 + i] ^ 0x80;
+                continue;
+            }
+            if (type == QLIB_Q5_0) { /* into Q8_0 planes: code (q - 16) + 128, the same d */
+                uint32_t qh;
+                memcpy(&qh, blk + 2, 4);
+                uint8_t *out = codes + (size_t)j * k + b * 32;
+                for (int i = 0; i < 16; i++) {
+                    const int lo = (blk[6 + i] & 0x0F) | (int)((qh >> i) & 1) << 4;
+                    const int hi = (blk[6 + i] >> 4) | (int)((qh >> (i + 16)) & 1) << 4;
+                    out[i] = (uint8_t)(lo + 112);
+                    out[i + 16] = (uint8_t)(hi + 112);
+                }
                 continue;
             }
             if (type == QLIB_Q4_1) memcpy(m + (size_t)j * G + b, blk + 2, 2);

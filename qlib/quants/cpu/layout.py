@@ -15,6 +15,11 @@ from dataclasses import dataclass
 import torch
 
 TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the weight types of kernels.c (its enum)
+# types ``qlib_repack`` also reads, into the planes of the kernel type they are widened to:
+# a Q5_0 block (d, 5-bit codes q - 16) holds exactly the values of the Q8_0 block with the
+# same d and int8 codes q - 16, and ggml's Q5_0 x Q8_0 dot is Q8_0 x Q8_0's formula
+WIDENED = {"Q5_0": "Q8_0"}
+REPACK_CODES = {**TYPE_CODES, "Q5_0": 6}
 AMX_KINDS = {"bf16": 0, "q4": 1, "q8": 2}  # amx_weight.kind of prefill.c
 
 

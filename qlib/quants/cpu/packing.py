@@ -1,12 +1,22 @@
 """Weights into the layouts of ``layout``: QTensors -> ``PackedWeight`` (``pack``), bf16 or
-packed weights -> AMX tiles (``pack_amx``, ``pack_amx_quantized``)."""
+packed weights -> AMX tiles (``pack_amx``, ``pack_amx_quantized``).
+
+``WIDENED`` types (``layout``) have no kernel of their own but are exactly one of the kernel
+types with wider codes: a Q5_0 block (``d``, 5-bit codes ``q - 16``) is the Q8_0 block with
+the same ``d`` and int8 codes ``q - 16``, and ggml's Q5_0 x Q8_0 dot is Q8_0 x Q8_0's formula
+(``d_w d_a sum(q_w q_a)`` per block). ``pack`` widens them (``qlib_repack`` reads Q5_0
+blocks into Q8_0 planes: 34 bytes a block instead of 22, the same values and sums);
+``packable`` says which weights ``pack`` takes, ``supports`` which the kernels take as they
+are (what ``matmul.qmatmul`` uses).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from ..legacy import Q5_0
 from . import build, ops
-from .layout import TYPE_CODES, AmxWeight, PackedWeight
+from .layout import TYPE_CODES, WIDENED, AmxWeight, PackedWeight
 
 
 def supports(type_name: str, k: int) -> bool:
@@ -14,29 +24,51 @@ def supports(type_name: str, k: int) -> bool:
     return type_name in TYPE_CODES and k % 64 == 0 and build.available()
 
 
+def packable(type_name: str, k: int) -> bool:
+    """Whether ``pack`` takes a weight of this type and row length (``supports``, or a
+    ``WIDENED`` type whose kernel type ``supports``)."""
+    return supports(WIDENED.get(type_name, type_name), k)
+
+
+def widen_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks (uint8 bytes, 22 a block) -> the Q8_0 blocks (34 bytes) of the same values:
+    the same f16 ``d``, int8 codes ``q - 16`` (torch, for machines without the C kernels)."""
+    b = blocks.reshape(-1, 22)
+    q, _, _ = Q5_0.unpack(b)  # int8 codes - 16, in element order
+    out = torch.empty(b.shape[0], 34, dtype=torch.uint8)
+    out[:, :2] = b[:, :2]
+    out[:, 2:] = q.view(torch.uint8)
+    return out
+
+
 def pack(qtensors) -> PackedWeight:
-    """Repack one 2-D QTensor, or several with the same type and k stacked by rows."""
+    """Repack one 2-D QTensor, or several with the same type and k stacked by rows (a
+    ``WIDENED`` type as its kernel type: ``type_name`` is then that one)."""
     qtensors = list(qtensors) if isinstance(qtensors, (list, tuple)) else [qtensors]
     name = qtensors[0].dtype.name
     k = int(qtensors[0].shape[-1])
     if any(q.dtype.name != name or int(q.shape[-1]) != k or len(q.shape) != 2 for q in qtensors):
         raise ValueError("pack: weights must be 2-D with one type and one row length")
-    if name not in TYPE_CODES or k % 64:
+    weights = [(int(q.shape[0]), q.data.cpu().contiguous()) for q in qtensors]  # rows, bytes
+    kernel_type = WIDENED.get(name, name)
+    if kernel_type not in TYPE_CODES or k % 64:
         raise ValueError(f"pack: no C kernel for {name} with k={k} (needs k % 64 == 0)")
-    n = sum(int(q.shape[0]) for q in qtensors)
+    n = sum(rows for rows, _ in weights)
     G = k // 32
-    codes = torch.empty(n, k if name == "Q8_0" else k // 2, dtype=torch.uint8)
+    codes = torch.empty(n, k if kernel_type == "Q8_0" else k // 2, dtype=torch.uint8)
     d = torch.empty(n, G, dtype=torch.int16)
-    m = torch.empty(n, G, dtype=torch.int16) if name == "Q4_1" else None
+    m = torch.empty(n, G, dtype=torch.int16) if kernel_type == "Q4_1" else None
     if build.available():
         j = 0
-        for q in qtensors:  # each weight into its rows of the planes
-            rows, data = int(q.shape[0]), q.data.cpu().contiguous()
+        for rows, data in weights:  # each weight into its rows of the planes
             part = slice(j, j + rows)
             ops.repack(name, data, k, codes[part], d[part], m[part] if m is not None else None)
             j += rows
-        return PackedWeight(name, n, k, codes, d, m)
-    rows = torch.cat([q.data.cpu().reshape(-1) for q in qtensors])
+        return PackedWeight(kernel_type, n, k, codes, d, m)
+    if name in WIDENED:  # the same values in the kernel type's blocks
+        weights = [(rows, widen_q5_0(data)) for rows, data in weights]
+    name = kernel_type
+    rows = torch.cat([data.reshape(-1) for _, data in weights])
     blocks = rows.view(n, G, -1)  # the same in torch (slow), for machines without the kernel
     d.copy_(blocks[:, :, 0:2].contiguous().view(torch.int16).reshape(n, G))
     if name == "Q8_0":

@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from .kernels import _HAS_OFFSET, _args, _codes, _dot_rows, _scales
-from .layout import Prepared
+from .layout import EPI_ADD, EPI_GATE, EPI_STORE, EPI_SWIGLU, Prepared
 
-EPI_STORE, EPI_ADD, EPI_SWIGLU, EPI_GATE = 0, 1, 2, 3
+__all__ = ["EPI_ADD", "EPI_GATE", "EPI_STORE", "EPI_SWIGLU"]  # re-exported from layout
 
 
 @triton.jit

@@ -34,6 +34,9 @@ from ..types import ggml_type
 
 NATIVE: tuple[str, ...] = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 FORMAT_ID: dict[str, int] = {name: i for i, name in enumerate(NATIVE)}
+# the epilogues of ``fused.norm_gemv`` (here, so that callers need not import Triton):
+# store, add into y, SwiGLU of a stacked gate/up, gate (y holds the gate: silu(y) * x @ W.T)
+EPI_STORE, EPI_ADD, EPI_SWIGLU, EPI_GATE = 0, 1, 2, 3
 _OFFSET = {"Q4_0": -8, "Q5_0": -16, "Q6_K": -32}  # symmetric formats: code - offset
 
 
