@@ -478,3 +478,16 @@ def test_smollm2_decode_matches_quantized_form(smollm2):
             tok = torch.tensor([[int(b.argmax())]])
             a, b = fm.forward(tok, pos), ref.forward(tok, pos)
             pos += 1
+
+
+def test_default_prefill_follows_the_cpu(monkeypatch):
+    """bf16 prefill only where the CPU multiplies bf16 in hardware; int8 elsewhere (emulated
+    bf16 was slower than int8 on a CPU without AVX512-BF16: docs/performance.md)."""
+    from qlib.quants.cpu import build
+
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx512f", "avx512_vnni", "avx512_bf16"})
+    assert fast.default_prefill() == "bf16"
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
+    assert fast.default_prefill() == "bf16"
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx512f", "avx512_vnni"})
+    assert fast.default_prefill() == "int8"

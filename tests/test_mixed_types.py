@@ -189,15 +189,17 @@ def test_fast_int8_matches_quantized_form(files, name):
 @pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.parametrize("name", FILES)
 def test_fast_default_close_to_f32_form(files, name, amx):
-    """The engine as ``engine.load(engine="fast")`` builds it (bf16 prefill: AMX layers where
-    the CPU has them, else oneDNN), against float32."""
+    """The engine as ``engine.load(engine="fast")`` builds it (the prefill of
+    ``default_prefill()``: bf16 with AMX layers or oneDNN where the CPU has bf16 hardware, else
+    int8), against float32."""
     if not amx and not cpu.amx_available():
         pytest.skip("no AMX here: the default (amx=True) is the oneDNN path already")
     if amx:
         fm, _ = engine.load(files[name], "cpu", engine="fast")
     else:
         fm = _build(files[name], fast.FastModel, amx=False)
-    if cpu.available():
+    assert fm.prefill == fast.default_prefill()
+    if cpu.available() and fm.prefill == "bf16":
         assert fm._fused_prefill and fm.amx_layers == (amx and cpu.amx_available())
     agree = _script(fm, _build(files[name], form="f32"), F32_TOL)
     assert agree >= 0.9

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from ..devices import DeviceLike, as_device
 from ..quants import cpu
 from ..quants.api import dequantize_torch
+from ..quants.cpu import build
 from ..quants.cpu.matmul import PreparedWeight, prepare, qmatmul_prepared
 from ..quants.qtensor import QTensor
 from ..spans import span
@@ -68,6 +69,15 @@ from .faithful import rope_neox
 from .fused import FUSED_STACKS
 
 PREFILL_MODES = ("bf16", "int8")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU features that make a bf16 prefill pay
+
+
+def default_prefill() -> str:
+    """``bf16`` where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), else ``int8``.
+
+    Without them oneDNN emulates bf16 and the prefill is slower than the int8 one (measured:
+    docs/performance.md, "Prefill without bf16 hardware")."""
+    return "bf16" if build.cpu_flags() & set(BF16_FLAGS) else "int8"
 PREPACK_BATCH = 256  # oneDNN's row-count hint for the prepacked bf16 weights
 
 
@@ -466,7 +476,7 @@ class FastModel(StaticKVState):
         f: BinaryIO,
         device: DeviceLike = "cpu",
         *,
-        prefill: str = "bf16",
+        prefill: str | None = None,
         bf16_min_rows: int = 16,
         max_seq_len: int = MAX_SEQ_LEN,
         hugepages: bool = True,
@@ -475,12 +485,15 @@ class FastModel(StaticKVState):
     ) -> FastModel:
         """Build from a parsed ``gguf_file.Content`` and its open file (CPU only).
 
+        ``prefill``: ``bf16`` or ``int8`` matmuls for prompts (None: ``default_prefill()``).
+
         ``amx``: the AMX prefill kernels where the CPU has them (else oneDNN's matmuls);
         ``amx_packed``: their Q4_0 / Q4_1 / Q8_0 weights stay 4/8-bit (expanded to bf16 tiles
         inside the GEMM, the same values) instead of a bf16 tile copy.
         """
         if as_device(device).type != "cpu":
             raise ModelError("the fast path runs on CPU; use ModelWeights on other devices")
+        prefill = prefill or default_prefill()
         if prefill not in PREFILL_MODES:
             raise ModelError(f"unknown prefill mode {prefill!r}: {', '.join(PREFILL_MODES)}")
         config = LlamaConfig.from_metadata(content.metadata)
