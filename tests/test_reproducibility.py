@@ -142,7 +142,7 @@ def test_every_result_carries_provenance(two_runs):
             e.get(k)
             for kind in ("tables", "plots", "files")
             for e in meta[kind]
-            for k in ("csv", "json", "png")
+            for k in ("csv", "json", "png", "svg")
         }
         saved = {f.name for f in p.parent.iterdir()} - {p.name, "status_cpu.json"}
         assert saved <= listed
