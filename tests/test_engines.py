@@ -64,3 +64,16 @@ def test_generate_cli_takes_the_fast_form(capsys):
     assert fast["prompt_ids"] == f32["prompt_ids"] and len(fast["ids"]) == 8
     # bf16 prefill + Q8 activations vs float32: the first greedy tokens agree on this prompt
     assert fast["ids"][:4] == f32["ids"][:4]
+
+
+def test_load_progress_bar_over_layers(monkeypatch, capsys):
+    """Loads longer than ``progress.DELAY_S`` show a bar over the layers (forced on here)."""
+    from qlib.llama import progress
+
+    monkeypatch.setenv("QLIB_PROGRESS", "1")
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    assert list(progress.layers(range(3), 3)) == [0, 1, 2]
+    assert "loading layers" in capsys.readouterr().err
+    monkeypatch.setenv("QLIB_PROGRESS", "0")
+    assert list(progress.layers(range(3), 3)) == [0, 1, 2]
+    assert "loading layers" not in capsys.readouterr().err

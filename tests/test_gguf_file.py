@@ -844,3 +844,53 @@ def test_llama_cpp_loads_our_file(smollm2, tmp_path):
     a, b = last_logits(smollm2), last_logits(ours)
     assert np.isfinite(a).all() and a.shape == (49152,)
     np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------- mapped files
+
+
+def test_mapped_tensor_is_a_view_equal_to_the_read_one(tmp_path):
+    from qlib.gguf import MappedFile
+
+    p = tmp_path / "t.gguf"
+    p.write_bytes(valid_bytes())
+    content = Content.read_path(p)
+    with open(p, "rb") as raw:
+        read = content.tensor(raw, "w")
+        mapped_file = MappedFile.open(raw)
+        assert isinstance(mapped_file, MappedFile)
+        mapped = content.tensor(mapped_file, "w")
+    assert torch.equal(read.data, mapped.data) and read.shape == mapped.shape
+    mapped_file.release()  # the pages go; the view reads them again from the file
+    assert torch.equal(read.data, mapped.data)
+
+
+def test_mapped_tensor_outside_the_file(tmp_path):
+    from qlib.gguf import MappedFile
+
+    p = tmp_path / "t.gguf"
+    p.write_bytes(valid_bytes())
+    content = Content.read_path(p)
+    with open(p, "r+b") as f:
+        f.truncate(p.stat().st_size - 4)
+    with open(p, "rb") as raw, pytest.raises(GGUFError, match="tensor 'w' data lies outside"):
+        content.tensor(MappedFile.open(raw), "w")
+
+
+def test_unmappable_files_are_read():
+    from qlib.gguf import MappedFile
+
+    stream = io.BytesIO(valid_bytes())
+    assert MappedFile.open(stream) is stream  # no file descriptor: read as before
+
+
+def test_load_mapped_equals_load_read(tmp_path):
+    from qlib.llama.engine import load
+
+    p = tmp_path / "tiny.gguf"
+    write_tiny_llama(p)
+    ids = torch.tensor([[1, 5, 7, 3]])
+    for engine in ("faithful", "fast"):
+        a, _ = load(p, engine=engine)
+        b, _ = load(p, engine=engine, mmap=False)
+        assert torch.equal(a.forward(ids, 0), b.forward(ids, 0)), engine

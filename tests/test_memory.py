@@ -6,8 +6,10 @@ notes its peak RSS (``VmHWM``, which is ``ru_maxrss`` for this process image:
 pytest process it reports the parent's 1.7 GB), runs a 64-token prefill and 32
 decode steps and notes the peak again. What loading may hold, in MiB:
 
-* the file's tensor blocks, once (``Content.tensor`` reads each tensor into one
-  buffer that the QTensor keeps; nothing else keeps a copy): <= the file size;
+* the file's tensor blocks, once: <= the file size. Read (``mmap=False``),
+  ``Content.tensor`` reads each tensor into one buffer that the QTensor keeps;
+  mapped (the default), the QTensors are views of the mapped file and its pages
+  count once touched (all of them after the run); nothing else keeps a copy;
 * the token embedding dequantized to float32 (candle does the same), built a
   few rows at a time so no full-size temporaries exist;
 * the metadata as Python objects (the 49,152-token vocabulary and merges,
@@ -81,7 +83,7 @@ try:  # reset the peak to the current RSS (Linux >= 4.0): the load's own peak
 except OSError:
     pass
 out["rss_before_load"] = rss_mib()
-model, content = load(sys.argv[1])
+model, content = load(sys.argv[1], mmap=sys.argv[2] == "mmap", engine=sys.argv[3])
 out["rss_after_load"], out["peak_after_load"] = rss_mib(), peak_mib()
 with torch.inference_mode():
     ids = torch.arange(1, 65).reshape(1, -1)
@@ -108,24 +110,29 @@ def model_path():
         pytest.skip(str(e))
 
 
-@pytest.fixture(scope="module")
-def measured(model_path):
+def _child(model_path, mapping: str, engine: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(model_path)],
+        [sys.executable, "-c", CHILD, str(model_path), mapping, engine],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])
-    content = Content.read_path(model_path)
-    emb = content.tensor_infos["token_embd.weight"]
     m["file_mib"] = model_path.stat().st_size / MIB
-    m["embedding_f32_mib"] = emb.n_elements * 4 / MIB
     m["load_peak_mib"] = m["peak_after_load"] - m["rss_before_load"]
-    m["load_steady_mib"] = m["rss_after_load"] - m["rss_before_load"]
     m["run_peak_mib"] = m["peak_after_run"] - m["rss_before_load"]
-    print("\nmemory:", json.dumps({k: round(v, 1) for k, v in m.items()}))  # -s shows it
+    print("\nmemory:", engine, mapping, json.dumps({k: round(v, 1) for k, v in m.items()}))
+    return m
+
+
+@pytest.fixture(scope="module", params=["mmap", "read"])
+def measured(model_path, request):
+    m = _child(model_path, request.param, "faithful")
+    emb = Content.read_path(model_path).tensor_infos["token_embd.weight"]
+    m["embedding_f32_mib"] = emb.n_elements * 4 / MIB
+    m["load_steady_mib"] = m["rss_after_load"] - m["rss_before_load"]
+    m["mapped"] = request.param == "mmap"
     return m
 
 
@@ -137,9 +144,11 @@ def test_loading_holds_each_tensor_once(measured):
         f"({m['file_mib']:.1f}) + the f32 embedding ({m['embedding_f32_mib']:.1f}) + "
         f"{LOAD_MARGIN_MIB}: a second copy of the data? {m}"
     )
-    # what stays after loading is the same, and not much below (the data is really there)
+    # what stays after loading is the same, and not much below: read, the data is really
+    # there; mapped, only the pages touched so far are (the embedding, dequantized)
     assert m["load_steady_mib"] <= bound
-    assert m["load_steady_mib"] >= m["file_mib"] * 0.9 + m["embedding_f32_mib"]
+    read_part = 0.0 if m["mapped"] else m["file_mib"] * 0.9
+    assert m["load_steady_mib"] >= read_part + m["embedding_f32_mib"]
 
 
 def test_running_peak_is_bounded(measured):
@@ -153,3 +162,15 @@ def test_running_peak_is_bounded(measured):
         f"file ({m['file_mib']:.1f}) + the f32 embedding ({m['embedding_f32_mib']:.1f}) + "
         f"the matmul caches ({cache:.1f}) + {margin}: {m}"
     )
+
+
+def test_fast_engine_holds_the_weights_once(model_path):
+    """The fast engine repacks every weight from the mapped file and drops the mapped pages:
+    at peak it holds about the file once (packed planes: the same bytes as the blocks; the
+    tied output packs the embedding once more, which the rows looked up then share)."""
+    m = _child(model_path, "mmap", "fast")
+    content = Content.read_path(model_path)
+    emb = content.tensor_infos["token_embd.weight"].nbytes / MIB
+    bound = m["file_mib"] + emb + LOAD_MARGIN_MIB
+    assert m["load_peak_mib"] <= bound, f"fast load peak {m['load_peak_mib']:.1f} > {bound:.1f}"
+    assert m["run_peak_mib"] <= bound + RUN_MARGIN_MIB, m

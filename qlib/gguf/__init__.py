@@ -4,10 +4,10 @@ metadata and tensor directory; ``Content.tensor`` loads one tensor as a ``QTenso
 ``constants``."""
 
 from .constants import GGUFError, GGUFValueType, TensorNotFoundError, Typed
-from .reader import Content, TensorInfo
+from .reader import Content, MappedFile, TensorInfo, release_pages
 from .writer import write, write_path
 
 __all__ = [
-    "Content", "GGUFError", "GGUFValueType", "TensorInfo", "TensorNotFoundError", "Typed",
-    "write", "write_path",
+    "Content", "GGUFError", "GGUFValueType", "MappedFile", "TensorInfo", "TensorNotFoundError",
+    "Typed", "release_pages", "write", "write_path",
 ]  # fmt: skip

@@ -19,6 +19,7 @@ llama.cpp) and tensors whose data overlap are errors; v1 files are refused.
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import stat
 import struct
@@ -125,11 +126,23 @@ class Content:
         return buf
 
     def tensor(self, f: BinaryIO, name: str, device: DeviceLike = "cpu") -> QTensor:
-        """Load tensor ``name`` from ``f`` as a ``QTensor`` on ``device``."""
+        """Load tensor ``name`` from ``f`` as a ``QTensor`` on ``device``.
+
+        From a ``MappedFile`` a CPU tensor is a view of the mapped file (no copy: its pages
+        are read from the page cache when first touched); any other file is read."""
         info = self.tensor_infos.get(name)
         if info is None:
             raise TensorNotFoundError(f"cannot find tensor info for {name}")
         dev = as_device(device)
+        if isinstance(f, MappedFile):
+            start = self.tensor_data_offset + info.offset
+            if start + info.nbytes > f.size:
+                raise GGUFError(_outside_msg(info, self.tensor_data_offset, f.size))
+            data = f.view(start, info.nbytes)
+            if dev.type != "cpu":  # copied to the device: the mapped pages are not needed
+                data = data.to(dev)
+                f.release()
+            return QTensor(data, info.shape, info.dtype)
         data = torch.frombuffer(self.tensor_bytes(f, name), dtype=torch.uint8)
         return QTensor(data.to(dev), info.shape, info.dtype)
 
@@ -139,6 +152,68 @@ class Content:
             f"{len(self.tensor_infos)} tensors, data at {self.tensor_data_offset}, "
             f"alignment={self.alignment})"
         )
+
+
+# ----------------------------------------------------------------------------- mapping
+
+
+class MappedFile:
+    """An open GGUF file with its bytes mapped into memory, for ``Content.tensor``.
+
+    The mapping is private copy-on-write (``ACCESS_COPY``) and never written, so tensors are
+    zero-copy views whose pages come from the page cache as they are touched; they count in
+    the process's RSS only while resident, and ``release`` drops them (after an engine has
+    repacked or copied what it read; a later touch reads them again). Reads (``read``,
+    ``readinto``, ``seek``, ``tell``) go to the file itself, so ``Content.read`` parses
+    through it. ``open`` returns the plain file where it cannot be mapped (a pipe, an
+    empty file). A mapped file that another process truncates while in use can kill the
+    interpreter with SIGBUS, as with any mapping (llama.cpp's mmap included).
+    """
+
+    def __init__(self, f: BinaryIO):
+        self.file = f
+        self.size = os.fstat(f.fileno()).st_size
+        self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    @classmethod
+    def open(cls, f: BinaryIO) -> MappedFile | BinaryIO:
+        """``f`` mapped, or ``f`` itself when it cannot be mapped."""
+        try:
+            if stat.S_ISREG(os.fstat(f.fileno()).st_mode) and os.fstat(f.fileno()).st_size:
+                return cls(f)
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            pass
+        return f
+
+    def view(self, start: int, n: int) -> torch.Tensor:
+        """Bytes ``start .. start + n`` of the file as a uint8 tensor (no copy)."""
+        return torch.frombuffer(self.map, dtype=torch.uint8, count=n, offset=start)
+
+    def release(self) -> None:
+        """Drop the mapped pages from this process (``MADV_DONTNEED``; the views stay valid)."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self.map.madvise(mmap.MADV_DONTNEED)
+
+    def read(self, n: int = -1) -> bytes:
+        return self.file.read(n)
+
+    def readinto(self, b) -> int | None:
+        return self.file.readinto(b)
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self.file.seek(pos, whence)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+
+def release_pages(f: BinaryIO | MappedFile) -> None:
+    """``MappedFile.release`` for a mapped file; nothing for any other."""
+    if isinstance(f, MappedFile):
+        f.release()
 
 
 # ----------------------------------------------------------------------------- reading

@@ -20,7 +20,7 @@ from typing import Any, BinaryIO, Protocol, runtime_checkable
 import torch
 
 from ..devices import DeviceLike, as_device, synchronize
-from ..gguf import Content
+from ..gguf import Content, MappedFile
 from ..quants.qtensor import FORMS
 from .config import LlamaConfig
 from .errors import ModelError
@@ -108,6 +108,7 @@ def load(
     engine: str | None = None,
     form: str | None = None,
     buffered: bool = True,
+    mmap: bool = True,
     metadata_overrides: dict[str, Any] | None = None,
     drop_keys: tuple[str, ...] = (),
     times: dict[str, float] | None = None,
@@ -116,12 +117,16 @@ def load(
     """Read a GGUF file and build an engine on ``device``: returns ``(model, content)``.
 
     ``buffered=False`` opens the file unbuffered (one system call per read, as the seed's
-    Rust program). ``metadata_overrides`` / ``drop_keys`` edit the metadata in memory
-    before the engine sees it (the file is untouched). ``times``, if given, receives
+    Rust program) and does not map it. ``mmap`` (default): tensors are views of the mapped
+    file (``gguf.MappedFile``), so nothing is read twice and no second full copy is held;
+    the fast engines drop the mapped pages once they have repacked them.
+    ``metadata_overrides`` / ``drop_keys`` edit the metadata in memory before the engine
+    sees it (the file is untouched). ``times``, if given, receives
     ``read_ms`` (header, metadata, directory) and ``build_ms`` (tensors, tables; synchronized).
     """
     start = time.perf_counter()
-    with open(path, "rb", buffering=-1 if buffered else 0) as f:
+    with open(path, "rb", buffering=-1 if buffered else 0) as raw:
+        f = MappedFile.open(raw) if mmap and buffered else raw
         content = Content.read(f)
         content.metadata.update(metadata_overrides or {})
         for key in drop_keys:

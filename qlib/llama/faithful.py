@@ -65,6 +65,7 @@ from ..devices import DeviceLike, as_device
 from ..quants.api import dequantize_torch
 from ..quants.qtensor import FORMS, QMatMul, QTensor
 from ..spans import span
+from . import progress
 from .config import MAX_SEQ_LEN, LlamaConfig, check_tensors, precompute_freqs_cis
 from .errors import IndexPosError, InputError, ModelError, ShapeError
 
@@ -418,7 +419,7 @@ class ModelWeights:
         else:  # tied embeddings: the output layer shares token_embd.weight
             output = QMatMul(tok_embeddings_q, form)
         layers = []
-        for i in range(config.block_count):
+        for i in progress.layers(range(config.block_count), config.block_count):
             p = f"blk.{i}"
             mlp = Mlp(
                 qmatmul(f"{p}.ffn_gate.weight"),

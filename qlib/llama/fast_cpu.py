@@ -56,12 +56,14 @@ import torch
 import torch.nn.functional as F
 
 from ..devices import DeviceLike, as_device
+from ..gguf import release_pages
 from ..quants import cpu
 from ..quants.api import dequantize_torch
 from ..quants.cpu import build
 from ..quants.cpu.matmul import PreparedWeight, prepare, qmatmul_prepared
 from ..quants.qtensor import QTensor
 from ..spans import span
+from . import progress
 from .checks import StaticKVState
 from .config import MAX_SEQ_LEN, LlamaConfig, precompute_freqs_cis
 from .errors import ModelError
@@ -505,14 +507,17 @@ class FastModel(StaticKVState):
         def get(name: str) -> QTensor:
             return content.tensor(f, name, "cpu")
 
-        layers = [
-            FastLayer(get, f"blk.{i}", config.rms_norm_eps, bf16, amx_layers, amx_packed)
-            for i in range(config.block_count)
-        ]
-        tok_embd = get("token_embd.weight")
+        layers = []
+        for i in progress.layers(range(config.block_count), config.block_count):
+            layers.append(
+                FastLayer(get, f"blk.{i}", config.rms_norm_eps, bf16, amx_layers, amx_packed)
+            )
+            release_pages(f)  # repacked: the layer's mapped pages are not needed any more
+        tok_embd = get("token_embd.weight")  # a view of the mapped file: rows read on lookup
         out_w = get("output.weight") if "output.weight" in content.tensor_infos else tok_embd
         output = FastLinear([out_w], bf16=False)  # prefill needs only the last row
         norm = get("output_norm.weight").dequantize()
+        release_pages(f)
         return cls(config, tok_embd, layers, norm, output, prefill=prefill,
                    bf16_min_rows=bf16_min_rows, max_seq_len=max_seq_len,
                    hugepages=hugepages, amx=amx)  # fmt: skip

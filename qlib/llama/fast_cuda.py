@@ -47,6 +47,7 @@ from ..devices import DeviceLike, as_device
 from ..quants.cuda.layout import EPI_ADD, EPI_GATE, EPI_STORE, EPI_SWIGLU, NATIVE, Prepared, repack
 from ..quants.qtensor import QTensor
 from ..spans import span
+from . import progress
 from .checks import StaticKVState
 from .config import MAX_SEQ_LEN, LlamaConfig, precompute_freqs_cis
 from .errors import ModelError
@@ -275,7 +276,8 @@ class CudaFastModel(StaticKVState):
             return content.tensor(f, name, dev)
 
         dense = prefill == "f32"
-        layers = [CudaLayer(get, f"blk.{i}", dense) for i in range(config.block_count)]
+        blocks = progress.layers(range(config.block_count), config.block_count)
+        layers = [CudaLayer(get, f"blk.{i}", dense) for i in blocks]
         tok = get("token_embd.weight")
         out = get("output.weight") if "output.weight" in content.tensor_infos else tok
         tok_p = _prepare_stacked([tok])[0]
