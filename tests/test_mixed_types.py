@@ -219,13 +219,15 @@ def test_uniform_kernel_types_keep_one_fused_weight(files):
 
 @needs_kernels
 def test_mixed_stack_parts(files):
-    """Q4_K_M's layer 0: q, k Q4_K (torch fallback), v Q6_K (torch fallback); layer 1: q Q5_0
-    (widened to Q8_0 codes: the C kernel), k, v Q4_K; rows of the parts follow each other."""
+    """Q4_K_M's layer 0: q, k Q4_K, v Q6_K (two ``kquants.c`` calls on the GGUF blocks);
+    layer 1: q Q5_0 (widened to Q8_0 codes: the C kernel), k, v Q4_K; rows of the parts
+    follow each other."""
     fm = _build(files["Q4_K_M"], fast.FastModel)
     wqkv0, wqkv1 = fm.layers[0].wqkv, fm.layers[1].wqkv
     assert wqkv0.packed is None and wqkv0.prepared is None  # a mixed stack
     assert [(p.r0, p.n) for p in wqkv0.parts] == [(0, 384), (384, 128)]
-    assert all(p.packed is None for p in wqkv0.parts)
+    assert [p.packed.type_name for p in wqkv0.parts] == ["Q4_K", "Q6_K"]
+    assert all(p.packed.blocks for p in wqkv0.parts)
     q = wqkv1.parts[0]
     assert wqkv1.types == ["Q5_0", "Q4_K"] and q.packed is not None
     assert q.packed.type_name == "Q8_0" and q.n == 256

@@ -5,12 +5,14 @@
 none of candle's sharp edges. What differs from the faithful path:
 
 * **decode GEMVs** (and every matmul of fewer than ``bf16_min_rows`` rows) run
-  the AVX-512 VNNI kernel of ``qlib.quants.cpu`` on the packed 4/8-bit
-  weights (Q4_0, Q4_1, Q8_0; Q5_0 widened to Q8_0 codes, the same values): ggml
-  semantics (Q8 activations, exact integer block dots), so the logits equal the
-  faithful ``quantized`` form's to float rounding. Other types (K-quants, Q5_1,
-  F32 / F16 / BF16), and every type without the kernel (no compiler, no AVX-512),
-  go through ``qlib.quants.cpu.matmul``, which does the same sums in torch;
+  the AVX-512 VNNI kernels of ``qlib.quants.cpu`` on the packed 4/8-bit
+  weights (Q4_0, Q4_1, Q8_0; Q5_0 widened to Q8_0 codes, the same values) and on the
+  GGUF blocks of the K-quants (Q2_K .. Q6_K, rows a multiple of 256) and Q5_1: ggml
+  semantics (Q8_0 / Q8_1 / Q8_K activations, exact integer block dots), so the logits
+  equal the faithful ``quantized`` form's to float rounding. Other types (F32 / F16 /
+  BF16, K-quant rows not a multiple of 256), and every type without the kernels (no
+  compiler, no AVX-512), go through ``qlib.quants.cpu.matmul``, which does the same sums
+  in torch;
 * **fused weights**: q, k, v stacked into one matrix, gate and up into another
   (one activation quantization and one kernel call each). A stack of mixed types
   (Q4_K_M's Q6_K ``attn_v``, 32-block fallbacks) is split into runs of neighbours
@@ -112,9 +114,10 @@ def _runs(qtensors: list[QTensor]) -> list[list[QTensor]]:
 
 
 class LinearPart:
-    """Rows ``r0 .. r0 + n`` of a (stacked) weight, all of one GGUF type: the C kernel's
-    planes (``packed``; Q5_0 widened to Q8_0 codes, the same values) or, for the types the
-    kernel lacks, the torch matmul with ggml semantics (``prepared``: int8 codes and float32
+    """Rows ``r0 .. r0 + n`` of a (stacked) weight, all of one GGUF type: the C kernels'
+    weight (``packed``: Q4_0 / Q4_1 / Q8_0 planes, Q5_0 widened to Q8_0 codes, the same
+    values; the GGUF blocks of K-quants and Q5_1) or, for the types and shapes the kernels
+    lack, the torch matmul with ggml semantics (``prepared``: int8 codes and float32
     scales; the dequantized float32 weight for F32 / F16 / BF16)."""
 
     def __init__(self, qtensors: list[QTensor], r0: int):
@@ -136,7 +139,7 @@ class LinearPart:
 
     def dequantize_bf16(self, qtensors: list[QTensor]) -> torch.Tensor:
         """The weight's values rounded to bf16 (``qtensors``: the ones it was made from)."""
-        if self.packed is not None:
+        if self.packed is not None and not self.packed.blocks:
             return cpu.dequantize_bf16(self.packed)
         return torch.cat([q.dequantize(dtype=torch.bfloat16) for q in qtensors])
 
@@ -191,7 +194,7 @@ class FastLinear:
         self.bf16: torch.Tensor | None = None
         self.bf16_prepacked = False
         self.amx: cpu.AmxWeight | None = None
-        if bf16 and amx and amx_packed and self.packed is not None:
+        if bf16 and amx and amx_packed and self.packed is not None and not self.packed.blocks:
             self.amx = cpu.pack_amx_quantized(self.packed, interleave)
         elif bf16:
             w = torch.cat([p.dequantize_bf16(run) for p, run in zip(self.parts, runs, strict=True)])

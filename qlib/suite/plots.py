@@ -12,7 +12,7 @@ figure shows comes from the run's data: no number is typed into a plot.
 - ``log2_axis(ax)``: a base-2 axis with plain-number ticks (1, 2, 4, ...);
 - ``log_axis(ax)``: a base-10 axis with plain-number ticks (20, 50, 100; 0.001);
 - ``bar_labels(ax, bars, fmt)``, ``value_dots(...)``: values written beside the marks;
-- the figures of notebooks 01, 06, 07, 08 and 09 (``decode_steps_figure`` ...).
+- the figures of notebooks 01, 06, 07, 08, 09 and 11 (``decode_steps_figure`` ...).
 """
 
 from __future__ import annotations
@@ -687,4 +687,23 @@ def speed_figure(ok, *, prompt_tokens: int, device: str):
         ncol=4,
     )
     fig.suptitle(f"speed on {device} (lower is better)")
+    return fig
+
+
+def ladder_figure(rows, *, floor_ms: float):
+    """ms/token per rung of the decode ladder (log axis), the bandwidth floor drawn across."""
+    rows = [r for r in rows if r.get("ms_per_token") is not None]
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(rows) + 1.6), layout="constrained")
+    y = list(range(len(rows)))
+    bars = ax.barh(y, [r["ms_per_token"] for r in rows], color=CYCLE[: len(rows)])
+    bar_labels(ax, bars, "{:.3f} ms")
+    ax.axvline(floor_ms, color="black", linestyle="--", linewidth=1)
+    ax.annotate(f"floor {floor_ms * 1e3:.0f} us", (floor_ms, len(rows) - 0.5), fontsize=8,
+                xytext=(4, 0), textcoords="offset points")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yticks(y, [f"{r['rung']}\n{r['kernels_per_token']:.0f} kernels/token" for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("decode ms/token (min, log scale; lower is better)")
+    ax.grid(axis="y", visible=False)
+    ax.set_title("the decode step, from per-op launches to one CUDA graph")
     return fig

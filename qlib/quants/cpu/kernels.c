@@ -28,30 +28,6 @@
 
 enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q8_0 = 8 }; /* Q5_0: repack only */
 
-/* One row of k floats -> int8 codes, d (f16-rounded float) and s = f16(d * sum q). */
-static void quantize_row_q8(const float *x, int k, int8_t *q, float *d, float *s) {
-    for (int b = 0; b < k / 32; b++) {
-        __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
-        __m512 amax = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
-        float m = _mm512_reduce_max_ps(amax);
-        float dd = m / 127.f;
-        float id = m != 0.0f ? 127.f / m : 0.0f;
-        __m512 vid = _mm512_set1_ps(id);
-        /* round half to even, out-of-range -> INT_MIN, then saturate to int8 (as packs) */
-        __m512i i0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, vid),
-                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512i i1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, vid),
-                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm_storeu_si128((__m128i *)(q + 32 * b), _mm512_cvtsepi32_epi8(i0));
-        _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm512_cvtsepi32_epi8(i1));
-        d[b] = _cvtsh_ss(_cvtss_sh(dd, _MM_FROUND_TO_NEAREST_INT));
-        if (s) {
-            int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-            s[b] = _cvtsh_ss(_cvtss_sh(dd * (float)sum, _MM_FROUND_TO_NEAREST_INT));
-        }
-    }
-}
-
 /* Dots of R consecutive repacked weight rows with one quantized activation row
  * (R is a compile-time constant at each call: the loops unroll, the R chains overlap). */
 static inline __attribute__((always_inline)) void dot_rows(
@@ -100,23 +76,6 @@ static inline __attribute__((always_inline)) void dot_rows(
         }
     }
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(facc[r]);
-}
-
-/* The activation row a fed to the kernel, from an input row x (see qlib_qgemm_ex). */
-static void input_row(const float *x, int k, const float *norm_w, float eps, int swiglu,
-                      float *a) {
-    if (swiglu) { /* x = [gate | up], 2k floats: a = silu(gate) * up */
-        for (int i = 0; i < k; i++) a[i] = x[i] / (1.0f + expf(-x[i])) * x[k + i];
-        x = a;
-    }
-    if (norm_w) { /* RmsNorm: x / sqrt(mean(x^2) + eps) * w */
-        float ss = 0.0f;
-        for (int i = 0; i < k; i++) ss += x[i] * x[i];
-        const float r = 1.0f / sqrtf(ss / (float)k + eps);
-        for (int i = 0; i < k; i++) a[i] = x[i] * r * norm_w[i];
-    } else if (!swiglu) {
-        memcpy(a, x, sizeof(float) * (size_t)k);
-    }
 }
 
 /* y[m, n] (+)= f(x)[m, k] @ W[n, k].T, where f is RmsNorm with weight norm_w (when not

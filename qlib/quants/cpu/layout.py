@@ -1,7 +1,8 @@
 """The weight layouts the C kernels read (``packing`` makes them, ``ops`` passes them).
 
 * ``PackedWeight``: a Q4_0 / Q4_1 / Q8_0 weight as per-row planes for the quantized
-  GEMM/GEMV of ``kernels.c`` (code bytes, f16 scales, Q4_1 minimums);
+  GEMM/GEMV of ``kernels.c`` (code bytes, f16 scales, Q4_1 minimums), or a K-quant / Q5_1
+  weight as its GGUF blocks, row after row, for ``kquants.c``;
 * ``AmxWeight``: a weight for the AMX kernels of ``prefill.c``, bf16 B tiles or the
   4/8-bit codes in tile order with float32 scales; ``AmxWeightC`` is its C descriptor
   (``amx_weight`` of prefill.c).
@@ -20,12 +21,20 @@ TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the weight types of kernels.c 
 # same d and int8 codes q - 16, and ggml's Q5_0 x Q8_0 dot is Q8_0 x Q8_0's formula
 WIDENED = {"Q5_0": "Q8_0"}
 REPACK_CODES = {**TYPE_CODES, "Q5_0": 6}
+# the weight types of kquants.c (ggml's type ids), read as GGUF blocks: (elements, bytes) a block
+BLOCK_CODES = {"Q5_1": 7, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+BLOCKS = {"Q5_1": (32, 24), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
+          "Q5_K": (256, 176), "Q6_K": (256, 210)}  # fmt: skip
+# the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants: super-blocks of 256)
+ROW_MULTIPLE = {t: 256 if t.endswith("_K") else 64 for t in (*TYPE_CODES, *BLOCK_CODES)}
 AMX_KINDS = {"bf16": 0, "q4": 1, "q8": 2}  # amx_weight.kind of prefill.c
 
 
 @dataclass
 class PackedWeight:
-    """A weight repacked for ``ops.qgemm``: per-row code bytes and f16 scale planes.
+    """A weight for ``ops.qgemm``: per-row code bytes and f16 scale planes (``TYPE_CODES``),
+    or the GGUF blocks themselves (``BLOCK_CODES``: ``codes`` holds them, ``d`` and ``m`` are
+    None).
 
     Per 64 elements of a Q4_* row 32 bytes, byte ``i`` = ``e[i] | e[i + 32] << 4``
     (codes 0..15, as ggml stores them before the -8 of Q4_0); Q8_0: code + 128.
@@ -34,14 +43,19 @@ class PackedWeight:
     type_name: str
     n: int
     k: int
-    codes: torch.Tensor  # [n, k/2] (Q4_*) or [n, k] (Q8_0) uint8
-    d: torch.Tensor  # [n, k/32] int16 (f16 bits)
+    codes: torch.Tensor  # [n, k/2] (Q4_*), [n, k] (Q8_0) uint8; [n, row bytes] (GGUF blocks)
+    d: torch.Tensor | None  # [n, k/32] int16 (f16 bits); None for GGUF blocks
     m: torch.Tensor | None  # [n, k/32] int16 (Q4_1)
 
     @property
     def type_code(self) -> int:
         """The C kernels' code of the weight type."""
-        return TYPE_CODES[self.type_name]
+        return TYPE_CODES.get(self.type_name) or BLOCK_CODES[self.type_name]
+
+    @property
+    def blocks(self) -> bool:
+        """Whether ``codes`` are the GGUF blocks (``kquants.c``), not planes (``kernels.c``)."""
+        return self.type_name in BLOCK_CODES
 
     def nbytes(self) -> int:
         ts = (self.codes, self.d, self.m)

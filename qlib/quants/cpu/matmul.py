@@ -208,11 +208,12 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
 
     ``x``: ``[m, k]``; f16/bf16 inputs are computed in float32 and the result cast
     back (CUDA/MPS inputs: ``qlib.quants.cuda.matmul``). ``w`` may also be a
-    ``PreparedWeight``; a QTensor is prepared on first use and cached. Q4_0, Q4_1
-    and Q8_0 weights with rows a multiple of 64 go through the C kernels of
-    ``qlib.quants.cpu`` when they are available (AVX-512 VNNI and a C compiler;
-    ``QLIB_NO_CKERNELS=1`` turns them off): the same quantized activations and
-    integer block sums, summed in another order (equal to float rounding).
+    ``PreparedWeight``; a QTensor is prepared on first use and cached. Q4_0, Q4_1,
+    Q8_0 and Q5_1 weights with rows a multiple of 64, and K-quants (rows a multiple of
+    256), go through the C kernels of ``qlib.quants.cpu`` when they are available
+    (AVX-512 VNNI and a C compiler; ``QLIB_NO_CKERNELS=1`` turns them off): the same
+    quantized activations and integer block sums, summed in another order (equal to
+    float rounding).
     """
     if x.dim() != 2 or x.shape[1] != w.shape[-1]:
         raise ValueError(f"qmatmul: x {list(x.shape)} does not match weight {list(w.shape)}")

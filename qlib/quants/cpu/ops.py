@@ -4,8 +4,9 @@ The C signatures are declared here (``load()``); each C entry point has one wrap
 takes tensors, checks dtypes, shapes and contiguity, and turns the C flags into keyword
 arguments:
 
-* ``kernels.c``: ``repack``, ``dequantize_bf16``, ``qgemm`` (the quantized GEMM/GEMV with
-  ggml semantics, optionally RmsNorm or SwiGLU of its input and a residual add), and the
+* ``kernels.c`` and ``kquants.c``: ``repack``, ``dequantize_bf16``, ``qgemm`` (the quantized
+  GEMM/GEMV with ggml semantics, optionally RmsNorm or SwiGLU of its input and a residual
+  add: ``qlib_qgemm_ex`` for repacked planes, ``qlib_kgemm`` for GGUF blocks), and the
   decode attention step (``attn_decode_plan``);
 * ``prefill.c``: ``add_rmsnorm``, ``swiglu_bf16``, ``attn_prefill``, and with AMX
   ``amx_gemm`` and the whole prefill layer (``prefill_layer``); ``exp`` (a test hook).
@@ -29,7 +30,16 @@ from functools import partial
 import torch
 
 from . import build
-from .layout import REPACK_CODES, TYPE_CODES, WIDENED, AmxWeight, AmxWeightC, PackedWeight
+from .layout import (
+    BLOCKS,
+    REPACK_CODES,
+    ROW_MULTIPLE,
+    TYPE_CODES,
+    WIDENED,
+    AmxWeight,
+    AmxWeightC,
+    PackedWeight,
+)
 
 KernelCall = Callable[[], int]
 """A prepared C call: all arguments bound; returns the kernel's status (0: done)."""
@@ -42,6 +52,7 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # only in a build with AMX (``qlib_amx_init`` is always there)
 _SIGNATURES = {
     "qlib_qgemm_ex": ([_i, _p, _p, _p, _i, _i, _p, _i, _p, _p, _f, _i, _i], _i),
+    "qlib_kgemm": ([_i, _p, _i, _i, _p, _i, _p, _p, _f, _i, _i], _i),
     "qlib_attn_decode": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p], _i),
     "qlib_repack": ([_i, _p, _i, _i, _p, _p, _p], None),
     "qlib_dequant_bf16": ([_i, _p, _p, _p, _i, _i, _p], None),
@@ -122,6 +133,15 @@ def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
 
 
 def _check_packed(w: PackedWeight) -> None:
+    if w.blocks:  # GGUF blocks for kquants.c
+        elements, nbytes = BLOCKS[w.type_name]
+        if w.k % ROW_MULTIPLE[w.type_name]:
+            raise ValueError(f"no C kernel for {w.type_name} with k={w.k}")
+        _check(w.codes, torch.uint8, "codes")
+        size = w.n * (w.k // elements) * nbytes
+        if w.codes.numel() != size or w.d is not None or w.m is not None:
+            raise ValueError("PackedWeight: GGUF blocks do not match n, k (and have no d, m)")
+        return
     if w.type_name not in TYPE_CODES or w.k % 64:
         raise ValueError(f"no C kernel for {w.type_name} with k={w.k} (needs k % 64 == 0)")
     row = w.k if w.type_name == "Q8_0" else w.k // 2
@@ -172,6 +192,8 @@ def dequantize_bf16(w: PackedWeight) -> torch.Tensor:
     """``[n, k]`` bfloat16: ggml's dequantized float32 values, rounded to nearest even."""
     lib = _lib()
     _check_packed(w)
+    if w.blocks:
+        raise ValueError(f"dequantize_bf16: {w.type_name} is GGUF blocks (QTensor.dequantize)")
     out = torch.empty(w.n, w.k, dtype=torch.bfloat16)
     lib.qlib_dequant_bf16(w.type_code, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.m), w.n, w.k,
                           out.data_ptr())  # fmt: skip
@@ -181,7 +203,8 @@ def dequantize_bf16(w: PackedWeight) -> torch.Tensor:
 def _qgemm_args(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None,
                 norm: torch.Tensor | None, eps: float, swiglu: bool,
                 accumulate: bool) -> tuple[int, tuple]:  # fmt: skip
-    """The checked arguments of ``qlib_qgemm_ex`` before ``y`` and after it, and the rows."""
+    """The C function (``qlib_qgemm_ex`` for planes, ``qlib_kgemm`` for GGUF blocks), its
+    checked arguments before ``y`` and after it, and the rows."""
     _check_packed(w)
     _check(x, torch.float32, "x")
     width = w.k * (2 if swiglu else 1)  # swiglu: each input row is [gate | up]
@@ -196,8 +219,14 @@ def _qgemm_args(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None,
         _check(norm, torch.float32, "norm")
         if norm.numel() != w.k:
             raise ValueError(f"qgemm: norm has {w.k} weights")
-    head = (w.type_code, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.m), w.n, w.k, x.data_ptr(), m)
-    return m, (head, (_ptr(norm), float(eps), int(swiglu), int(accumulate)))
+    lib = _lib()
+    if w.blocks:
+        fn, head = lib.qlib_kgemm, (w.type_code, w.codes.data_ptr(), w.n, w.k, x.data_ptr(), m)
+    else:
+        head = (w.type_code, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.m), w.n, w.k,
+                x.data_ptr(), m)  # fmt: skip
+        fn = lib.qlib_qgemm_ex
+    return m, (fn, head, (_ptr(norm), float(eps), int(swiglu), int(accumulate)))
 
 
 def qgemm(
@@ -212,19 +241,19 @@ def qgemm(
 ) -> torch.Tensor:
     """``f(x) @ W.T`` for ``x`` ``[m, k]`` float32 (CPU, made contiguous): ``[m, n]`` float32.
 
-    ggml semantics: each input row quantized to Q8_0 / Q8_1, exact integer block dots.
+    ggml semantics: each input row quantized to the weight's dot type (Q8_0 / Q8_1; Q8_K for
+    the K-quants), exact integer block dots.
     ``norm``: f is ``rms_norm(x, eps) * norm`` (``norm``: ``[k]`` float32); ``swiglu``:
     the rows of ``x`` hold ``[gate | up]`` (``2k`` floats) and f is ``silu(gate) * up``;
     ``accumulate``: ``out`` (required then) += the product (a residual add).
     """
-    lib = _lib()
     x = x.contiguous().float()
     if accumulate and out is None:
         raise ValueError("qgemm: accumulate needs out")
-    m, (head, tail) = _qgemm_args(w, x, out, norm, eps, swiglu, accumulate)
+    m, (fn, head, tail) = _qgemm_args(w, x, out, norm, eps, swiglu, accumulate)
     y = out if out is not None else torch.empty(m, w.n, dtype=torch.float32)
-    if lib.qlib_qgemm_ex(*head, y.data_ptr(), *tail):
-        raise RuntimeError("qlib_qgemm_ex failed (out of memory)")
+    if fn(*head, y.data_ptr(), *tail):
+        raise RuntimeError(f"{fn.__name__} failed (out of memory)")
     return y
 
 
@@ -242,11 +271,10 @@ def qgemm_plan(
     buffers (checked once; ``x`` and ``out`` of any shape with the right number of floats:
     rows of ``k`` (``2k`` with ``swiglu``) and ``n``). The call returns nonzero when the
     kernel could not allocate its scratch."""
-    lib = _lib()
     if out is None:
         raise ValueError("qgemm_plan: out is required (see qgemm_alloc_plan)")
-    _, (head, tail) = _qgemm_args(w, x, out, norm, eps, swiglu, accumulate)
-    return _prepared(lib.qlib_qgemm_ex, *head, out.data_ptr(), *tail, keep=(w, x, out, norm))
+    _, (fn, head, tail) = _qgemm_args(w, x, out, norm, eps, swiglu, accumulate)
+    return _prepared(fn, *head, out.data_ptr(), *tail, keep=(w, x, out, norm))
 
 
 def qgemm_alloc_plan(
@@ -254,17 +282,16 @@ def qgemm_alloc_plan(
 ) -> Callable[[], torch.Tensor]:
     """``qgemm(x, w, norm=, eps=)`` as a prepared call that returns a new ``[m, n]`` float32
     tensor each time (for results the caller keeps, such as logits)."""
-    lib = _lib()
-    m, (head, tail) = _qgemm_args(w, x, None, norm, eps, False, False)
+    m, (fn, head, tail) = _qgemm_args(w, x, None, norm, eps, False, False)
     y_ptr = ctypes.c_void_p()  # the one argument that changes: read by ctypes at each call
-    call = partial(lib.qlib_qgemm_ex, *head, y_ptr, *tail)
+    call = partial(fn, *head, y_ptr, *tail)
     n, keep = w.n, (w, x, norm)
 
     def run() -> torch.Tensor:
         y = torch.empty(m, n)
         y_ptr.value = y.data_ptr()
         if call():
-            raise RuntimeError("qlib_qgemm_ex failed (out of memory)")
+            raise RuntimeError(f"{fn.__name__} failed (out of memory)")
         return y
 
     run.keep = keep

@@ -7,7 +7,8 @@ the same ``d`` and int8 codes ``q - 16``, and ggml's Q5_0 x Q8_0 dot is Q8_0 x Q
 (``d_w d_a sum(q_w q_a)`` per block). ``pack`` widens them (``qlib_repack`` reads Q5_0
 blocks into Q8_0 planes: 34 bytes a block instead of 22, the same values and sums);
 ``packable`` says which weights ``pack`` takes, ``supports`` which the kernels take as they
-are (what ``matmul.qmatmul`` uses).
+are (what ``matmul.qmatmul`` uses). K-quant and Q5_1 weights (``BLOCK_CODES``) are not
+repacked: ``kquants.c`` reads their GGUF blocks, which ``pack`` copies row after row.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import torch
 
 from ..legacy import Q5_0
 from . import build, ops
-from .layout import TYPE_CODES, WIDENED, AmxWeight, PackedWeight
+from .layout import BLOCK_CODES, BLOCKS, ROW_MULTIPLE, TYPE_CODES, WIDENED, AmxWeight, PackedWeight
 
 
 def supports(type_name: str, k: int) -> bool:
-    """Whether the C kernel handles a weight of this type and row length."""
-    return type_name in TYPE_CODES and k % 64 == 0 and build.available()
+    """Whether the C kernels handle a weight of this type and row length (``kernels.c``:
+    Q4_0, Q4_1, Q8_0, k % 64 == 0; ``kquants.c``: Q2_K..Q6_K, k % 256 == 0, Q5_1, k % 64)."""
+    multiple = ROW_MULTIPLE.get(type_name)
+    return multiple is not None and k % multiple == 0 and build.available()
 
 
 def packable(type_name: str, k: int) -> bool:
@@ -50,6 +53,13 @@ def pack(qtensors) -> PackedWeight:
     if any(q.dtype.name != name or int(q.shape[-1]) != k or len(q.shape) != 2 for q in qtensors):
         raise ValueError("pack: weights must be 2-D with one type and one row length")
     weights = [(int(q.shape[0]), q.data.cpu().contiguous()) for q in qtensors]  # rows, bytes
+    if name in BLOCK_CODES:  # kquants.c reads the GGUF blocks: a copy, rows after rows
+        elements, nbytes = BLOCKS[name]
+        if k % ROW_MULTIPLE[name]:
+            raise ValueError(f"pack: no C kernel for {name} with k={k} (k % {ROW_MULTIPLE[name]})")
+        n = sum(rows for rows, _ in weights)
+        codes = torch.cat([data.reshape(rows, k // elements * nbytes) for rows, data in weights])
+        return PackedWeight(name, n, k, codes, None, None)
     kernel_type = WIDENED.get(name, name)
     if kernel_type not in TYPE_CODES or k % 64:
         raise ValueError(f"pack: no C kernel for {name} with k={k} (needs k % 64 == 0)")

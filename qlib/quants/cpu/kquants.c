@@ -1,0 +1,387 @@
+/* qlib CPU kernels: y = x @ W.T for K-quant (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and Q5_1 weights,
+ * with ggml semantics, reading the GGUF blocks as they are (no repacking).
+ *
+ * Activations are quantized as ggml's x86 backend does: Q8_K for the K-quants
+ * (quantize_row_q8_K_ref: the signed value of largest magnitude max, first of equals;
+ * iscale = -127 / max, codes min(127, nearest_int(iscale x)) with the 1.5 * 2^23 trick,
+ * d = 1 / iscale as float32, sums of each 16 codes), Q8_1 for Q5_1 (quantize_row_q8 of
+ * simd.h, as kernels.c's Q4_1). The codes of each 256-block are stored in the order in
+ * which the weight's bit planes unpack (see act_order), so a 64-byte load of codes meets a
+ * 64-byte vector of unpacked weight codes.
+ *
+ * K-quants: per super-block of 256 and weight row, the unpacked unsigned codes (Q3_K: q + 4,
+ * Q6_K: q + 32) times the activation codes are summed in pairs (vpmaddubsw, exact: at most
+ * 2 * 63 * 127), times the 16-bit sub-block scales and summed into int32 lanes (vpdpwssd):
+ * the sum over the lanes is ggml's integer sumi = sum_s sc_s * isum_s, exact. The code offset
+ * (Q3_K: -4, Q6_K: -32) is removed exactly with the activation sums of 16
+ * (sum_s sc_s * off * bsum_s), and the mins of Q2_K / Q4_K / Q5_K give the integer
+ * sum_s m_s * bsum_s. Each super-block then adds float(lanes) * (d_w d_a) (and
+ * float(min sums) * (-dmin_w d_a)) into float32 lane accumulators, summed over the lanes
+ * at the end of the row; Q5_1 adds per block pair float(lanes) * (d_w d_a) and m_w s_a.
+ * Rows are split over OpenMP threads; each output element is computed by one thread in a
+ * fixed order, so a row's result never depends on the other rows.
+ * Requires k % 256 == 0 (K-quants), k % 64 == 0 (Q5_1).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+/* ggml's type ids */
+enum { QLIB_Q5_1 = 7, QLIB_Q2_K = 10, QLIB_Q3_K = 11, QLIB_Q4_K = 12, QLIB_Q5_K = 13,
+       QLIB_Q6_K = 14 };
+
+static int block_bytes(int type) {
+    switch (type) {
+    case QLIB_Q5_1: return 24;  /* d, m: f16; qh: u32; qs[16] */
+    case QLIB_Q2_K: return 84;  /* scales[16] qs[64] d dmin */
+    case QLIB_Q3_K: return 110; /* hmask[32] qs[64] scales[12] d */
+    case QLIB_Q4_K: return 144; /* d dmin scales[12] qs[128] */
+    case QLIB_Q5_K: return 176; /* d dmin scales[12] qh[32] qs[128] */
+    case QLIB_Q6_K: return 210; /* ql[128] qh[64] scales:i8[16] d */
+    default: return 0;
+    }
+}
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* The order of the 32-code chunks of an activation 256-block, as the weight unpacks:
+ * Q4_K / Q5_K: the low nibbles of 64 bytes are elements 0..31 and 64..95, the high ones
+ * 32..63 and 96..127 (then the same +128); Q2_K / Q3_K: bits 2j of 64 bytes are elements
+ * 32j.. and 128 + 32j..; Q6_K: natural order. */
+static const int *act_order(int type) {
+    static const int q45[8] = {0, 2, 1, 3, 4, 6, 5, 7}, q23[8] = {0, 4, 1, 5, 2, 6, 3, 7},
+                     q6[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    return type == QLIB_Q4_K || type == QLIB_Q5_K ? q45 : type == QLIB_Q6_K ? q6 : q23;
+}
+
+/* One row of k floats -> Q8_K: codes (in act_order), d per 256 and, per 256, 16 int16 sums
+ * for the kernels: the sums of each 16 codes (Q2_K, Q3_K, Q6_K), or for Q4_K / Q5_K zeros
+ * in lanes 0..7 and the sums of each 32 codes in lanes 8..15 (the lanes of the mins). */
+static void quantize_row_q8k(const float *x, int k, int type, int8_t *q, float *d,
+                             int16_t *bs) {
+    const int *order = act_order(type);
+    const int by32 = type == QLIB_Q4_K || type == QLIB_Q5_K;
+    for (int b = 0; b < k / 256; b++) {
+        const float *xb = x + 256 * b;
+        int8_t nat[256];
+        int16_t sums[16];
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + 16 * i)));
+        const float mx = _mm512_reduce_max_ps(amax);
+        if (mx == 0.0f) {
+            d[b] = 0.0f;
+            memset(q + 256 * b, 0, 256);
+            memset(bs + 16 * b, 0, 32);
+            continue;
+        }
+        int first = 0; /* the first element of largest magnitude */
+        for (int i = 0; i < 16; i++) {
+            const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(xb + 16 * i)),
+                                                    _mm512_set1_ps(mx), _CMP_EQ_OQ);
+            if (eq) {
+                first = 16 * i + __builtin_ctz(eq);
+                break;
+            }
+        }
+        const float iscale = -127.f / xb[first];
+        const __m512 vis = _mm512_set1_ps(iscale), magic = _mm512_set1_ps(12582912.f);
+        for (int i = 0; i < 16; i++) { /* nearest_int: (v + 1.5 * 2^23) bits, & 2^23 - 1, - 2^22 */
+            const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * i), vis), magic);
+            __m512i qi = _mm512_sub_epi32(
+                _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x007FFFFF)),
+                _mm512_set1_epi32(0x00400000));
+            qi = _mm512_min_epi32(qi, _mm512_set1_epi32(127));
+            const __m128i q8 = _mm512_cvtepi32_epi8(qi); /* stored as int8 (wraps) */
+            _mm_storeu_si128((__m128i *)(nat + 16 * i), q8);
+            sums[i] = (int16_t)_mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(q8));
+        }
+        d[b] = 1.0f / iscale;
+        for (int c = 0; c < 8; c++) memcpy(q + 256 * b + 32 * c, nat + 32 * order[c], 32);
+        for (int s = 0; s < 16; s++)
+            bs[16 * b + s] = !by32 ? sums[s] : s < 8 ? 0 : (int16_t)(sums[2 * (s - 8)] + sums[2 * (s - 8) + 1]);
+    }
+}
+
+/* The 16-bit scale lanes of the 4 code vectors of a super-block: int16 lane l of vector i
+ * multiplies the pair of codes 2l, 2l + 1; its value is the sub-block index into the
+ * 16 int16 scales the type decodes. */
+static void scale_index(int type, int16_t idx[4][32]) {
+    for (int i = 0; i < 4; i++)
+        for (int l = 0; l < 32; l++) {
+            int s;
+            if (type == QLIB_Q4_K || type == QLIB_Q5_K) /* vector i: sub-blocks (0,2) (1,3) (4,6) (5,7) */
+                s = (i / 2) * 4 + i % 2 + (l < 16 ? 0 : 2);
+            else if (type == QLIB_Q6_K) /* natural order, 16 per sub-block */
+                s = 4 * i + l / 8;
+            else /* Q2_K / Q3_K: elements 32i.. and 128 + 32i.. */
+                s = (l < 16 ? 2 * i : 8 + 2 * i) + (l % 16) / 8;
+            idx[i][l] = (int16_t)s;
+        }
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One super-block of one weight row (w) with the activation codes a[4] (act_order), the
+ * activation sums bsv and scale da: acc += lanes of sumi * d_w da, accm += min sums *
+ * (-dmin_w da). */
+static inline __attribute__((always_inline)) void kblock(
+    const int type, const uint8_t *w, const __m512i a[4], __m256i bsv, float da,
+    const __m512i idx[4], __m512 *acc, __m256 *accm) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+    __m512i v[4];
+    __m256i sc16, mn16 = _mm256_setzero_si256(); /* scales and (Q2_K) mins, int16 */
+    float d, dmin = 0.0f;
+    int off_shift = 0; /* code offset 2^off_shift (Q3_K: 4, Q6_K: 32) */
+    if (type == QLIB_Q4_K || type == QLIB_Q5_K) {
+        d = f16_at(w) * da, dmin = f16_at(w + 2) * da;
+        /* get_scale_min_k4 for all 8 sub-blocks: bytes 0..7 scales, 8..15 mins */
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(w + 4));
+        const __m128i A = _mm_shuffle_epi8(raw, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+        const __m128i B = _mm_shuffle_epi8(raw, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+        const __m128i lo = _mm_and_si128(_mm_srlv_epi16(A, _mm_setr_epi16(0, 0, 0, 0, 0, 0, 4, 4)),
+                                         _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(B, 2),
+                                         _mm_setr_epi8(0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30, 0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30));
+        sc16 = _mm256_cvtepu8_epi16(_mm_or_si128(lo, hi)); /* lanes 8..15: the mins */
+        const uint8_t *qs = w + (type == QLIB_Q5_K ? 48 : 16);
+        const __m512i q0 = _mm512_loadu_si512(qs), q1 = _mm512_loadu_si512(qs + 64);
+        v[0] = _mm512_and_si512(q0, m4);
+        v[1] = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
+        v[2] = _mm512_and_si512(q1, m4);
+        v[3] = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
+        if (type == QLIB_Q5_K) { /* bit 2c + h of qh[l]: element 64c + 32h + l, moved to bit 4 */
+            const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 16)));
+            const __m512i b4 = _mm512_set1_epi8(0x10);
+            const __m512i s_lo = _mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0x0002000200020002,
+                                                  0x0002000200020002, 0x0004000400040004, 0x0004000400040004,
+                                                  0x0004000400040004, 0x0004000400040004);
+            /* v0: bits 0 | 2 (left 4 | 2, s_lo); v1: bits 1 | 3 (left 3 | 1); v2: bits 4 | 6
+             * (right 0 | 2); v3: bits 5 | 7 (right 1 | 3) */
+            const __m512i s_v1 = _mm512_sub_epi16(s_lo, _mm512_set1_epi16(1));
+            const __m512i s_v2 = _mm512_sub_epi16(_mm512_set1_epi16(4), s_lo);
+            const __m512i s_v3 = _mm512_add_epi16(s_v2, _mm512_set1_epi16(1));
+            v[0] = _mm512_ternarylogic_epi32(v[0], _mm512_sllv_epi16(H, s_lo), b4, 0xF8);
+            v[1] = _mm512_ternarylogic_epi32(v[1], _mm512_sllv_epi16(H, s_v1), b4, 0xF8);
+            v[2] = _mm512_ternarylogic_epi32(v[2], _mm512_srlv_epi16(H, s_v2), b4, 0xF8);
+            v[3] = _mm512_ternarylogic_epi32(v[3], _mm512_srlv_epi16(H, s_v3), b4, 0xF8);
+        }
+    } else if (type == QLIB_Q6_K) {
+        d = f16_at(w + 208) * da;
+        off_shift = 5;
+        sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
+        const __m512i ql0 = _mm512_loadu_si512(w), ql1 = _mm512_loadu_si512(w + 64);
+        const __m512i qh = _mm512_loadu_si512(w + 128);
+        const __m512i H0 = _mm512_shuffle_i64x2(qh, qh, 0x44), H1 = _mm512_shuffle_i64x2(qh, qh, 0xEE);
+        /* codes l, 32 + l: qh bits 0-1, 2-3 -> bits 4-5 (left 4 | 2); 64 + l, 96 + l: bits
+         * 4-5, 6-7 (right 0 | 2) */
+        const __m512i s_l = _mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0x0002000200020002,
+                                             0x0002000200020002, 0x0004000400040004, 0x0004000400040004,
+                                             0x0004000400040004, 0x0004000400040004);
+        const __m512i s_r = _mm512_sub_epi16(_mm512_set1_epi16(4), s_l); /* 0 | 2 */
+        const __m512i b45 = _mm512_set1_epi8(0x30);
+        v[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(ql0, m4), _mm512_sllv_epi16(H0, s_l), b45, 0xF8);
+        v[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(ql0, 4), m4),
+                                         _mm512_srlv_epi16(H0, s_r), b45, 0xF8);
+        v[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(ql1, m4), _mm512_sllv_epi16(H1, s_l), b45, 0xF8);
+        v[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(ql1, 4), m4),
+                                         _mm512_srlv_epi16(H1, s_r), b45, 0xF8);
+    } else if (type == QLIB_Q3_K) {
+        d = f16_at(w + 108) * da;
+        off_shift = 2;
+        /* 16 signed 6-bit scales: low 4 bits from bytes 0..7 (low, then high nibbles), high
+         * 2 bits of scale j from byte 8 + j % 4, bits 2 (j / 4) */
+        const __m128i raw = _mm_maskz_loadu_epi8(0x0FFF, w + 96);
+        const __m128i t = _mm_shuffle_epi8(raw, _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7));
+        const __m128i m4x = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_mask_blend_epi8(0xFF00, _mm_and_si128(t, m4x),
+                                               _mm_and_si128(_mm_srli_epi16(t, 4), m4x));
+        const __m128i u = _mm_shuffle_epi8(raw, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11));
+        const __m128i hi = _mm_and_si128(_mm_srlv_epi16(u, _mm_setr_epi16(0, 0, 2, 2, 4, 4, 6, 6)), _mm_set1_epi8(3));
+        sc16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32)));
+        const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
+        const __m512i qs = _mm512_loadu_si512(w + 32);
+        const __m512i four = _mm512_set1_epi8(4);
+        for (int j = 0; j < 4; j++) { /* high bit of element 128n + 32j + l: hmask[l] bit 4n + j */
+            const __m512i low = _mm512_and_si512(_mm512_srli_epi16(qs, 2 * j), m2);
+            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << j)),
+                                                   _mm256_set1_epi8((char)(1 << (4 + j))), 1);
+            v[j] = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit), low, four);
+        }
+    } else { /* Q2_K */
+        d = f16_at(w + 80) * da, dmin = f16_at(w + 82) * da;
+        const __m128i raw = _mm_loadu_si128((const __m128i *)w);
+        sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
+        mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
+        const __m512i qs = _mm512_loadu_si512(w + 16);
+        v[0] = _mm512_and_si512(qs, m2);
+        v[1] = _mm512_and_si512(_mm512_srli_epi16(qs, 2), m2);
+        v[2] = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m2);
+        v[3] = _mm512_and_si512(_mm512_srli_epi16(qs, 6), m2);
+    }
+    const __m512i s512 = _mm512_castsi256_si512(sc16); /* only lanes 0..15 are indexed */
+    __m512i isum = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++)
+        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(v[i], a[i]),
+                                   _mm512_permutexvar_epi16(idx[i], s512));
+    if (off_shift) { /* - off * sum_s sc_s bsum_s, exact */
+        const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsv), off_shift);
+        isum = _mm512_sub_epi32(isum, _mm512_inserti64x4(_mm512_setzero_si512(), off, 0));
+    }
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d), *acc);
+    if (type == QLIB_Q4_K || type == QLIB_Q5_K || type == QLIB_Q2_K) {
+        /* Q4_K / Q5_K: the mins are lanes 8..15 of sc16, bsv is 0 in lanes 0..7 */
+        const __m256i im = _mm256_madd_epi16(type == QLIB_Q2_K ? mn16 : sc16, bsv);
+        *accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_set1_ps(-dmin), *accm);
+    }
+}
+
+/* Dots of R consecutive weight rows (K-quant) with one Q8_K activation row. */
+static inline __attribute__((always_inline)) void krows(
+    const int R, const int type, const uint8_t *w, size_t row_bytes, int nb, const int8_t *aq,
+    const float *ad, const int16_t *abs_, const __m512i idx[4], float *y) {
+    const int bsize = block_bytes(type);
+    __m512 acc[4];
+    __m256 accm[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), accm[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m512i a[4];
+        for (int i = 0; i < 4; i++) a[i] = _mm512_loadu_si512(aq + 256 * b + 64 * i);
+        const __m256i bsv = _mm256_loadu_si256((const __m256i *)(abs_ + 16 * b));
+        for (int r = 0; r < R; r++)
+            kblock(type, w + r * row_bytes + (size_t)b * bsize, a, bsv, ad[b], idx, acc + r, accm + r);
+    }
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) + hsum8(accm[r]);
+}
+
+/* Dots of R consecutive Q5_1 weight rows with one Q8_1 activation row (k / 32 blocks, even). */
+static inline __attribute__((always_inline)) void q51rows(
+    const int R, const uint8_t *w, size_t row_bytes, int G, const int8_t *aq, const float *ad,
+    const float *as, float *y) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m512i order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11); /* lo0 hi0 lo1 hi1 */
+    const __m512i b4 = _mm512_set1_epi8(0x10);
+    __m512 acc[4];
+    float macc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), macc[r] = 0.0f;
+    for (int p = 0; p < G; p += 2) {
+        const __m512i a = _mm512_loadu_si512(aq + 32 * p);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b0 = w + r * row_bytes + (size_t)p * 24, *b1 = b0 + 24;
+            const __m256i t = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 8))),
+                _mm_loadu_si128((const __m128i *)(b1 + 8)), 1);
+            const __m256i lo = _mm256_and_si256(t, m4), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), m4);
+            __m512i v = _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), order, _mm512_castsi256_si512(hi));
+            uint32_t h0, h1;
+            memcpy(&h0, b0 + 4, 4), memcpy(&h1, b1 + 4, 4);
+            v = _mm512_mask_add_epi8(v, (__mmask64)h0 | (__mmask64)h1 << 32, v, b4);
+            const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, a);
+            const __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16_at(b0) * ad[p]),
+                                                   _mm512_set1_ps(f16_at(b1) * ad[p + 1]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, acc[r]);
+            macc[r] += f16_at(b0 + 2) * as[p];
+            macc[r] += f16_at(b1 + 2) * as[p + 1];
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) + macc[r];
+}
+
+/* rows (1 or 4) weight rows of one type: the type and row count as constants for the
+ * inlined loops */
+static void dot_rows_k(int rows, int type, const uint8_t *w, size_t row_bytes, int k,
+                       const int8_t *aq, const float *ad, const float *as, const int16_t *abs_,
+                       const __m512i idx[4], float *y) {
+#define QLIB_K_CASE(T)                                                                  \
+    case T:                                                                             \
+        if (rows == 4)                                                                  \
+            krows(4, T, w, row_bytes, k / 256, aq, ad, abs_, idx, y);                   \
+        else                                                                            \
+            krows(1, T, w, row_bytes, k / 256, aq, ad, abs_, idx, y);                   \
+        break;
+    switch (type) {
+        QLIB_K_CASE(QLIB_Q2_K)
+        QLIB_K_CASE(QLIB_Q3_K)
+        QLIB_K_CASE(QLIB_Q4_K)
+        QLIB_K_CASE(QLIB_Q5_K)
+        QLIB_K_CASE(QLIB_Q6_K)
+    case QLIB_Q5_1:
+        if (rows == 4)
+            q51rows(4, w, row_bytes, k / 32, aq, ad, as, y);
+        else
+            q51rows(1, w, row_bytes, k / 32, aq, ad, as, y);
+        break;
+    }
+#undef QLIB_K_CASE
+}
+
+/* y[m, n] (+)= f(x)[m, k] @ W[n, k].T for W given as GGUF blocks ([n, k / 256] K-quant
+ * blocks or [n, k / 32] Q5_1 blocks), f and the flags as in kernels.c's qlib_qgemm_ex.
+ * Returns 0, or -1 (type, k % 256 (Q5_1: 64) != 0, out of memory). */
+int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, float *y,
+               const float *norm_w, float eps, int swiglu, int accumulate) {
+    const int bsize = block_bytes(type), kq = type != QLIB_Q5_1;
+    if (!bsize || (kq ? k % 256 : k % 64)) return -1;
+    const size_t row_bytes = (size_t)(k / (kq ? 256 : 32)) * bsize;
+    const int G = k / 32, NB = k / 256;
+    int8_t *aq = malloc((size_t)m * k);
+    float *ad = malloc(sizeof(float) * (size_t)m * G);
+    float *as = malloc(sizeof(float) * (size_t)m * G);
+    int16_t *abs_ = malloc(sizeof(int16_t) * 16 * (size_t)m * (NB ? NB : 1));
+    float *row = malloc(sizeof(float) * (size_t)k);
+    if (!aq || !ad || !as || !abs_ || !row) {
+        free(aq), free(ad), free(as), free(abs_), free(row);
+        return -1;
+    }
+    for (int i = 0; i < m; i++) {
+        input_row(x + (size_t)i * k * (swiglu ? 2 : 1), k, norm_w, eps, swiglu, row);
+        if (kq)
+            quantize_row_q8k(row, k, type, aq + (size_t)i * k, ad + (size_t)i * NB,
+                             abs_ + (size_t)i * 16 * NB);
+        else
+            quantize_row_q8(row, k, aq + (size_t)i * k, ad + (size_t)i * G, as + (size_t)i * G);
+    }
+    int16_t idx_tab[4][32];
+    scale_index(type, idx_tab);
+    const int nblk = (n + 3) / 4; /* groups of 4 weight rows */
+    const int dstride = kq ? NB : G;
+#pragma omp parallel for schedule(static)
+    for (int jb = 0; jb < nblk; jb++) {
+        __m512i idx[4];
+        for (int i = 0; i < 4; i++) idx[i] = _mm512_loadu_si512(idx_tab[i]);
+        const int j = jb * 4, rows = n - j < 4 ? n - j : 4;
+        const uint8_t *wj = w + (size_t)j * row_bytes;
+        if (jb + 2 < nblk) { /* two groups ahead into L2, as kernels.c */
+            const char *ahead = (const char *)(wj + 8 * row_bytes);
+            for (size_t off = 0; off < 4 * row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T1);
+        }
+        for (int i = 0; i < m; i++) {
+            float out[4];
+            const int8_t *qi = aq + (size_t)i * k;
+            const float *di = ad + (size_t)i * dstride, *si = as + (size_t)i * G;
+            const int16_t *bi = abs_ + (size_t)i * 16 * NB;
+            if (rows == 4)
+                dot_rows_k(4, type, wj, row_bytes, k, qi, di, si, bi, idx, out);
+            else
+                for (int r = 0; r < rows; r++)
+                    dot_rows_k(1, type, wj + r * row_bytes, row_bytes, k, qi, di, si, bi, idx, out + r);
+            float *yi = y + (size_t)i * n + j;
+            for (int r = 0; r < rows; r++) yi[r] = accumulate ? yi[r] + out[r] : out[r];
+        }
+    }
+    free(aq), free(ad), free(as), free(abs_), free(row);
+    return 0;
+}

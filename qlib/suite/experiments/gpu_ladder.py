@@ -1,0 +1,158 @@
+"""Notebook 11: one decode step on CUDA, from per-op launches to one graph, rung by rung.
+
+Each rung is the same greedy decode (the benchmark prompt, then ``steps`` steps, the next
+token read back to the host every step) on a different way of driving the GPU:
+
+* ``per-op``: the faithful engine (candle's forward, one torch op after the other);
+* ``fused, one by one``: the fast CUDA engine's fused Triton kernels launched from Python
+  every step (``graphs=False``);
+* ``fused, CUDA graph``: the same kernels captured once and replayed (one launch a token);
+* ``persistent``: one resident kernel walking the layers (issue 14): not built yet, so the
+  rung reports why instead of a time.
+
+Per rung: kernels executed per token and the host's launches per token (torch profiler over
+a few steps), host time per step (the ``forward`` call returning: the enqueueing), GPU busy
+time per step (the kernels' summed durations), ms/token (wall, min over reps) and the share of
+the bandwidth floor (the weight + KV bytes a step reads / this GPU's measured copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+RUNGS = ("per-op", "fused, one by one", "fused, CUDA graph", "persistent")
+PERSISTENT_MISSING = "the persistent decode kernel is not built yet (issue 14, item 1)"
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    engine: str  # faithful | fast
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+LADDER = (
+    Rung("per-op", "faithful"),
+    Rung("fused, one by one", "fast", (("graphs", False),)),
+    Rung("fused, CUDA graph", "fast", (("graphs", True),)),
+)
+
+
+def copy_bandwidth(device: torch.device, mib: int = 1024, reps: int = 5) -> float:
+    """Device memory bandwidth in bytes/s: a ``mib`` MiB device-to-device copy (read + write)."""
+    n = mib * (1 << 20) // 4
+    a = torch.empty(n, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize(device)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * a.numel() * 4 / best
+
+
+def bytes_per_step(content: Any, context: int) -> dict[str, float]:
+    """Bytes a decode step must read: every matmul weight once (the output layer, tied or
+    not), plus the float32 KV cache over ``context`` positions."""
+    infos = content.tensor_infos
+    weights = sum(i.nbytes for n, i in infos.items() if n.startswith("blk.") and len(i.shape) == 2)
+    weights += infos.get("output.weight", infos["token_embd.weight"]).nbytes
+    md = content.metadata
+    layers = md["llama.block_count"]
+    n_kv = md["llama.attention.head_count_kv"]
+    head_dim = md["llama.embedding_length"] // md["llama.attention.head_count"]
+    kv = 2 * layers * n_kv * head_dim * 4 * context
+    return {"weight_bytes": float(weights), "kv_bytes": float(kv)}
+
+
+def _greedy(model, prompt: torch.Tensor, steps: int) -> tuple[float, float, list[int]]:
+    """One greedy run after a fresh prefill: (wall ms/token, host ms per forward call, ids)."""
+    model.clear_kv_cache()
+    logits = model.forward(prompt, 0)
+    token = int(logits.argmax(-1).item())
+    pos = prompt.shape[1]
+    ids, host = [], 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        x = torch.tensor([[token]], device=model.device)
+        t0 = time.perf_counter()
+        logits = model.forward(x, pos)
+        host += time.perf_counter() - t0
+        token = int(logits.argmax(-1).item())  # the step's one read-back
+        ids.append(token)
+        pos += 1
+    wall = time.perf_counter() - start
+    return wall / steps * 1e3, host / steps * 1e3, ids
+
+
+def _profile(model, prompt: torch.Tensor, steps: int) -> dict[str, float]:
+    """Kernels executed per step, host launches per step and GPU busy ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.clear_kv_cache()
+    logits = model.forward(prompt, 0)
+    token, pos = int(logits.argmax(-1).item()), prompt.shape[1]
+    torch.cuda.synchronize(model.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            logits = model.forward(torch.tensor([[token]], device=model.device), pos)
+            token = int(logits.argmax(-1).item())
+            pos += 1
+        torch.cuda.synchronize(model.device)
+    kernels, busy_us, launches = 0, 0.0, 0
+    for e in prof.events():
+        kind = str(getattr(e, "device_type", "")).lower()
+        if "cuda" in kind and e.name not in ("", "[memory]"):
+            kernels += 1
+            busy_us += e.device_time if hasattr(e, "device_time") else e.cuda_time
+        elif "Launch" in e.name:  # cudaLaunchKernel, cuLaunchKernel(Ex), cudaGraphLaunch
+            launches += 1
+    return {
+        "kernels_per_token": kernels / steps,
+        "launches_per_token": launches / steps,
+        "gpu_busy_ms": busy_us / steps / 1e3,
+    }
+
+
+def run_rung(rung: Rung, path: str, prompt_ids: list[int], *, steps: int, reps: int,
+             profile_steps: int = 16, device: str = "cuda") -> dict[str, Any]:  # fmt: skip
+    """Load the engine of ``rung``, time ``reps`` greedy runs and profile a few steps."""
+    from ...llama.engine import load
+
+    model, content = load(path, device, engine=rung.engine, **dict(rung.options))
+    prompt = torch.tensor([prompt_ids], device=model.device)
+    with torch.inference_mode():
+        _greedy(model, prompt, min(steps, 8))  # warm-up: compiles, captures graphs
+        runs = [_greedy(model, prompt, steps) for _ in range(reps)]
+        prof = _profile(model, prompt, profile_steps)
+    best = min(runs, key=lambda r: r[0])
+    row: dict[str, Any] = {
+        "rung": rung.name, "engine": rung.engine, "ms_per_token": best[0],
+        "ms_per_token_median": sorted(r[0] for r in runs)[len(runs) // 2],
+        "host_ms_per_step": min(r[1] for r in runs), **prof, "ids": best[2],
+    }  # fmt: skip
+    row.update(bytes_per_step(content, len(prompt_ids) + steps // 2))
+    del model
+    torch.cuda.empty_cache()
+    return row
+
+
+def ladder(path: str, prompt_ids: list[int], *, steps: int, reps: int,
+           device: str = "cuda") -> list[dict[str, Any]]:  # fmt: skip
+    """Every built rung's row, then the persistent rung's (with the reason it has no time)."""
+    bandwidth = copy_bandwidth(torch.device(device))
+    rows = [run_rung(r, path, prompt_ids, steps=steps, reps=reps, device=device) for r in LADDER]
+    for row in rows:
+        row["bandwidth_gb_s"] = bandwidth / 1e9
+        floor_ms = (row["weight_bytes"] + row["kv_bytes"]) / bandwidth * 1e3
+        row["floor_ms"] = floor_ms
+        row["floor_pct"] = 100 * floor_ms / row["ms_per_token"]
+    rows.append({"rung": "persistent", "engine": "fast", "missing": PERSISTENT_MISSING})
+    return rows

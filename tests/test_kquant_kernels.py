@@ -1,0 +1,214 @@
+"""The C kernel for K-quant and Q5_1 weights (``qlib/quants/cpu/kquants.c``, ``qlib_kgemm``).
+
+The kernel reads the GGUF blocks as they are, quantizes each activation row to the weight's
+dot type (Q8_K for Q2_K..Q6_K, Q8_1 for Q5_1, as ``qlib.quants.activations``) and sums exact
+integer block dots; only the float32 combination of the per-block terms is in another order
+than the torch fallback (``qmatmul_prepared``: one product per scale group, a pairwise tree
+sum) or ggml's. So results equal the fallback to float rounding: ``TOL`` = 1e-5 x the
+largest |output| (observed <= 4e-7; a wrong scale, code or offset moves outputs by
+1e-2 and more). The fused input transforms are compared on inputs whose transform is
+computed the same way in numpy (RmsNorm: a sequential float32 sum of squares, as the C
+loop) or is exact whatever the exp implementation (SwiGLU with gates of magnitude >= 17:
+``silu(g) = g`` exactly, or a value so small that its Q8_K code is 0), so the activation
+codes are the kernel's own and the tolerance stays ``TOL``.
+
+Engine: the fast engine on tiny synthetic llamas of each type (every projection a
+``qlib_kgemm`` call) against the faithful engine's ``quantized`` form, as
+``test_mixed_types``' ``PREFILL_TOL`` / ``DECODE_TOL``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from synthetic import write_tiny_llama
+
+from qlib.gguf import Content
+from qlib.llama import fast_cpu as fast
+from qlib.llama.faithful import ModelWeights
+from qlib.quants import cpu, reference
+from qlib.quants.activations import quantize_activations
+from qlib.quants.cpu.matmul import prepare, qmatmul, qmatmul_prepared
+from qlib.quants.qtensor import QTensor
+
+KTYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_1")
+TOL = 1e-5  # x max |output|: float rounding of the per-block combination (see above)
+SHAPES = [(37, 256), (13, 512), (10, 2048), (6, 4096)]  # n not a multiple of 4 rows mostly
+
+pytestmark = pytest.mark.skipif(
+    not cpu.available(), reason=f"C kernels unavailable: {cpu.unavailable_reason()}"
+)
+
+
+def _weight(type_name: str, n: int, k: int, seed: int) -> QTensor:
+    g = torch.Generator().manual_seed(seed)
+    return QTensor.quantize(torch.randn(n, k, generator=g), type_name)
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    torch.testing.assert_close(y, ref, rtol=TOL, atol=TOL * ref.abs().max().item())
+
+
+def _rms_like_c(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The kernel's RmsNorm: sequential float32 sum of squares, x * r * w (float32 steps)."""
+    f = np.float32
+    out = []
+    for row in x.numpy().astype(f):
+        ss = np.cumsum(row * row, dtype=f)[-1]
+        r = f(1) / np.sqrt(ss / f(row.size) + f(eps))
+        out.append(row * r * w.numpy())
+    return torch.from_numpy(np.stack(out))
+
+
+def _gate_up(m: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """[gate | up] rows whose silu(gate) * up the kernel and torch compute alike (see above),
+    and that product as the reference computes it."""
+    sign = torch.where(torch.rand(m, k, generator=g) < 0.7, 1.0, -1.0)
+    gate = sign * (17 + 13 * torch.rand(m, k, generator=g))
+    up = torch.randn(m, k, generator=g)
+    act = torch.where(gate > 0, gate * up, gate / (1 + torch.exp(-gate)) * up)
+    return torch.cat([gate, up], dim=1).contiguous(), act
+
+
+@pytest.mark.parametrize("type_name", KTYPES)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_kgemm_matches_torch_fallback(type_name, n, k):
+    w = _weight(type_name, n, k, seed=n + k)
+    pw = cpu.pack(w)
+    assert cpu.supports(type_name, k) and pw.blocks and pw.type_name == type_name
+    assert pw.codes.data_ptr() != w.data.data_ptr()  # a copy: the file's pages may go
+    pr = prepare(w)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(3, k, generator=g) * 2
+    y = cpu.qgemm(x, pw)
+    _close(y, qmatmul_prepared(x, pr))
+    # every row alone (m = 1) and rows 0..4 of the weight alone: the same bits (a row's
+    # result does not depend on the other rows, nor on the 4-row unroll)
+    for i in range(3):
+        assert torch.equal(cpu.qgemm(x[i : i + 1], pw), y[i : i + 1])
+    head = cpu.pack(QTensor(w.data[:5].clone(), (5, k), type_name))
+    assert torch.equal(cpu.qgemm(x, head), y[:, :5])
+    # fused RmsNorm
+    norm = torch.rand(k, generator=g) + 0.5
+    yn = cpu.qgemm(x, pw, norm=norm, eps=1e-5)
+    _close(yn, qmatmul_prepared(_rms_like_c(x, norm, 1e-5), pr))
+    # fused SwiGLU of [gate | up]
+    gu, act = _gate_up(2, k, g)
+    ys = cpu.qgemm(gu, pw, swiglu=True)
+    _close(ys, qmatmul_prepared(act, pr))
+    # accumulate: out += the product, exactly
+    h = torch.randn(3, n, generator=g)
+    acc = cpu.qgemm(x, pw, h.clone(), accumulate=True)
+    assert torch.equal(acc, h + y)
+    _close(acc, h + qmatmul_prepared(x, pr))
+
+
+@pytest.mark.parametrize("type_name", KTYPES)
+def test_kgemm_plans(type_name):
+    """The decode step's prepared calls give the one-off call's bits."""
+    k, n = 512, 21
+    pw = cpu.pack(_weight(type_name, n, k, seed=5))
+    g = torch.Generator().manual_seed(6)
+    x, gu = torch.randn(1, k, generator=g), torch.randn(2 * k, generator=g)
+    norm, h = torch.rand(k, generator=g) + 0.5, torch.randn(1, n, generator=g)
+    for kw, inp in ((dict(), x), (dict(norm=norm, eps=1e-5), x), (dict(swiglu=True), gu)):
+        want = cpu.qgemm(inp.view(1, -1), pw, **kw)
+        out = torch.full((n,), float("nan"))
+        assert cpu.qgemm_plan(pw, inp, out, **kw)() == 0
+        assert torch.equal(out, want[0])
+        out2 = h.clone()
+        assert cpu.qgemm_plan(pw, inp, out2, accumulate=True, **kw)() == 0
+        assert torch.equal(out2, h + want)
+    assert torch.equal(cpu.qgemm_alloc_plan(pw, x, norm=norm, eps=1e-5)(),
+                       cpu.qgemm(x, pw, norm=norm, eps=1e-5))  # fmt: skip
+
+
+@pytest.mark.parametrize("type_name", KTYPES)
+def test_kgemm_matches_ggml_transcription(type_name):
+    """Against ``reference.matmul`` (ggml's quantizer and vec_dot, transcribed literally;
+    it shares no code with the kernel or the fallback), and (K-quants) against gguf-py's
+    dequantized weight times our dequantized Q8_K activations (float64: another float
+    order; not Q5_1, whose dot uses Q8_1's f16-rounded ``s = d * sum(q)`` for the mins)."""
+    import gguf
+
+    k = 256 if type_name != "Q5_1" else 128
+    w = _weight(type_name, 3, k, seed=11)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(12)) * 3
+    y = cpu.qgemm(x, cpu.pack(w))
+    ref = torch.from_numpy(reference.matmul(w.data.numpy(), x.numpy(), type_name)).float()
+    _close(y, ref)
+    if type_name == "Q5_1":
+        return
+    wd = gguf.quants.dequantize(w.data.numpy(), gguf.GGMLQuantizationType[type_name])
+    a = quantize_activations(x, "Q8_K").dequantize().double()
+    exact = a @ torch.from_numpy(np.asarray(wd, dtype=np.float64)).reshape(3, k).T
+    torch.testing.assert_close(y.double(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
+
+
+def test_kgemm_special_rows():
+    """Zero rows (d = 0), a row whose largest magnitude is negative, ties of +a / -a."""
+    k = 512
+    pw = cpu.pack(_weight("Q4_K", 9, k, seed=3))
+    pr = prepare(_weight("Q4_K", 9, k, seed=3))
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(4))
+    x[0] = 0
+    x[1, 300] = -50
+    x[2, 10], x[2, 20] = 9.0, -9.0
+    x[3, :256] = 0
+    _close(cpu.qgemm(x, pw), qmatmul_prepared(x, pr))
+
+
+def test_refused_shapes_and_types():
+    assert not cpu.supports("Q4_K", 384) and not cpu.supports("Q5_1", 96)
+    assert not cpu.supports("F16", 256) and cpu.supports("Q6_K", 256) and cpu.supports("Q5_1", 64)
+    with pytest.raises(ValueError):
+        cpu.dequantize_bf16(cpu.pack(_weight("Q6_K", 2, 256, seed=1)))
+
+
+def test_qmatmul_uses_the_kernel():
+    """``qmatmul`` (the faithful engine's quantized form) runs the C kernel for K-quants."""
+    w = _weight("Q6_K", 8, 512, seed=9)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(10))
+    assert torch.equal(qmatmul(x, w), cpu.qgemm(x, cpu.pack(w)))
+
+
+# -- the whole fast engine ---------------------------------------------------------------
+
+SIZES = dict(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_kv_head=2)
+
+
+def _build(path, cls=ModelWeights, **kw):
+    with open(path, "rb") as f:
+        content = Content.read(f)
+        return cls.from_gguf(content, f, "cpu", **kw)
+
+
+@pytest.mark.parametrize("type_name", KTYPES)
+def test_fast_engine_matches_faithful(type_name, tmp_path):
+    path = write_tiny_llama(tmp_path / f"{type_name}.gguf", weight_type=type_name, **SIZES)
+    fm = _build(path, fast.FastModel, prefill="int8")
+    assert fm._plan is not None
+    for ly in fm.layers:
+        for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2):
+            assert lin.packed is not None and lin.packed.blocks  # one qlib_kgemm call each
+    assert fm.output.packed is not None and fm.output.packed.type_name == type_name
+    ref = _build(path, form="quantized", attention="sdpa", kv_cache="static")
+    ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        a = fm.forward(ids[:, :10], 0, all_logits=True)
+        b = ref.forward(ids[:, :10], 0, all_logits=True)
+        scale = b.abs().max()
+        assert (a - b).abs().max() <= 1e-5 * scale  # the same kernels on both sides
+        for pos in range(10, 14):  # decode: C attention (another float order, exp)
+            a, b = fm.forward(ids[:, pos : pos + 1], pos), ref.forward(ids[:, pos : pos + 1], pos)
+            assert (a - b).abs().max() <= 1e-2 * scale, pos
+
+
+def test_fast_engine_without_kernels(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu.build, "_lib", None)
+    monkeypatch.setattr(cpu.build, "_reason", "disabled by the test")
+    assert not cpu.supports("Q4_K", 256)
+    path = write_tiny_llama(tmp_path / "q4k.gguf", weight_type="Q4_K", **SIZES)
+    fm = _build(path, fast.FastModel, prefill="int8")
+    assert fm._plan is None and all(ly.wqkv.packed is None for ly in fm.layers)
