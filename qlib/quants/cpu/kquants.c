@@ -249,10 +249,18 @@ static inline __attribute__((always_inline)) void kblock(
     }
 }
 
-/* Dots of R consecutive weight rows (K-quant) with one Q8_K activation row. */
+#ifndef QLIB_PF_GROUPS
+#define QLIB_PF_GROUPS 2
+#endif
+#ifndef QLIB_PF_HINT
+#define QLIB_PF_HINT _MM_HINT_T1
+#endif
+
+/* Dots of R consecutive weight rows (K-quant) with one Q8_K activation row. pf (or NULL):
+ * R * row_bytes bytes to prefetch, spread over the super-blocks (R * bsize a step). */
 static inline __attribute__((always_inline)) void krows(
     const int R, const int type, const uint8_t *w, size_t row_bytes, int nb, const int8_t *aq,
-    const float *ad, const int16_t *abs_, const __m512i idx[4], float *y) {
+    const float *ad, const int16_t *abs_, const __m512i idx[4], const char *pf, float *y) {
     const int bsize = block_bytes(type);
     __m512 acc[4];
     __m256 accm[4];
@@ -261,16 +269,20 @@ static inline __attribute__((always_inline)) void krows(
         __m512i a[4];
         for (int i = 0; i < 4; i++) a[i] = _mm512_loadu_si512(aq + 256 * b + 64 * i);
         const __m256i bsv = _mm256_loadu_si256((const __m256i *)(abs_ + 16 * b));
+        if (pf)
+            for (int off = 0; off < R * bsize; off += 64)
+                _mm_prefetch(pf + (size_t)b * R * bsize + off, QLIB_PF_HINT);
         for (int r = 0; r < R; r++)
             kblock(type, w + r * row_bytes + (size_t)b * bsize, a, bsv, ad[b], idx, acc + r, accm + r);
     }
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) + hsum8(accm[r]);
 }
 
-/* Dots of R consecutive Q5_1 weight rows with one Q8_1 activation row (k / 32 blocks, even). */
+/* Dots of R consecutive Q5_1 weight rows with one Q8_1 activation row (k / 32 blocks, even);
+ * pf as in krows (R * 48 bytes a step of two blocks). */
 static inline __attribute__((always_inline)) void q51rows(
     const int R, const uint8_t *w, size_t row_bytes, int G, const int8_t *aq, const float *ad,
-    const float *as, float *y) {
+    const float *as, const char *pf, float *y) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m512i order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11); /* lo0 hi0 lo1 hi1 */
     const __m512i b4 = _mm512_set1_epi8(0x10);
@@ -279,6 +291,9 @@ static inline __attribute__((always_inline)) void q51rows(
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), macc[r] = 0.0f;
     for (int p = 0; p < G; p += 2) {
         const __m512i a = _mm512_loadu_si512(aq + 32 * p);
+        if (pf)
+            for (int off = 0; off < R * 48; off += 64)
+                _mm_prefetch(pf + (size_t)p * R * 24 + off, QLIB_PF_HINT);
         for (int r = 0; r < R; r++) {
             const uint8_t *b0 = w + r * row_bytes + (size_t)p * 24, *b1 = b0 + 24;
             const __m256i t = _mm256_inserti128_si256(
@@ -304,13 +319,13 @@ static inline __attribute__((always_inline)) void q51rows(
  * inlined loops */
 static void dot_rows_k(int rows, int type, const uint8_t *w, size_t row_bytes, int k,
                        const int8_t *aq, const float *ad, const float *as, const int16_t *abs_,
-                       const __m512i idx[4], float *y) {
+                       const __m512i idx[4], const char *pf, float *y) {
 #define QLIB_K_CASE(T)                                                                  \
     case T:                                                                             \
         if (rows == 4)                                                                  \
-            krows(4, T, w, row_bytes, k / 256, aq, ad, abs_, idx, y);                   \
+            krows(4, T, w, row_bytes, k / 256, aq, ad, abs_, idx, pf, y);               \
         else                                                                            \
-            krows(1, T, w, row_bytes, k / 256, aq, ad, abs_, idx, y);                   \
+            krows(1, T, w, row_bytes, k / 256, aq, ad, abs_, idx, NULL, y);             \
         break;
     switch (type) {
         QLIB_K_CASE(QLIB_Q2_K)
@@ -320,9 +335,9 @@ static void dot_rows_k(int rows, int type, const uint8_t *w, size_t row_bytes, i
         QLIB_K_CASE(QLIB_Q6_K)
     case QLIB_Q5_1:
         if (rows == 4)
-            q51rows(4, w, row_bytes, k / 32, aq, ad, as, y);
+            q51rows(4, w, row_bytes, k / 32, aq, ad, as, pf, y);
         else
-            q51rows(1, w, row_bytes, k / 32, aq, ad, as, y);
+            q51rows(1, w, row_bytes, k / 32, aq, ad, as, NULL, y);
         break;
     }
 #undef QLIB_K_CASE
@@ -364,20 +379,21 @@ int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
         for (int i = 0; i < 4; i++) idx[i] = _mm512_loadu_si512(idx_tab[i]);
         const int j = jb * 4, rows = n - j < 4 ? n - j : 4;
         const uint8_t *wj = w + (size_t)j * row_bytes;
-        if (jb + 2 < nblk) { /* two groups ahead into L2, as kernels.c */
-            const char *ahead = (const char *)(wj + 8 * row_bytes);
-            for (size_t off = 0; off < 4 * row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T1);
-        }
+        /* the weights of the group QLIB_PF_GROUPS ahead into L2, a few lines per block step
+         * (one burst per group, as kernels.c does, left K-quant decode 20-40% slower: rows of
+         * 1-7 KB, 4 to a group) */
+        const char *pf = jb + QLIB_PF_GROUPS < nblk ? (const char *)(wj + 4 * QLIB_PF_GROUPS * row_bytes) : NULL;
         for (int i = 0; i < m; i++) {
             float out[4];
             const int8_t *qi = aq + (size_t)i * k;
             const float *di = ad + (size_t)i * dstride, *si = as + (size_t)i * G;
             const int16_t *bi = abs_ + (size_t)i * 16 * NB;
             if (rows == 4)
-                dot_rows_k(4, type, wj, row_bytes, k, qi, di, si, bi, idx, out);
+                dot_rows_k(4, type, wj, row_bytes, k, qi, di, si, bi, idx, i ? NULL : pf, out);
             else
                 for (int r = 0; r < rows; r++)
-                    dot_rows_k(1, type, wj + r * row_bytes, row_bytes, k, qi, di, si, bi, idx, out + r);
+                    dot_rows_k(1, type, wj + r * row_bytes, row_bytes, k, qi, di, si, bi, idx, NULL,
+                               out + r);
             float *yi = y + (size_t)i * n + j;
             for (int r = 0; r < rows; r++) yi[r] = accumulate ? yi[r] + out[r] : out[r];
         }
