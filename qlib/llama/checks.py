@@ -1,10 +1,28 @@
-"""What the fast engines share: the forward-input contract and the static KV cache state."""
+"""What the fast engines share: the forward-input contract, the static KV cache state and its
+default length (the file's ``llama.context_length``)."""
 
 from __future__ import annotations
 
 import torch
 
+from .config import MAX_SEQ_LEN
 from .errors import IndexPosError, ModelError, ShapeError
+
+
+def context_length(metadata: dict) -> int:
+    """The positions a fast engine holds by default: the file's ``llama.context_length`` (a
+    positive integer), else ``MAX_SEQ_LEN`` (candle's RoPE table, the faithful engine's)."""
+    n = metadata.get("llama.context_length")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+        return n
+    return MAX_SEQ_LEN
+
+
+def check_max_seq_len(n) -> int:
+    """``max_seq_len`` of a fast engine: a positive int."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ModelError(f"max_seq_len must be a positive int, got {n!r}")
+    return n
 
 
 def check_input(x: torch.Tensor, index_pos: int, kv_len: int, max_seq_len: int) -> int:

@@ -184,11 +184,12 @@ def check_tensors(content, config: LlamaConfig, form: str | None = None) -> int:
 
 
 def precompute_freqs_cis(
-    rope_dim: int, freq_base: float, device: torch.device
+    rope_dim: int, freq_base: float, device: torch.device, length: int = MAX_SEQ_LEN
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (MAX_SEQ_LEN, rope_dim / 2), in float32 as candle."""
+    """cos and sin tables of shape (length, rope_dim / 2), in float32 as candle (whose tables
+    hold MAX_SEQ_LEN positions, the default; the fast engines ask for their context)."""
     i = torch.arange(0, rope_dim, 2, dtype=torch.float32)
     theta = 1.0 / torch.pow(torch.tensor(freq_base, dtype=torch.float32), i / rope_dim)
-    positions = torch.arange(MAX_SEQ_LEN, dtype=torch.float32).reshape(MAX_SEQ_LEN, 1)
+    positions = torch.arange(length, dtype=torch.float32).reshape(length, 1)
     idx_theta = positions @ theta.reshape(1, -1)
     return idx_theta.cos().to(device), idx_theta.sin().to(device)

@@ -37,12 +37,18 @@ none of candle's sharp edges. What differs from the faithful path:
 * **huge pages**: after load, the large resident anonymous mappings (the
   weights) are advised and collapsed onto 2 MB pages (``hugepages=False`` to
   skip; ``cpu.collapse_hugepages``);
-* **static KV cache**: one preallocated ``[layers, 2, n_kv, max_seq_len, d]``
-  float32 buffer (pages are touched only as positions are written), no cat;
-* **attention**: GQA without ``repeat_kv`` copies (query heads grouped per KV
-  head for decode, in C; for prefill in C as above, or, without the C kernels,
-  ``scaled_dot_product_attention(enable_gqa=True)`` with a causal mask); RoPE as
-  one complex multiplication; ``F.rms_norm``; in-place residual adds; a
+* **static KV cache**: one ``[layers, 2, n_kv, max_seq_len, d]`` buffer, float32 or
+  (``kv_type="f16"``) IEEE half, no cat. ``max_seq_len`` defaults to the file's
+  ``llama.context_length`` (8192 for SmolLM2; the faithful engine keeps candle's 4096).
+  The buffer is reserved address space (an anonymous ``mmap``, ``MAP_NORESERVE``): a page
+  of memory is taken only when a position in it is first written, so a short conversation
+  costs its positions, not the maximum (``kv_bytes()``), and the decode kernels' pointers
+  never move;
+* **attention**: GQA without ``repeat_kv`` copies (decode in C, ``attn.c``: each KV
+  head's positions cut into pieces read once for all its query heads, the pieces spread
+  over the threads and combined as in flash-decoding); for prefill in C as above, or,
+  without the C kernels, ``scaled_dot_product_attention(enable_gqa=True)`` with a causal
+  mask); RoPE as one complex multiplication; ``F.rms_norm``; in-place residual adds; a
   ``model`` span only.
 
 ``index_pos`` must equal the cache length or be 0 (starts over): anything else
@@ -51,7 +57,9 @@ raises ``IndexPosError``.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 from typing import BinaryIO
 
 import torch
@@ -66,13 +74,16 @@ from ..quants.cpu.matmul import PreparedWeight, prepare, qmatmul_prepared
 from ..quants.qtensor import QTensor
 from ..spans import span
 from . import progress
-from .checks import StaticKVState
+from .checks import StaticKVState, check_max_seq_len, context_length
 from .config import MAX_SEQ_LEN, LlamaConfig, precompute_freqs_cis
 from .errors import ModelError
 from .faithful import rope_neox
 from .fused import FUSED_STACKS
 
 PREFILL_MODES = ("bf16", "int8")
+KV_TYPES = {"f32": torch.float32, "f16": torch.float16}  # the KV cache's element type
+DEFAULT_KV_TYPE = "f32"
+_MAP_NORESERVE = 0x4000  # Linux; not in Python's mmap module
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU features that make a bf16 prefill pay
 
 
@@ -83,6 +94,37 @@ def default_prefill() -> str:
     docs/performance.md, "Prefill without bf16 hardware")."""
     return "bf16" if build.cpu_flags() & set(BF16_FLAGS) else "int8"
 PREPACK_BATCH = 256  # oneDNN's row-count hint for the prepacked bf16 weights
+
+
+def reserve(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor on reserved address space: an anonymous private ``mmap``
+    (``MAP_NORESERVE``), so memory is taken page by page as it is first written. The
+    tensor keeps the mapping alive (``torch.frombuffer`` holds a reference to it)."""
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)
+    except (OSError, ValueError):  # not Linux: an ordinary (lazily mapped) allocation
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+def resident_bytes(t: torch.Tensor) -> int | None:
+    """Bytes of ``t``'s storage backed by memory now (``mincore``, Linux), or None."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = mmap.PAGESIZE
+        start = t.untyped_storage().data_ptr()
+        lo, hi = start & ~(page - 1), start + t.untyped_storage().nbytes()
+        pages = (hi - lo + page - 1) // page
+        vec = (ctypes.c_ubyte * pages)()
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        if libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) != 0:
+            return None
+        return sum(b & 1 for b in vec) * page
+    except (OSError, AttributeError):
+        return None
 
 
 def _amx_layer_shapes_ok(c: LlamaConfig, n_ff: int) -> bool:
@@ -317,6 +359,7 @@ class FastModel(StaticKVState):
         max_seq_len: int = MAX_SEQ_LEN,
         hugepages: bool = True,
         amx: bool = True,
+        kv_type: str = DEFAULT_KV_TYPE,
     ):
         self.config = config
         self.device = torch.device("cpu")
@@ -334,14 +377,19 @@ class FastModel(StaticKVState):
             cpu.AmxLayer(ly.wqkv.amx, ly.wo.amx, ly.w13.amx, ly.w2.amx) for ly in layers
         ] if self.amx_layers else []  # fmt: skip
         self.bf16_min_rows = bf16_min_rows if prefill == "bf16" else 1 << 62
-        self.max_seq_len = min(max_seq_len, MAX_SEQ_LEN)
-        cos, sin = precompute_freqs_cis(config.rope_dim, config.rope_freq_base, self.device)
+        self.max_seq_len = check_max_seq_len(max_seq_len)
+        if kv_type not in KV_TYPES:
+            raise ModelError(f"unknown kv_type {kv_type!r}: {', '.join(KV_TYPES)}")
+        self.kv_type = kv_type
+        cos, sin = precompute_freqs_cis(config.rope_dim, config.rope_freq_base, self.device,
+                                        max(self.max_seq_len, MAX_SEQ_LEN))  # fmt: skip
         self.cos, self.sin = cos, sin
-        self.rot = torch.complex(cos, sin)  # (MAX_SEQ_LEN, d/2) for rope_i
+        self.rot = torch.complex(cos, sin)  # (positions, d/2) for rope_i
         c = config
-        # Allocated once, never zeroed: only positions < kv_len are read.
-        self.cache = torch.empty(
-            c.block_count, 2, c.head_count_kv, self.max_seq_len, c.head_dim, dtype=torch.float32
+        # Reserved once, never zeroed: only positions < kv_len are read, and only the pages
+        # of positions written so far take memory (``reserve``)
+        self.cache = reserve(
+            (c.block_count, 2, c.head_count_kv, self.max_seq_len, c.head_dim), KV_TYPES[kv_type]
         )
         self._kv_len = 0
         self._plan = self._decode_plan()
@@ -391,6 +439,8 @@ class FastModel(StaticKVState):
         (AMX tiles built at load), or oneDNN matmuls with C calls between them."""
         c = self.config
         if self.prefill != "bf16" or not cpu.available() or not self.layers:
+            return False
+        if self.cache.dtype != torch.float32:  # the C prefill kernels write float32 caches
             return False
         if self.amx_layers:
             return True  # from_gguf checked the shapes (_amx_layer_shapes_ok)
@@ -483,10 +533,11 @@ class FastModel(StaticKVState):
         *,
         prefill: str | None = None,
         bf16_min_rows: int = 16,
-        max_seq_len: int = MAX_SEQ_LEN,
+        max_seq_len: int | None = None,
         hugepages: bool = True,
         amx: bool = True,
         amx_packed: bool = True,
+        kv_type: str | None = None,
     ) -> FastModel:
         """Build from a parsed ``gguf_file.Content`` and its open file (CPU only).
 
@@ -495,6 +546,12 @@ class FastModel(StaticKVState):
         ``amx``: the AMX prefill kernels where the CPU has them (else oneDNN's matmuls);
         ``amx_packed``: their Q4_0 / Q4_1 / Q8_0 weights stay 4/8-bit (expanded to bf16 tiles
         inside the GEMM, the same values) instead of a bf16 tile copy.
+
+        ``max_seq_len``: positions the KV cache holds (None: the file's
+        ``llama.context_length``, else 4096); ``kv_type``: ``f32`` (None: the default,
+        ``DEFAULT_KV_TYPE``) or ``f16`` (half the bytes each decode step reads; k and v
+        rounded to half, the attention arithmetic float32; the bf16 prefill then runs outside
+        the fused C prefill kernels, which write float32 caches).
         """
         if as_device(device).type != "cpu":
             raise ModelError("the fast path runs on CPU; use ModelWeights on other devices")
@@ -502,6 +559,11 @@ class FastModel(StaticKVState):
         if prefill not in PREFILL_MODES:
             raise ModelError(f"unknown prefill mode {prefill!r}: {', '.join(PREFILL_MODES)}")
         config = LlamaConfig.from_metadata(content.metadata)
+        max_seq_len = context_length(content.metadata) if max_seq_len is None else max_seq_len
+        max_seq_len = check_max_seq_len(max_seq_len)
+        kv_type = kv_type or DEFAULT_KV_TYPE
+        if kv_type not in KV_TYPES:
+            raise ModelError(f"unknown kv_type {kv_type!r}: {', '.join(KV_TYPES)}")
         bf16 = prefill == "bf16"
         gate = content.tensor_infos.get("blk.0.ffn_gate.weight")
         amx_layers = (bf16 and amx and gate is not None and cpu.amx_available()
@@ -523,7 +585,7 @@ class FastModel(StaticKVState):
         release_pages(f)
         return cls(config, tok_embd, layers, norm, output, prefill=prefill,
                    bf16_min_rows=bf16_min_rows, max_seq_len=max_seq_len,
-                   hugepages=hugepages, amx=amx)  # fmt: skip
+                   hugepages=hugepages, amx=amx, kv_type=kv_type)  # fmt: skip
 
     # -- state -------------------------------------------------------------
 
@@ -533,6 +595,15 @@ class FastModel(StaticKVState):
             w.nbytes() for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w13, layer.w2)
         )
         return total + self.output.nbytes() + self.tok_embd.nbytes()
+
+    def kv_bytes(self) -> dict[str, int | None]:
+        """The KV cache's ``reserved`` bytes (``max_seq_len`` positions), the bytes ``used``
+        by the ``kv_len`` positions held, and those ``resident`` now (pages touched; None
+        where ``mincore`` is unavailable)."""
+        c = self.config
+        per_pos = c.block_count * 2 * c.head_count_kv * c.head_dim * self.cache.element_size()
+        return {"reserved": self.cache.numel() * self.cache.element_size(),
+                "used": per_pos * self._kv_len, "resident": resident_bytes(self.cache)}  # fmt: skip
 
     # -- the forward pass ----------------------------------------------------
 
@@ -556,6 +627,7 @@ class FastModel(StaticKVState):
         c = self.config
         t, L = q.shape[0], k.shape[1]
         scale = 1.0 / math.sqrt(c.head_dim)
+        k, v = k.float(), v.float()  # a float16 cache: its values, exactly
         if t == 1:  # decode: group the query heads of each KV head, no copies of K/V
             qg = q.view(c.head_count_kv, -1, c.head_dim) * scale
             att = torch.softmax(qg @ k.transpose(1, 2), dim=-1)

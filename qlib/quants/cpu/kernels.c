@@ -143,76 +143,7 @@ int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint
     return 0;
 }
 
-static inline float dot16(const float *a, const float *b, int d) { /* d % 16 == 0 */
-    __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < d; i += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
-}
-
-/* One decode step of attention for one layer, GQA without copies.
- * qkv: [n_head + 2 n_kv heads of d] (q, k, v), rotated in place (cos/sin: row pos of the
- * tables, d/2 each; neox pairs (i, i+d/2), else (2i, 2i+1)); k and v go to position pos
- * of the caches kc, vc [n_kv, max_seq, d]; out [n_head, d] = softmax(q k^T / sqrt(d)) v
- * over positions 0..pos. Query head h reads KV head h / (n_head / n_kv). d % 16 == 0.
- * Query heads are split over the OpenMP threads; e^x is the vector exp16 (~1 ulp), the
- * sum of p v is scaled by 1 / sum p once per head. Returns 0, or -1 (out of memory). */
-int qlib_attn_decode(float *qkv, float *kc, float *vc, int pos, int n_head, int n_kv, int d,
-                     int max_seq, const float *cos, const float *sin, int neox, float *out) {
-    for (int h = 0; h < n_head + n_kv; h++) {
-        float *x = qkv + (size_t)h * d;
-        for (int i = 0; i < d / 2; i++) {
-            const int i0 = neox ? i : 2 * i, i1 = neox ? i + d / 2 : 2 * i + 1;
-            const float x0 = x[i0], x1 = x[i1];
-            x[i0] = x0 * cos[i] - x1 * sin[i];
-            x[i1] = x0 * sin[i] + x1 * cos[i];
-        }
-    }
-    for (int h = 0; h < n_kv; h++) {
-        memcpy(kc + ((size_t)h * max_seq + pos) * d, qkv + (size_t)(n_head + h) * d, 4 * d);
-        memcpy(vc + ((size_t)h * max_seq + pos) * d, qkv + (size_t)(n_head + n_kv + h) * d,
-               4 * d);
-    }
-    const int L = pos + 1, L16 = (L + 15) / 16 * 16, rep = n_head / n_kv;
-    const float scale = 1.0f / sqrtf((float)d);
-    float *pbuf = malloc(sizeof(float) * (size_t)L16 * n_head);
-    if (!pbuf) return -1;
-#pragma omp parallel for schedule(static) if (L * n_head >= 256) /* else fork > work */
-    for (int h = 0; h < n_head; h++) {
-        FTZ_BEGIN
-        float *p = pbuf + (size_t)h * L16;
-        const float *q = qkv + (size_t)h * d;
-        const float *K = kc + (size_t)(h / rep) * max_seq * d;
-        const float *V = vc + (size_t)(h / rep) * max_seq * d;
-        float mx = -INFINITY;
-        for (int l = 0; l < L; l++) {
-            p[l] = dot16(q, K + (size_t)l * d, d) * scale;
-            mx = p[l] > mx ? p[l] : mx;
-        }
-        for (int l = L; l < L16; l++) p[l] = -INFINITY;
-        const __m512 vmx = _mm512_set1_ps(mx);
-        __m512 vsum = _mm512_setzero_ps();
-        for (int l = 0; l < L16; l += 16) { /* e^(s - max); exp16 clamps, so mask the tail */
-            const __mmask16 live = L - l >= 16 ? 0xFFFF : (__mmask16)((1u << (L - l)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + l), vmx)));
-            _mm512_storeu_ps(p + l, e);
-            vsum = _mm512_add_ps(vsum, e);
-        }
-        __m512 acc[8]; /* d <= 128 */
-        for (int i = 0; i < d / 16; i++) acc[i] = _mm512_setzero_ps();
-        for (int l = 0; l < L; l++) {
-            const __m512 w = _mm512_set1_ps(p[l]);
-            for (int i = 0; i < d / 16; i++)
-                acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(V + (size_t)l * d + 16 * i), acc[i]);
-        }
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
-        for (int i = 0; i < d / 16; i++)
-            _mm512_storeu_ps(out + (size_t)h * d + 16 * i, _mm512_mul_ps(acc[i], inv));
-        FTZ_END
-    }
-    free(pbuf);
-    return 0;
-}
+/* The decode attention step (qlib_attn_decode, qlib_attn_decode_kv) is in attn.c. */
 
 /* GGUF blocks [n, k/32 blocks] -> the planes above (codes, d, m). */
 void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, uint16_t *d,

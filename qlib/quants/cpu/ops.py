@@ -54,6 +54,7 @@ _SIGNATURES = {
     "qlib_qgemm_ex": ([_i, _p, _p, _p, _i, _i, _p, _i, _p, _p, _f, _i, _i], _i),
     "qlib_kgemm": ([_i, _p, _i, _i, _p, _i, _p, _p, _f, _i, _i], _i),
     "qlib_attn_decode": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p], _i),
+    "qlib_attn_decode_kv": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p, _i, _i], _i),
     "qlib_repack": ([_i, _p, _i, _i, _p, _p, _p], None),
     "qlib_dequant_bf16": ([_i, _p, _p, _p, _i, _i, _p], None),
     "qlib_add_rmsnorm": ([_p, _p, _i, _i, _p, _f, _p, _i], None),
@@ -337,28 +338,38 @@ def attn_decode_plan(
     n_head: int,
     n_kv: int,
     neox: bool,
+    split: int = 0,
 ) -> KernelCall:
     """One layer's decode attention as a prepared call, at ``position``: RoPE of q and k in
     ``qkv`` (in place; ``neox``: pairs ``(i, i + d/2)``, else ``(2i, 2i + 1)``), k and v
     into row ``pos`` of the caches, then GQA attention of the query heads over cache
-    positions ``0..pos`` into ``out``.
+    positions ``0..pos`` into ``out`` (``attn.c``: the positions of each KV head cut into
+    pieces read once for all its query heads, spread over the threads, then combined).
 
     ``qkv``: ``(n_head + 2 n_kv) d`` float32 (q, k, v heads); ``k_cache``, ``v_cache``:
-    ``[n_kv, max_seq, d]`` float32; ``out``: ``n_head d`` float32; ``d % 16 == 0``,
-    ``d <= 128``. The call returns nonzero when out of memory.
+    ``[n_kv, max_seq, d]`` float32 or float16 (k and v stored rounded to nearest even);
+    ``out``: ``n_head d`` float32; ``d % 16 == 0``, ``d <= 128``. ``split``: positions per
+    piece (0: as many pieces as fill the threads evenly). The call returns nonzero when out
+    of memory.
     """
     lib = _lib()
-    for name, t in (("qkv", qkv), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+    for name, t in (("qkv", qkv), ("out", out)):
         _check(t, torch.float32, name)
+    kv_dtype = k_cache.dtype
+    if kv_dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"attn_decode_plan: the KV cache is float32 or float16, not {kv_dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check(t, kv_dtype, name)
     n_kv_c, max_seq, d = k_cache.shape
     if (d % 16 or d > 128 or n_kv_c != n_kv or n_head % n_kv or v_cache.shape != k_cache.shape
             or qkv.numel() != (n_head + 2 * n_kv) * d or out.numel() != n_head * d
-            or position.half * 2 != d or position.max_pos < max_seq):  # fmt: skip
+            or position.half * 2 != d or position.max_pos < max_seq or split < 0):  # fmt: skip
         raise ValueError("attn_decode_plan: shapes (d % 16 == 0, d <= 128, tables [., d/2])")
     return _prepared(
-        lib.qlib_attn_decode, qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        lib.qlib_attn_decode_kv, qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         position.pos, n_head, n_kv, d, max_seq, position.cos_row, position.sin_row, int(neox),
-        out.data_ptr(), keep=(qkv, k_cache, v_cache, out, position),
+        out.data_ptr(), int(kv_dtype == torch.float16), split,
+        keep=(qkv, k_cache, v_cache, out, position),
     )  # fmt: skip
 
 

@@ -1,0 +1,287 @@
+/* qlib CPU decode attention: one query token against a float32 or float16 KV cache.
+ *
+ * qlib_attn_decode_kv(qkv, kc, vc, pos, ...): RoPE of the token's q and k heads (in place),
+ * k and v written to position pos of the caches kc, vc [n_kv, max_seq, d] (float32, or IEEE
+ * half with kv_f16: rounded to nearest even), then out[n_head, d] = softmax(q k^T / sqrt(d)) v
+ * over positions 0..pos, GQA without copies (query head h reads KV head h / (n_head / n_kv)).
+ *
+ * Work split (flash-decoding): the positions of each KV head are cut into P pieces of a
+ * multiple of 16 positions (P chosen so that n_kv * P tasks fill the OpenMP threads evenly,
+ * or pieces of `split` positions when split > 0); a task reads its piece of K once and of V
+ * once, sequentially, for all the query heads of its group, and leaves per query head the
+ * piece's max score m, sum of e^(s - m) and unnormalized sum of e^(s - m) v. A combine step
+ * rescales the pieces by e^(m_c - max m) (with P == 1: out = o / sum, as before).
+ * Scores of 16 positions are 16 vector dot products reduced together (a transpose-add); e^x
+ * is the vector exp16 (~1 ulp). d % 16 == 0, d <= 128. Returns 0, or -1 (out of memory). */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+
+/* v[0..15] -> one vector whose element j is the sum of the 16 elements of v[j] */
+static inline __m512 hsum16x16(const __m512 *v) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                         _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+static inline __m512 load_kv(const void *base, size_t at, int f16) {
+    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at)));
+    return _mm512_loadu_ps((const float *)base + at);
+}
+
+/* Rows of V into L2 while K streams: both streams in flight (one alone leaves a core's
+ * memory bandwidth half used); the V pass then reads them from L2. */
+static inline void prefetch_l2(const void *base, size_t at, size_t bytes, int f16) {
+    const char *p = (const char *)base + at * (f16 ? 2 : 4);
+    for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
+/* Scores of the rep query heads q [rep, d] against positions l0..l1-1 of K (one KV head,
+ * rows of d): s[r * ld + l - l0] = q_r . k_l * scale. kbuf: 16 d floats. */
+static void scores(const float *q, int rep, int d, const void *K, const void *V, int f16,
+                   int l0, int l1, float scale, float *s, int ld, float *kbuf) {
+    const int nd = d / 16;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int b = l0; b < l1; b += 16) {
+        const int nb = l1 - b < 16 ? l1 - b : 16;
+        const float *kb;
+        if (!f16 && nb == 16) {
+            kb = (const float *)K + (size_t)b * d;
+        } else { /* f16 rows (or a tail) -> float32 rows in kbuf, missing rows zero */
+            for (int j = 0; j < 16; j++)
+                for (int i = 0; i < nd; i++)
+                    _mm512_storeu_ps(kbuf + j * d + 16 * i,
+                                     j < nb ? load_kv(K, (size_t)(b + j) * d + 16 * i, f16)
+                                            : _mm512_setzero_ps());
+            kb = kbuf;
+        }
+        prefetch_l2(V, (size_t)b * d, (size_t)nb * d * (f16 ? 2 : 4), f16);
+        for (int r = 0; r < rep; r++) {
+            const float *qr = q + (size_t)r * d;
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+            for (int i = 0; i < nd; i++) {
+                const __m512 qv = _mm512_loadu_ps(qr + 16 * i);
+                for (int j = 0; j < 16; j++)
+                    acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + j * d + 16 * i), acc[j]);
+            }
+            _mm512_storeu_ps(s + (size_t)r * ld + (b - l0), _mm512_mul_ps(hsum16x16(acc), vscale));
+        }
+    }
+}
+
+/* o[r] = sum_l p[r * ld + l - l0] v_l for RG heads (compile-time RG, ND = d / 16). */
+static inline __attribute__((always_inline)) void weighted_v(
+    const int RG, const int ND, const float *p, int ld, const void *V, int f16, int l0, int l1,
+    float *o) {
+    const int d = 16 * ND;
+    __m512 acc[4][8];
+    for (int r = 0; r < RG; r++)
+        for (int i = 0; i < ND; i++) acc[r][i] = _mm512_setzero_ps();
+    for (int l = l0; l < l1; l++) {
+        __m512 v[8];
+        for (int i = 0; i < ND; i++) v[i] = load_kv(V, (size_t)l * d + 16 * i, f16);
+        for (int r = 0; r < RG; r++) {
+            const __m512 w = _mm512_set1_ps(p[(size_t)r * ld + (l - l0)]);
+            for (int i = 0; i < ND; i++) acc[r][i] = _mm512_fmadd_ps(w, v[i], acc[r][i]);
+        }
+    }
+    for (int r = 0; r < RG; r++)
+        for (int i = 0; i < ND; i++) _mm512_storeu_ps(o + (size_t)r * d + 16 * i, acc[r][i]);
+}
+
+/* The same for any rg <= 4, d <= 128 (runtime sizes). */
+static void weighted_v_any(int rg, int d, const float *p, int ld, const void *V, int f16, int l0,
+                           int l1, float *o) {
+    const int nd = d / 16;
+    switch (nd * 8 + rg) {
+    case 4 * 8 + 1: weighted_v(1, 4, p, ld, V, f16, l0, l1, o); return;
+    case 4 * 8 + 2: weighted_v(2, 4, p, ld, V, f16, l0, l1, o); return;
+    case 4 * 8 + 3: weighted_v(3, 4, p, ld, V, f16, l0, l1, o); return;
+    case 4 * 8 + 4: weighted_v(4, 4, p, ld, V, f16, l0, l1, o); return;
+    case 8 * 8 + 1: weighted_v(1, 8, p, ld, V, f16, l0, l1, o); return;
+    case 8 * 8 + 2: weighted_v(2, 8, p, ld, V, f16, l0, l1, o); return;
+    case 2 * 8 + 1: weighted_v(1, 2, p, ld, V, f16, l0, l1, o); return;
+    case 2 * 8 + 2: weighted_v(2, 2, p, ld, V, f16, l0, l1, o); return;
+    case 2 * 8 + 3: weighted_v(3, 2, p, ld, V, f16, l0, l1, o); return;
+    case 2 * 8 + 4: weighted_v(4, 2, p, ld, V, f16, l0, l1, o); return;
+    default: break;
+    }
+    for (int r = 0; r < rg; r++) { /* other head dims: one head at a time */
+        __m512 acc[8];
+        for (int i = 0; i < nd; i++) acc[i] = _mm512_setzero_ps();
+        for (int l = l0; l < l1; l++) {
+            const __m512 w = _mm512_set1_ps(p[(size_t)r * ld + (l - l0)]);
+            for (int i = 0; i < nd; i++)
+                acc[i] = _mm512_fmadd_ps(w, load_kv(V, (size_t)l * d + 16 * i, f16), acc[i]);
+        }
+        for (int i = 0; i < nd; i++) _mm512_storeu_ps(o + (size_t)r * d + 16 * i, acc[i]);
+    }
+}
+
+/* One task: query heads q [rep, d] of one KV head over positions l0..l1-1. Leaves per head r
+ * m[r] (max score), sum[r] (sum of e^(s - m)) and o[r * d..] (sum of e^(s - m) v). s: the
+ * scores' buffer, rep rows of ld >= round16(l1 - l0) floats; kbuf: 16 d floats. */
+static void attn_piece(const float *q, int rep, int d, const void *K, const void *V, int f16,
+                       int l0, int l1, float scale, float *s, int ld, float *kbuf, float *m,
+                       float *sum, float *o) {
+    const int n = l1 - l0;
+    scores(q, rep, d, K, V, f16, l0, l1, scale, s, ld, kbuf);
+    for (int r = 0; r < rep; r++) {
+        float *p = s + (size_t)r * ld;
+        __m512 vmx = _mm512_set1_ps(-INFINITY);
+        for (int l = 0; l < n; l += 16) {
+            const __mmask16 live = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
+            vmx = _mm512_mask_max_ps(vmx, live, vmx, _mm512_loadu_ps(p + l));
+        }
+        const float mx = _mm512_reduce_max_ps(vmx);
+        vmx = _mm512_set1_ps(mx);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int l = 0; l < n; l += 16) { /* e^(s - max); exp16 clamps, so mask the tail */
+            const __mmask16 live = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + l), vmx)));
+            _mm512_storeu_ps(p + l, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        m[r] = mx;
+        sum[r] = _mm512_reduce_add_ps(vsum);
+    }
+    const int rg_max = d <= 32 ? 4 : d <= 64 ? 4 : 2; /* accumulators: rg * d / 16 <= 16 */
+    for (int r = 0; r < rep; r += rg_max) {
+        const int rg = rep - r < rg_max ? rep - r : rg_max;
+        weighted_v_any(rg, d, s + (size_t)r * ld, ld, V, f16, l0, l1, o + (size_t)r * d);
+    }
+}
+
+static void rope_head(float *x, int d, const float *cos, const float *sin, int neox) {
+    for (int i = 0; i < d / 2; i++) {
+        const int i0 = neox ? i : 2 * i, i1 = neox ? i + d / 2 : 2 * i + 1;
+        const float x0 = x[i0], x1 = x[i1];
+        x[i0] = x0 * cos[i] - x1 * sin[i];
+        x[i1] = x0 * sin[i] + x1 * cos[i];
+    }
+}
+
+static void store_row(void *cache, size_t at, const float *x, int d, int f16) {
+    if (!f16) {
+        memcpy((float *)cache + at, x, sizeof(float) * (size_t)d);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + at;
+    for (int i = 0; i < d; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(x + i),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* The pieces per KV head: a multiple of 16 positions each, n_kv * P a multiple of the
+ * thread count where that leaves pieces of >= 64 positions (else one piece per head). */
+static int pieces(int L, int n_kv, int nth, int split, int *len) {
+    int P;
+    if (split > 0) {
+        P = (L + split - 1) / split;
+    } else {
+        int a = n_kv, b = nth;
+        while (b) { const int t = a % b; a = b; b = t; } /* gcd(n_kv, nth) */
+        P = nth / a;
+        if (L / P < 64) P = 1;
+    }
+    int lp = ((L + P - 1) / P + 15) / 16 * 16;
+    P = (L + lp - 1) / lp; /* rounding may leave fewer */
+    *len = lp;
+    return P;
+}
+
+int qlib_attn_decode_kv(float *qkv, void *kc, void *vc, int pos, int n_head, int n_kv, int d,
+                        int max_seq, const float *cos, const float *sin, int neox, float *out,
+                        int kv_f16, int split) {
+    if (d % 16 || d > 128 || n_head % n_kv) return -1;
+    for (int h = 0; h < n_head + n_kv; h++) rope_head(qkv + (size_t)h * d, d, cos, sin, neox);
+    for (int g = 0; g < n_kv; g++) {
+        const size_t at = ((size_t)g * max_seq + pos) * d;
+        store_row(kc, at, qkv + (size_t)(n_head + g) * d, d, kv_f16);
+        store_row(vc, at, qkv + (size_t)(n_head + n_kv + g) * d, d, kv_f16);
+    }
+    const int L = pos + 1, rep = n_head / n_kv;
+    const int parallel = L * n_head >= 256; /* else the fork costs more than the work */
+    const int nth = parallel ? omp_get_max_threads() : 1;
+    int lp;
+    const int P = pieces(L, n_kv, nth, split, &lp), ntask = n_kv * P;
+    const float scale = 1.0f / sqrtf((float)d);
+    /* per task: scores rep x lp, then m, sum (rep each), o (rep x d); per thread: kbuf */
+    const size_t task_floats = (size_t)rep * lp + 2 * (size_t)rep + (size_t)rep * d;
+    float *buf = malloc(sizeof(float) * (task_floats * ntask + (size_t)16 * d * nth));
+    if (!buf) return -1;
+    float *kbufs = buf + task_floats * ntask;
+#pragma omp parallel for schedule(static) num_threads(nth) if (parallel)
+    for (int t = 0; t < ntask; t++) {
+        FTZ_BEGIN
+        const int g = t / P, c = t % P;
+        const int l0 = c * lp, l1 = l0 + lp < L ? l0 + lp : L;
+        float *s = buf + task_floats * t, *m = s + (size_t)rep * lp, *sum = m + rep,
+              *o = sum + rep;
+        const size_t head = (size_t)g * max_seq * d;
+        const void *K = kv_f16 ? (const void *)((const uint16_t *)kc + head)
+                               : (const void *)((const float *)kc + head);
+        const void *V = kv_f16 ? (const void *)((const uint16_t *)vc + head)
+                               : (const void *)((const float *)vc + head);
+        attn_piece(qkv + (size_t)g * rep * d, rep, d, K, V, kv_f16, l0, l1, scale, s, lp,
+                   kbufs + (size_t)16 * d * omp_get_thread_num(), m, sum, o);
+        FTZ_END
+    }
+    for (int h = 0; h < n_head; h++) { /* combine the pieces of each query head */
+        const int g = h / rep, r = h % rep;
+        float *dst = out + (size_t)h * d;
+        if (P == 1) {
+            const float *pt = buf + task_floats * g, *o = pt + (size_t)rep * lp + 2 * rep;
+            const __m512 inv = _mm512_set1_ps(1.0f / pt[(size_t)rep * lp + rep + r]);
+            for (int i = 0; i < d; i += 16)
+                _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)r * d + i), inv));
+            continue;
+        }
+        float mx = -INFINITY, total = 0.0f;
+        for (int c = 0; c < P; c++) {
+            const float mc = buf[task_floats * (g * P + c) + (size_t)rep * lp + r];
+            mx = mc > mx ? mc : mx;
+        }
+        __m512 acc[8];
+        for (int i = 0; i < d / 16; i++) acc[i] = _mm512_setzero_ps();
+        for (int c = 0; c < P; c++) {
+            const float *pt = buf + task_floats * (g * P + c);
+            const float *o = pt + (size_t)rep * lp + 2 * rep;
+            const float w = expf(pt[(size_t)rep * lp + r] - mx);
+            total += w * pt[(size_t)rep * lp + rep + r];
+            const __m512 vw = _mm512_set1_ps(w);
+            for (int i = 0; i < d / 16; i++)
+                acc[i] = _mm512_fmadd_ps(vw, _mm512_loadu_ps(o + (size_t)r * d + 16 * i), acc[i]);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / total);
+        for (int i = 0; i < d / 16; i++) _mm512_storeu_ps(dst + 16 * i, _mm512_mul_ps(acc[i], inv));
+    }
+    free(buf);
+    return 0;
+}
+
+/* The float32 cache entry point of the earlier kernel (same arguments). */
+int qlib_attn_decode(float *qkv, float *kc, float *vc, int pos, int n_head, int n_kv, int d,
+                     int max_seq, const float *cos, const float *sin, int neox, float *out) {
+    return qlib_attn_decode_kv(qkv, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox, out,
+                               0, 0);
+}

@@ -1,0 +1,167 @@
+"""Long context in the fast CPU engine (issue 17).
+
+* the decode attention kernel (``attn.c``: positions cut into pieces, spread over the
+  threads, combined as in flash-decoding) against a float64 torch reference at lengths
+  around and between the piece sizes, float32 and float16 caches: 2e-5 absolute on outputs
+  of magnitude ~1 (float32 arithmetic, another summation order);
+* chunked prefill equals whole prefill (logits to 1e-4 of their scale, the KV cache rows to
+  float rounding): the same row-independent matmuls, only the attention's mask differs;
+* positions past 4096 up to ``llama.context_length``: a tiny model of context 8192 decodes
+  at position 4100+ and its C decode step equals its torch decode (the reference path);
+  the cache reserves address space and takes memory only for the positions written;
+* the float16 KV cache against the float32 one: teacher-forced logits within 2e-2 of their
+  scale (the keys and values rounded to 11 bits), argmax agreement >= 95% on random weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from synthetic import write_tiny_llama
+
+from qlib.gguf import Typed
+from qlib.gguf.constants import GGUFValueType
+from qlib.llama import fast_cpu as fast
+from qlib.llama.engine import load
+from qlib.llama.errors import ModelError
+from qlib.quants import cpu
+
+needs_kernels = pytest.mark.skipif(
+    not cpu.available(), reason=f"C kernels unavailable: {cpu.unavailable_reason()}"
+)
+
+
+def _reference(qkv, kc, vc, pos, n_head, n_kv, d, cos, sin):
+    """RoPE (pairs 2i, 2i+1) of q and k; softmax(q k^T / sqrt d) v over the cache's rows
+    0..pos as they are (row pos: the one the kernel wrote); the k and v rows, exact."""
+    x = qkv.view(-1, d).double().clone()
+    c, s = cos[pos].double(), sin[pos].double()
+    r = slice(0, n_head + n_kv)
+    x0, x1 = x[r, 0::2].clone(), x[r, 1::2].clone()
+    x[r, 0::2], x[r, 1::2] = x0 * c - x1 * s, x0 * s + x1 * c
+    q, k, v = x[:n_head], x[n_head : n_head + n_kv], x[n_head + n_kv :]
+    K, V = kc[:, : pos + 1].double(), vc[:, : pos + 1].double()
+    qg = q.view(n_kv, -1, d) / math.sqrt(d)
+    return (torch.softmax(qg @ K.transpose(1, 2), -1) @ V).reshape(-1), k, v
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 16)])
+def test_split_attention_matches_reference(kv, heads):
+    n_head, n_kv, d = heads
+    g = torch.Generator().manual_seed(n_head * d)
+    ms = 700
+    dtype = fast.KV_TYPES[kv]
+    cos, sin = torch.randn(ms, d // 2, generator=g), torch.randn(ms, d // 2, generator=g)
+    position = cpu.DecodePosition(cos, sin)
+    kc = torch.randn(n_kv, ms, d, generator=g).to(dtype)
+    vc = torch.randn(n_kv, ms, d, generator=g).to(dtype)
+    out = torch.empty(n_head * d)
+    for pos in (0, 15, 16, 47, 100, 255, 256, 699):
+        for split in (0, 16, 48, 100):  # 0: pieces that fill the threads
+            qkv = torch.randn((n_head + 2 * n_kv) * d, generator=g) * 2
+            x = qkv.clone()
+            call = cpu.attn_decode_plan(qkv, kc, vc, position, out, n_head=n_head, n_kv=n_kv,
+                                        neox=False, split=split)  # fmt: skip
+            position.at(pos)
+            assert call() == 0
+            ref, k_row, v_row = _reference(x, kc, vc, pos, n_head, n_kv, d, cos, sin)
+            err = (out.double() - ref).abs().max().item()
+            assert err < 2e-5, (pos, split, err)
+            # the rows written: the float32 RoPE's, rounded once to the cache's type
+            rtol = 1e-6 if kv == "f32" else 2**-10
+            torch.testing.assert_close(kc[:, pos].double(), k_row, rtol=rtol, atol=1e-6)
+            torch.testing.assert_close(vc[:, pos].double(), v_row, rtol=rtol, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def long_file(tmp_path_factory):
+    """A tiny llama (head_dim 64, 4 query / 2 KV heads) of context length 8192, Q8_0."""
+    path = tmp_path_factory.mktemp("long") / "tiny-8k.gguf"
+    ctx = {"llama.context_length": Typed(GGUFValueType.UINT32, 8192)}
+    return write_tiny_llama(path, n_embd=256, n_head=4, n_kv_head=2, n_ff=512, vocab=256,
+                            weight_type="Q8_0", extra_metadata=ctx)  # fmt: skip
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _scale(x: torch.Tensor) -> float:
+    return x.abs().max().item()
+
+
+def test_chunked_prefill_equals_whole(long_file):
+    model, _ = load(long_file, engine="fast", prefill="int8")
+    ids = _ids(300)
+    whole = model.forward(ids, 0, all_logits=True)[0]
+    cache_whole = model.cache[:, :, :, :300].clone()
+    model.clear_kv_cache()
+    parts, pos = [], 0
+    for n in (1, 63, 64, 100, 72):  # one token, odd sizes, 300 in all
+        parts.append(model.forward(ids[:, pos : pos + n], pos, all_logits=True)[0])
+        pos += n
+    chunked = torch.cat(parts)
+    assert model.kv_len == 300
+    assert (chunked - whole).abs().max() <= 1e-4 * _scale(whole)
+    assert torch.allclose(model.cache[:, :, :, :300], cache_whole, rtol=1e-5, atol=1e-5)
+
+
+def test_positions_past_4096(long_file):
+    model, _ = load(long_file, engine="fast", prefill="int8")
+    assert model.max_seq_len == 8192  # the file's llama.context_length
+    assert model.cos.shape[0] >= 8192
+    rsv = model.kv_bytes()
+    assert rsv["used"] == 0 and rsv["reserved"] == 2 * 2 * 2 * 8192 * 64 * 4
+    n = 4100
+    ids = _ids(n + 8, seed=1)
+    model.forward(ids[:, :n], 0)
+    kv = model.kv_bytes()
+    assert kv["used"] == n * 2 * 2 * 2 * 64 * 4
+    if kv["resident"] is not None:  # pages of positions written, not of the 8192 reserved
+        assert kv["resident"] <= kv["used"] + 8 * 4096 * 4
+    state = model.cache[:, :, :, : n + 8].clone()
+    c_logits = [model.forward(ids[:, n + i : n + i + 1], n + i) for i in range(8)]
+    assert model.kv_len == n + 8
+    # the same steps through the torch decode path (no C plan): the reference
+    model.cache[:, :, :, : n + 8].copy_(state)
+    model._kv_len, plan = n, model._plan
+    model._plan = None
+    try:
+        t_logits = [model.forward(ids[:, n + i : n + i + 1], n + i) for i in range(8)]
+    finally:
+        model._plan = plan
+    for a, b in zip(c_logits, t_logits, strict=True):
+        assert (a - b).abs().max() <= 5e-3 * _scale(b)
+    with pytest.raises(ModelError, match="exceed max_seq_len 8192"):
+        model.forward(_ids(8192 - n - 7), n + 8)
+
+
+def test_max_seq_len_option(long_file):
+    model, _ = load(long_file, engine="fast", prefill="int8", max_seq_len=5000)
+    assert model.max_seq_len == 5000
+    with pytest.raises(ModelError, match="max_seq_len"):
+        load(long_file, engine="fast", prefill="int8", max_seq_len=0)
+    with pytest.raises(ModelError, match="kv_type"):
+        load(long_file, engine="fast", prefill="int8", kv_type="int4")
+
+
+@pytest.mark.parametrize("c_kernels", [True, False])
+def test_f16_cache_against_f32(long_file, c_kernels):
+    if c_kernels and not cpu.available():
+        pytest.skip(f"C kernels unavailable: {cpu.unavailable_reason()}")
+    ids = _ids(200, seed=2)
+    logits = {}
+    for kv in ("f32", "f16"):
+        model, _ = load(long_file, engine="fast", prefill="int8", kv_type=kv, max_seq_len=512)
+        assert model.cache.dtype == fast.KV_TYPES[kv]
+        if not c_kernels:
+            model._plan = None
+        model.forward(ids[:, :100], 0)  # prefill, then 100 decode steps (teacher forced)
+        logits[kv] = torch.cat([model.forward(ids[:, i : i + 1], i) for i in range(100, 200)])
+    a, b = logits["f16"], logits["f32"]
+    assert (a - b).abs().max() <= 2e-2 * _scale(b)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
