@@ -700,7 +700,7 @@ def ladder_figure(rows, *, floor_ms: float):
     ax.axvline(floor_ms, color="black", linestyle="--", linewidth=1)
     ax.annotate(f"floor {floor_ms * 1e3:.0f} us", (floor_ms, len(rows) - 0.5), fontsize=8,
                 xytext=(4, 0), textcoords="offset points")  # fmt: skip
-    ax.set_xscale("log")
+    log_axis(ax, "x")
     ax.set_yticks(y, [f"{r['rung']}\n{r['kernels_per_token']:.0f} kernels/token" for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("decode ms/token (min, log scale; lower is better)")
