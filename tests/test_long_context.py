@@ -165,3 +165,26 @@ def test_f16_cache_against_f32(long_file, c_kernels):
     a, b = logits["f16"], logits["f32"]
     assert (a - b).abs().max() <= 2e-2 * _scale(b)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
+
+
+def test_prompt_ids_repeat(tmp_path):
+    from qlib.suite.bench import prompt_ids
+
+    f = tmp_path / "p.txt"
+    f.write_text("abc")
+    enc = lambda text: [ord(ch) for ch in text]  # noqa: E731
+    assert prompt_ids(enc, 7, f, repeat=True) == [97, 98, 99, 97, 98, 99, 97]
+    with pytest.raises(ValueError, match="only 3 tokens"):
+        prompt_ids(enc, 7, f)
+
+
+@needs_kernels
+def test_bench_context_point():
+    """``bench --context N``: N prompt tokens (the passage repeated), decode from there."""
+    from qlib.suite.bench import run_in_subprocess
+
+    r = run_in_subprocess(["--engine", "fast", "--context", "750", "--steps", "2", "--reps", "1",
+                           "--kv-type", "f16", "--threads", "2"])  # fmt: skip
+    assert "error" not in r, r
+    assert r["prompt_tokens"] == 750 and r["context"] == 750  # the passage has ~720 tokens
+    assert r["kv_type"] == "f16" and r["engine"] == "fast"

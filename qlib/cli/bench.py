@@ -55,6 +55,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="prompt tokens, from the start of the file (default: %(default)s)",
     )
     p.add_argument(
+        "--context",
+        type=positive_int,
+        default=None,
+        help="long context: prefill N tokens (the prompt file's tokens repeated to N; "
+        "replaces --prompt-tokens), then time --steps decode steps from position N",
+    )
+    p.add_argument(
         "--steps",
         type=positive_int,
         default=STEPS,
@@ -165,11 +172,13 @@ def model_facts(path: str) -> dict:
 def variant(r: dict) -> str:
     if r["runtime"] == "qlib":
         if r.get("engine") == "fast":
-            return f"fast ({r['prefill']} prefill)" if r.get("prefill") else "fast"
+            kv = f", {r['kv_type']} KV" if r.get("kv_type", "f32") != "f32" else ""
+            return f"fast ({r['prefill']} prefill{kv})" if r.get("prefill") else "fast"
         return f"faithful {r.get('form') or 'default'}"
     if r["runtime"] == "transformers":
         return r.get("dtype", "")
-    return f"v{r['version']}" if r.get("version") else ""
+    kv = f", {r['kv_type']} KV" if r.get("kv_type") else ""
+    return f"v{r['version']}{kv}" if r.get("version") else kv.lstrip(", ")
 
 
 def _runtime_of(r: dict) -> str:
@@ -253,6 +262,8 @@ def main(args: argparse.Namespace) -> int:
     fmt = _format(args)
     args.model = args.model or models.path()
     args.prompt_file = args.prompt_file or models.data_file("passage.txt")
+    if args.context:
+        args.prompt_tokens = args.context
     if not args.peers:
         apply_seed_and_threads(args)
         result = run_config(args)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ..llama.engine import ENGINES, FAST
+from ..llama.engine import ENGINES, FAST, resolve
+from ..llama.errors import ModelError
 from ..quants.qtensor import FORMS
 
 # -- argument types: a bad value ends in argparse's one-line usage error, before any work
@@ -130,8 +131,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the faithful engine's attention (default: auto, as candle)",
     )
+    p.add_argument(
+        "--kv-type",
+        choices=("f32", "f16"),
+        default=None,
+        help="--engine fast on CPU: the KV cache's element type (default: f32; f16 halves the "
+        "bytes each decode step reads at long context)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """The engine options the command line gave (``--attention``: the faithful engine's)."""
-    return {} if args.attention is None else {"attention": args.attention}
+    """The engine options the command line gave (``--attention``: the faithful engine's;
+    ``--kv-type``: the fast engines')."""
+    options = {} if args.attention is None else {"attention": args.attention}
+    if getattr(args, "kv_type", None):
+        if resolve(args.engine, args.form)[0] != FAST:
+            raise ModelError("--kv-type sizes the fast engine's KV cache: add --engine fast")
+        options["kv_type"] = args.kv_type
+    return options

@@ -18,7 +18,9 @@ the kernels, float32 activations and accumulation), so its logits equal the
   packed weights (``prefill="packed"``: no extra memory, slower); attention is
   ``scaled_dot_product_attention``; a prefill from position 0 is captured as a
   CUDA graph per prompt length (the first call runs eagerly, the second captures);
-* **static KV cache** ``[layers, 2, n_kv, max_seq_len, d]`` float32.
+* **static KV cache** ``[layers, 2, n_kv, max_seq_len, d]`` float32, allocated on the device
+  at load; ``max_seq_len`` defaults to the file's ``llama.context_length`` (the RoPE tables as
+  long; the split attention's grid covers it, its blocks past the position exit at once).
 
 **Any mix of types.** Projections that read one input are stacked where neighbours share
 a type (``stack_runs``): a uniform q/k/v or gate/up is one weight and one fused kernel; a
@@ -48,7 +50,7 @@ from ..quants.cuda.layout import EPI_ADD, EPI_GATE, EPI_STORE, EPI_SWIGLU, NATIV
 from ..quants.qtensor import QTensor
 from ..spans import span
 from . import progress
-from .checks import StaticKVState
+from .checks import StaticKVState, check_max_seq_len, context_length
 from .config import MAX_SEQ_LEN, LlamaConfig, precompute_freqs_cis
 from .errors import ModelError
 from .fused import FUSED_STACKS
@@ -228,8 +230,9 @@ class CudaFastModel(StaticKVState):
         self.norm = norm
         self.output = output
         self.graphs = graphs and device.type == "cuda"
-        self.max_seq_len = min(max_seq_len, MAX_SEQ_LEN)
-        self.cos, self.sin = precompute_freqs_cis(config.rope_dim, config.rope_freq_base, device)
+        self.max_seq_len = check_max_seq_len(max_seq_len)
+        self.cos, self.sin = precompute_freqs_cis(config.rope_dim, config.rope_freq_base, device,
+                                                  max(self.max_seq_len, MAX_SEQ_LEN))  # fmt: skip
         c = config
         self.heads = (c.head_count, c.head_count_kv, c.head_dim)
         # Allocated once, never zeroed: only positions < kv_len are read.
@@ -264,10 +267,19 @@ class CudaFastModel(StaticKVState):
         prefill: str = "f32",
         graphs: bool = True,
         attention: str = "split",
-        max_seq_len: int = MAX_SEQ_LEN,
+        max_seq_len: int | None = None,
+        kv_type: str | None = None,
     ) -> CudaFastModel:
-        """Build from a parsed ``gguf_file.Content`` and its open file."""
+        """Build from a parsed ``gguf_file.Content`` and its open file.
+
+        ``max_seq_len``: positions the KV cache holds (None: the file's ``llama.context_length``,
+        else 4096); ``kv_type``: ``f32`` only (the CPU engine also has ``f16``)."""
         dev = as_device(device)
+        if kv_type not in (None, "f32"):
+            raise ModelError(f"the CUDA fast engine keeps a float32 KV cache (kv_type f32), "
+                             f"not {kv_type!r}")  # fmt: skip
+        if max_seq_len is None:
+            max_seq_len = context_length(content.metadata)
         if prefill not in PREFILL_MODES:
             raise ModelError(f"unknown prefill mode {prefill!r}: {', '.join(PREFILL_MODES)}")
         config = LlamaConfig.from_metadata(content.metadata)

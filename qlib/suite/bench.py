@@ -10,6 +10,12 @@ speeds from them (``prefill_tok_s``, ``decode_tok_s``: max and median).
 ``python -m qlib bench --json`` prints one JSON object. ``--peers`` also runs
 transformers and llama.cpp (when installed), each in its own process through
 this same module, and prints qlib / peer ratios from that one invocation.
+
+Long context (``--context N``): the prompt is the passage's tokens repeated to N (the same
+ids for every runtime, each through its own tokenizer), so one invocation measures one point
+of the decode-cost-against-context curve: prefill N tokens, then ``steps`` decode steps at
+positions N .. N + steps - 1. ``--kv-type`` picks the KV cache's element type for qlib's fast
+engine and llama.cpp alike (llama.cpp's default is f16; the fast engine's f32).
 """
 
 from __future__ import annotations
@@ -48,12 +54,20 @@ def peak_rss_mb() -> float:
 
 
 def prompt_ids(
-    tokenizer_encode: Callable[[str], list[int]], n: int, prompt_file: Path
+    tokenizer_encode: Callable[[str], list[int]], n: int, prompt_file: Path, repeat: bool = False
 ) -> list[int]:
+    """The first ``n`` tokens of the file; ``repeat``: of its tokens repeated as often as needed
+    (the ``--context`` prompts)."""
     ids = tokenizer_encode(prompt_file.read_text())
+    if repeat and ids:
+        ids = ids * -(-n // len(ids))
     if len(ids) < n:
         raise ValueError(f"{prompt_file} has only {len(ids)} tokens, {n} requested")
     return ids[:n]
+
+
+def _repeat(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "context", None))
 
 
 def measure(run_once: Callable[[], tuple[float, float]], reps: int) -> dict:
@@ -82,13 +96,15 @@ def bench_qlib(args: argparse.Namespace) -> dict:
     options = {"prefill": args.prefill} if args.prefill else {}
     if args.attention:
         options["attention"] = args.attention
+    if getattr(args, "kv_type", None) and resolve(args.engine, args.form)[0] == "fast":
+        options["kv_type"] = args.kv_type  # (the faithful engine's cache is float32)
     times: dict[str, float] = {}
     model, content = load(
         args.model, args.device, engine=args.engine, form=args.form, times=times, **options
     )
     load_ms = times["read_ms"] + times["build_ms"]
     tokenizer = Tokenizer.from_metadata(content.metadata)
-    ids = prompt_ids(tokenizer.encode, args.prompt_tokens, args.prompt_file)
+    ids = prompt_ids(tokenizer.encode, args.prompt_tokens, args.prompt_file, _repeat(args))
     device = model.device
 
     def run_once() -> tuple[float, float]:
@@ -110,7 +126,8 @@ def bench_qlib(args: argparse.Namespace) -> dict:
     engine, form = resolve(args.engine, args.form)
     result.update(runtime="qlib", engine=engine, form=form or "default", load_ms=load_ms)
     if engine == "fast":
-        result.update(prefill=getattr(model, "prefill", args.prefill))
+        result.update(prefill=getattr(model, "prefill", args.prefill),
+                      kv_type=getattr(model, "kv_type", "f32"))  # fmt: skip
     return result
 
 
@@ -134,6 +151,7 @@ def bench_transformers(args: argparse.Namespace) -> dict:
         lambda t: tok(t, add_special_tokens=False)["input_ids"],
         args.prompt_tokens,
         args.prompt_file,
+        _repeat(args),
     )
     prompt = torch.tensor([ids], device=args.device)
 
@@ -160,6 +178,10 @@ def bench_transformers(args: argparse.Namespace) -> dict:
 def bench_llama_cpp(args: argparse.Namespace) -> dict:
     import llama_cpp  # noqa: I001  (import before numpy/torch, as on the GPU machine)
 
+    kv = {}  # llama.cpp's own default (f16) unless --kv-type says
+    if getattr(args, "kv_type", None):
+        t = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16}[args.kv_type]
+        kv = {"type_k": t, "type_v": t}
     start = time.perf_counter()
     llm = llama_cpp.Llama(
         model_path=str(args.model),
@@ -169,12 +191,14 @@ def bench_llama_cpp(args: argparse.Namespace) -> dict:
         n_threads_batch=args.threads or os.cpu_count(),
         n_gpu_layers=-1 if args.device == "cuda" else 0,
         verbose=False,
+        **kv,
     )
     load_ms = (time.perf_counter() - start) * 1e3
     ids = prompt_ids(
         lambda t: llm.tokenize(t.encode(), add_bos=False, special=False),
         args.prompt_tokens,
         args.prompt_file,
+        _repeat(args),
     )
     n_vocab = llm.n_vocab()
 
@@ -197,7 +221,8 @@ def bench_llama_cpp(args: argparse.Namespace) -> dict:
         return (t1 - t0) * 1e3, (t2 - t1) * 1e3 / args.steps
 
     result = measure(run_once, args.reps)
-    result.update(runtime="llama.cpp", version=llama_cpp.__version__, load_ms=load_ms)
+    result.update(runtime="llama.cpp", version=llama_cpp.__version__, load_ms=load_ms,
+                  kv_type=args.kv_type or "f16")  # fmt: skip
     return result
 
 
@@ -215,6 +240,7 @@ def run_config(args: argparse.Namespace) -> dict:
         device=args.device,
         threads=args.threads or os.cpu_count(),
         prompt_tokens=args.prompt_tokens,
+        context=getattr(args, "context", None),
         steps=args.steps,
         reps=args.reps,
         model=str(args.model),
@@ -254,6 +280,10 @@ def protocol_argv(args: argparse.Namespace) -> list[str]:
             "--reps", str(args.reps), "--device", args.device]  # fmt: skip
     if args.threads:
         argv += ["--threads", str(args.threads)]
+    if getattr(args, "context", None):
+        argv += ["--context", str(args.context)]
+    if getattr(args, "kv_type", None):
+        argv += ["--kv-type", args.kv_type]
     return argv
 
 
