@@ -80,12 +80,13 @@ def test_kgemm_matches_torch_fallback(type_name, n, k):
     assert pw.codes.data_ptr() != w.data.data_ptr()  # a copy: the file's pages may go
     pr = prepare(w)
     g = torch.Generator().manual_seed(k)
-    x = torch.randn(3, k, generator=g) * 2
+    x = torch.randn(5, k, generator=g) * 2
     y = cpu.qgemm(x, pw)
     _close(y, qmatmul_prepared(x, pr))
-    # every row alone (m = 1) and rows 0..4 of the weight alone: the same bits (a row's
-    # result does not depend on the other rows, nor on the 4-row unroll)
-    for i in range(3):
+    # every row alone (m = 1: weight rows 4 at a time) and rows 0..4 of the weight alone:
+    # the same bits as 5 rows (each super-block unpacked once for 4 activation rows, then 1):
+    # a row's result does not depend on the other rows, nor on the unrolls
+    for i in range(5):
         assert torch.equal(cpu.qgemm(x[i : i + 1], pw), y[i : i + 1])
     head = cpu.pack(QTensor(w.data[:5].clone(), (5, k), type_name))
     assert torch.equal(cpu.qgemm(x, head), y[:, :5])
@@ -98,7 +99,7 @@ def test_kgemm_matches_torch_fallback(type_name, n, k):
     ys = cpu.qgemm(gu, pw, swiglu=True)
     _close(ys, qmatmul_prepared(act, pr))
     # accumulate: out += the product, exactly
-    h = torch.randn(3, n, generator=g)
+    h = torch.randn(5, n, generator=g)
     acc = cpu.qgemm(x, pw, h.clone(), accumulate=True)
     assert torch.equal(acc, h + y)
     _close(acc, h + qmatmul_prepared(x, pr))

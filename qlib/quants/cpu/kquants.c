@@ -75,7 +75,8 @@ static void quantize_row_q8k(const float *x, int k, int type, int8_t *q, float *
         int8_t nat[256];
         int16_t sums[16];
         __m512 amax = _mm512_setzero_ps();
-        for (int i = 0; i < 16; i++) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + 16 * i)));
+        for (int i = 0; i < 16; i++)
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + 16 * i)));
         const float mx = _mm512_reduce_max_ps(amax);
         if (mx == 0.0f) {
             d[b] = 0.0f;
@@ -107,7 +108,9 @@ static void quantize_row_q8k(const float *x, int k, int type, int8_t *q, float *
         d[b] = 1.0f / iscale;
         for (int c = 0; c < 8; c++) memcpy(q + 256 * b + 32 * c, nat + 32 * order[c], 32);
         for (int s = 0; s < 16; s++)
-            bs[16 * b + s] = !by32 ? sums[s] : s < 8 ? 0 : (int16_t)(sums[2 * (s - 8)] + sums[2 * (s - 8) + 1]);
+            bs[16 * b + s] = !by32 ? sums[s]
+                             : s < 8 ? 0
+                                     : (int16_t)(sums[2 * (s - 8)] + sums[2 * (s - 8) + 1]);
     }
 }
 
@@ -118,7 +121,7 @@ static void scale_index(int type, int16_t idx[4][32]) {
     for (int i = 0; i < 4; i++)
         for (int l = 0; l < 32; l++) {
             int s;
-            if (type == QLIB_Q4_K || type == QLIB_Q5_K) /* vector i: sub-blocks (0,2) (1,3) (4,6) (5,7) */
+            if (type == QLIB_Q4_K || type == QLIB_Q5_K) /* sub-blocks (0,2) (1,3) (4,6) (5,7) */
                 s = (i / 2) * 4 + i % 2 + (l < 16 ? 0 : 2);
             else if (type == QLIB_Q6_K) /* natural order, 16 per sub-block */
                 s = 4 * i + l / 8;
@@ -128,6 +131,11 @@ static void scale_index(int type, int16_t idx[4][32]) {
         }
 }
 
+/* 16-bit lanes: a in lanes 0..15, b in lanes 16..31 (per-half shift counts) */
+static inline __m512i halves16(short a, short b) {
+    return _mm512_inserti64x4(_mm512_set1_epi16(a), _mm256_set1_epi16(b), 1);
+}
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -135,27 +143,32 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* One super-block of one weight row (w) with the activation codes a[4] (act_order), the
- * activation sums bsv and scale da: acc += lanes of sumi * d_w da, accm += min sums *
- * (-dmin_w da). */
-static inline __attribute__((always_inline)) void kblock(
-    const int type, const uint8_t *w, const __m512i a[4], __m256i bsv, float da,
-    const __m512i idx[4], __m512 *acc, __m256 *accm) {
+/* One super-block of one weight row, unpacked: 4 vectors of 64 unsigned codes (in
+ * act_order), their 16-bit scale lanes, the 16 scales (Q4_K / Q5_K: 8 scales, 8 mins) and
+ * Q2_K's mins as int16, d and dmin. */
+typedef struct {
+    __m512i v[4], s[4];
+    __m256i sc16, mn16;
+    float d, dmin;
+} kunpacked;
+
+static inline __attribute__((always_inline)) void kunpack(const int type, const uint8_t *w,
+                                                           const __m512i idx[4], kunpacked *u) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
-    __m512i v[4];
+    __m512i *v = u->v;
     __m256i sc16, mn16 = _mm256_setzero_si256(); /* scales and (Q2_K) mins, int16 */
     float d, dmin = 0.0f;
-    int off_shift = 0; /* code offset 2^off_shift (Q3_K: 4, Q6_K: 32) */
     if (type == QLIB_Q4_K || type == QLIB_Q5_K) {
-        d = f16_at(w) * da, dmin = f16_at(w + 2) * da;
+        d = f16_at(w), dmin = f16_at(w + 2);
         /* get_scale_min_k4 for all 8 sub-blocks: bytes 0..7 scales, 8..15 mins */
         const __m128i raw = _mm_loadu_si128((const __m128i *)(w + 4));
-        const __m128i A = _mm_shuffle_epi8(raw, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-        const __m128i B = _mm_shuffle_epi8(raw, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+        const __m128i A = _mm_shuffle_epi8(
+            raw, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+        const __m128i B = _mm_shuffle_epi8(
+            raw, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
         const __m128i lo = _mm_and_si128(_mm_srlv_epi16(A, _mm_setr_epi16(0, 0, 0, 0, 0, 0, 4, 4)),
-                                         _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(B, 2),
-                                         _mm_setr_epi8(0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30, 0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30));
+                                         _mm_set1_epi64x(0x0F0F0F0F3F3F3F3F));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(B, 2), _mm_set1_epi64x(0x3030303000000000));
         sc16 = _mm256_cvtepu8_epi16(_mm_or_si128(lo, hi)); /* lanes 8..15: the mins */
         const uint8_t *qs = w + (type == QLIB_Q5_K ? 48 : 16);
         const __m512i q0 = _mm512_loadu_si512(qs), q1 = _mm512_loadu_si512(qs + 64);
@@ -166,52 +179,46 @@ static inline __attribute__((always_inline)) void kblock(
         if (type == QLIB_Q5_K) { /* bit 2c + h of qh[l]: element 64c + 32h + l, moved to bit 4 */
             const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 16)));
             const __m512i b4 = _mm512_set1_epi8(0x10);
-            const __m512i s_lo = _mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0x0002000200020002,
-                                                  0x0002000200020002, 0x0004000400040004, 0x0004000400040004,
-                                                  0x0004000400040004, 0x0004000400040004);
-            /* v0: bits 0 | 2 (left 4 | 2, s_lo); v1: bits 1 | 3 (left 3 | 1); v2: bits 4 | 6
-             * (right 0 | 2); v3: bits 5 | 7 (right 1 | 3) */
-            const __m512i s_v1 = _mm512_sub_epi16(s_lo, _mm512_set1_epi16(1));
-            const __m512i s_v2 = _mm512_sub_epi16(_mm512_set1_epi16(4), s_lo);
-            const __m512i s_v3 = _mm512_add_epi16(s_v2, _mm512_set1_epi16(1));
-            v[0] = _mm512_ternarylogic_epi32(v[0], _mm512_sllv_epi16(H, s_lo), b4, 0xF8);
-            v[1] = _mm512_ternarylogic_epi32(v[1], _mm512_sllv_epi16(H, s_v1), b4, 0xF8);
-            v[2] = _mm512_ternarylogic_epi32(v[2], _mm512_srlv_epi16(H, s_v2), b4, 0xF8);
-            v[3] = _mm512_ternarylogic_epi32(v[3], _mm512_srlv_epi16(H, s_v3), b4, 0xF8);
+            /* v0: bits 0 | 2 (left 4 | 2); v1: bits 1 | 3 (left 3 | 1); v2: bits 4 | 6 (right
+             * 0 | 2); v3: bits 5 | 7 (right 1 | 3) */
+            v[0] = _mm512_ternarylogic_epi32(v[0], _mm512_sllv_epi16(H, halves16(4, 2)), b4, 0xF8);
+            v[1] = _mm512_ternarylogic_epi32(v[1], _mm512_sllv_epi16(H, halves16(3, 1)), b4, 0xF8);
+            v[2] = _mm512_ternarylogic_epi32(v[2], _mm512_srlv_epi16(H, halves16(0, 2)), b4, 0xF8);
+            v[3] = _mm512_ternarylogic_epi32(v[3], _mm512_srlv_epi16(H, halves16(1, 3)), b4, 0xF8);
         }
     } else if (type == QLIB_Q6_K) {
-        d = f16_at(w + 208) * da;
-        off_shift = 5;
+        d = f16_at(w + 208);
         sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
         const __m512i ql0 = _mm512_loadu_si512(w), ql1 = _mm512_loadu_si512(w + 64);
         const __m512i qh = _mm512_loadu_si512(w + 128);
-        const __m512i H0 = _mm512_shuffle_i64x2(qh, qh, 0x44), H1 = _mm512_shuffle_i64x2(qh, qh, 0xEE);
+        const __m512i H0 = _mm512_shuffle_i64x2(qh, qh, 0x44); /* qh[0..31] twice */
+        const __m512i H1 = _mm512_shuffle_i64x2(qh, qh, 0xEE); /* qh[32..63] twice */
         /* codes l, 32 + l: qh bits 0-1, 2-3 -> bits 4-5 (left 4 | 2); 64 + l, 96 + l: bits
          * 4-5, 6-7 (right 0 | 2) */
-        const __m512i s_l = _mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0x0002000200020002,
-                                             0x0002000200020002, 0x0004000400040004, 0x0004000400040004,
-                                             0x0004000400040004, 0x0004000400040004);
-        const __m512i s_r = _mm512_sub_epi16(_mm512_set1_epi16(4), s_l); /* 0 | 2 */
+        const __m512i s_l = halves16(4, 2), s_r = halves16(0, 2);
         const __m512i b45 = _mm512_set1_epi8(0x30);
-        v[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(ql0, m4), _mm512_sllv_epi16(H0, s_l), b45, 0xF8);
+        v[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(ql0, m4), _mm512_sllv_epi16(H0, s_l),
+                                         b45, 0xF8);
         v[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(ql0, 4), m4),
                                          _mm512_srlv_epi16(H0, s_r), b45, 0xF8);
-        v[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(ql1, m4), _mm512_sllv_epi16(H1, s_l), b45, 0xF8);
+        v[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(ql1, m4), _mm512_sllv_epi16(H1, s_l),
+                                         b45, 0xF8);
         v[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(ql1, 4), m4),
                                          _mm512_srlv_epi16(H1, s_r), b45, 0xF8);
     } else if (type == QLIB_Q3_K) {
-        d = f16_at(w + 108) * da;
-        off_shift = 2;
+        d = f16_at(w + 108);
         /* 16 signed 6-bit scales: low 4 bits from bytes 0..7 (low, then high nibbles), high
          * 2 bits of scale j from byte 8 + j % 4, bits 2 (j / 4) */
         const __m128i raw = _mm_maskz_loadu_epi8(0x0FFF, w + 96);
-        const __m128i t = _mm_shuffle_epi8(raw, _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7));
+        const __m128i t = _mm_shuffle_epi8(raw, _mm_set1_epi64x(0x0706050403020100));
         const __m128i m4x = _mm_set1_epi8(0x0F);
         const __m128i lo = _mm_mask_blend_epi8(0xFF00, _mm_and_si128(t, m4x),
                                                _mm_and_si128(_mm_srli_epi16(t, 4), m4x));
-        const __m128i u = _mm_shuffle_epi8(raw, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11));
-        const __m128i hi = _mm_and_si128(_mm_srlv_epi16(u, _mm_setr_epi16(0, 0, 2, 2, 4, 4, 6, 6)), _mm_set1_epi8(3));
-        sc16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32)));
+        const __m128i u = _mm_shuffle_epi8(raw, _mm_set1_epi32(0x0B0A0908));
+        const __m128i hi = _mm_and_si128(_mm_srlv_epi16(u, _mm_setr_epi16(0, 0, 2, 2, 4, 4, 6, 6)),
+                                         _mm_set1_epi8(3));
+        sc16 = _mm256_cvtepi8_epi16(
+            _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32)));
         const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
         const __m512i qs = _mm512_loadu_si512(w + 32);
         const __m512i four = _mm512_set1_epi8(4);
@@ -222,7 +229,7 @@ static inline __attribute__((always_inline)) void kblock(
             v[j] = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit), low, four);
         }
     } else { /* Q2_K */
-        d = f16_at(w + 80) * da, dmin = f16_at(w + 82) * da;
+        d = f16_at(w + 80), dmin = f16_at(w + 82);
         const __m128i raw = _mm_loadu_si128((const __m128i *)w);
         sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
         mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
@@ -233,19 +240,28 @@ static inline __attribute__((always_inline)) void kblock(
         v[3] = _mm512_and_si512(_mm512_srli_epi16(qs, 6), m2);
     }
     const __m512i s512 = _mm512_castsi256_si512(sc16); /* only lanes 0..15 are indexed */
+    for (int i = 0; i < 4; i++) u->s[i] = _mm512_permutexvar_epi16(idx[i], s512);
+    u->sc16 = sc16, u->mn16 = mn16, u->d = d, u->dmin = dmin;
+}
+
+/* An unpacked super-block with the activation codes a[4] (act_order), the activation sums
+ * bsv and scale da: acc += lanes of sumi * (d_w da), accm += min sums * -(dmin_w da). */
+static inline __attribute__((always_inline)) void kdot(const int type, const kunpacked *u,
+                                                        const __m512i a[4], __m256i bsv,
+                                                        float da, __m512 *acc, __m256 *accm) {
+    const int off_shift = type == QLIB_Q6_K ? 5 : type == QLIB_Q3_K ? 2 : 0; /* offset 32, 4 */
     __m512i isum = _mm512_setzero_si512();
     for (int i = 0; i < 4; i++)
-        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(v[i], a[i]),
-                                   _mm512_permutexvar_epi16(idx[i], s512));
+        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(u->v[i], a[i]), u->s[i]);
     if (off_shift) { /* - off * sum_s sc_s bsum_s, exact */
-        const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsv), off_shift);
+        const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(u->sc16, bsv), off_shift);
         isum = _mm512_sub_epi32(isum, _mm512_inserti64x4(_mm512_setzero_si512(), off, 0));
     }
-    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d), *acc);
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(u->d * da), *acc);
     if (type == QLIB_Q4_K || type == QLIB_Q5_K || type == QLIB_Q2_K) {
         /* Q4_K / Q5_K: the mins are lanes 8..15 of sc16, bsv is 0 in lanes 0..7 */
-        const __m256i im = _mm256_madd_epi16(type == QLIB_Q2_K ? mn16 : sc16, bsv);
-        *accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_set1_ps(-dmin), *accm);
+        const __m256i im = _mm256_madd_epi16(type == QLIB_Q2_K ? u->mn16 : u->sc16, bsv);
+        *accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_set1_ps(-(u->dmin * da)), *accm);
     }
 }
 
@@ -272,10 +288,38 @@ static inline __attribute__((always_inline)) void krows(
         if (pf)
             for (int off = 0; off < R * bsize; off += 64)
                 _mm_prefetch(pf + (size_t)b * R * bsize + off, QLIB_PF_HINT);
-        for (int r = 0; r < R; r++)
-            kblock(type, w + r * row_bytes + (size_t)b * bsize, a, bsv, ad[b], idx, acc + r, accm + r);
+        for (int r = 0; r < R; r++) {
+            kunpacked u;
+            kunpack(type, w + r * row_bytes + (size_t)b * bsize, idx, &u);
+            kdot(type, &u, a, bsv, ad[b], acc + r, accm + r);
+        }
     }
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) + hsum8(accm[r]);
+}
+
+/* Dots of one weight row (K-quant) with M activation rows (stride k codes, nb d, 16 nb sums),
+ * each super-block unpacked once for the M: y[i] for row i. The same operations per
+ * (weight row, activation row) as krows, in the same order: the same bits. */
+static inline __attribute__((always_inline)) void kcols(
+    const int M, const int type, const uint8_t *w, int nb, const int8_t *aq, const float *ad,
+    const int16_t *abs_, const __m512i idx[4], float *y) {
+    const int bsize = block_bytes(type), k = 256 * nb;
+    __m512 acc[4];
+    __m256 accm[4];
+    for (int i = 0; i < M; i++) acc[i] = _mm512_setzero_ps(), accm[i] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        kunpacked u;
+        kunpack(type, w + (size_t)b * bsize, idx, &u);
+        for (int i = 0; i < M; i++) {
+            const int8_t *ai = aq + (size_t)i * k + 256 * b;
+            __m512i a[4];
+            for (int j = 0; j < 4; j++) a[j] = _mm512_loadu_si512(ai + 64 * j);
+            const int16_t *bi = abs_ + (size_t)i * 16 * nb + 16 * b;
+            const __m256i bsv = _mm256_loadu_si256((const __m256i *)bi);
+            kdot(type, &u, a, bsv, ad[(size_t)i * nb + b], acc + i, accm + i);
+        }
+    }
+    for (int i = 0; i < M; i++) y[i] = _mm512_reduce_add_ps(acc[i]) + hsum8(accm[i]);
 }
 
 /* Dots of R consecutive Q5_1 weight rows with one Q8_1 activation row (k / 32 blocks, even);
@@ -299,8 +343,10 @@ static inline __attribute__((always_inline)) void q51rows(
             const __m256i t = _mm256_inserti128_si256(
                 _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 8))),
                 _mm_loadu_si128((const __m128i *)(b1 + 8)), 1);
-            const __m256i lo = _mm256_and_si256(t, m4), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), m4);
-            __m512i v = _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), order, _mm512_castsi256_si512(hi));
+            const __m256i lo = _mm256_and_si256(t, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), m4);
+            __m512i v = _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), order,
+                                                  _mm512_castsi256_si512(hi));
             uint32_t h0, h1;
             memcpy(&h0, b0 + 4, 4), memcpy(&h1, b1 + 4, 4);
             v = _mm512_mask_add_epi8(v, (__mmask64)h0 | (__mmask64)h1 << 32, v, b4);
@@ -339,6 +385,26 @@ static void dot_rows_k(int rows, int type, const uint8_t *w, size_t row_bytes, i
         else
             q51rows(1, w, row_bytes, k / 32, aq, ad, as, NULL, y);
         break;
+    }
+#undef QLIB_K_CASE
+}
+
+/* kcols for M (1 or 4) activation rows: the type and M as constants */
+static void dot_cols_k(int M, int type, const uint8_t *w, int k, const int8_t *aq,
+                       const float *ad, const int16_t *abs_, const __m512i idx[4], float *y) {
+#define QLIB_K_CASE(T)                                                  \
+    case T:                                                             \
+        if (M == 4)                                                     \
+            kcols(4, T, w, k / 256, aq, ad, abs_, idx, y);              \
+        else                                                            \
+            kcols(1, T, w, k / 256, aq, ad, abs_, idx, y);              \
+        break;
+    switch (type) {
+        QLIB_K_CASE(QLIB_Q2_K)
+        QLIB_K_CASE(QLIB_Q3_K)
+        QLIB_K_CASE(QLIB_Q4_K)
+        QLIB_K_CASE(QLIB_Q5_K)
+        QLIB_K_CASE(QLIB_Q6_K)
     }
 #undef QLIB_K_CASE
 }
@@ -382,7 +448,31 @@ int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
         /* the weights of the group QLIB_PF_GROUPS ahead into L2, a few lines per block step
          * (one burst per group, as kernels.c does, left K-quant decode 20-40% slower: rows of
          * 1-7 KB, 4 to a group) */
-        const char *pf = jb + QLIB_PF_GROUPS < nblk ? (const char *)(wj + 4 * QLIB_PF_GROUPS * row_bytes) : NULL;
+        const char *pf = jb + QLIB_PF_GROUPS < nblk
+                             ? (const char *)(wj + 4 * QLIB_PF_GROUPS * row_bytes) : NULL;
+        if (kq && m > 1) { /* several rows (prefill): each super-block unpacked once for 4 */
+            for (int i0 = 0; i0 < m; i0 += 4) {
+                const int M = m - i0 < 4 ? m - i0 : 4;
+                for (int r = 0; r < rows; r++) {
+                    float out[4];
+                    const uint8_t *wr = wj + r * row_bytes;
+                    const int8_t *qi = aq + (size_t)i0 * k;
+                    const float *di = ad + (size_t)i0 * NB;
+                    const int16_t *bi = abs_ + (size_t)i0 * 16 * NB;
+                    if (M == 4)
+                        dot_cols_k(4, type, wr, k, qi, di, bi, idx, out);
+                    else
+                        for (int i = 0; i < M; i++)
+                            dot_cols_k(1, type, wr, k, qi + (size_t)i * k, di + (size_t)i * NB,
+                                       bi + (size_t)i * 16 * NB, idx, out + i);
+                    for (int i = 0; i < M; i++) {
+                        float *yi = y + (size_t)(i0 + i) * n + j + r;
+                        *yi = accumulate ? *yi + out[i] : out[i];
+                    }
+                }
+            }
+            continue;
+        }
         for (int i = 0; i < m; i++) {
             float out[4];
             const int8_t *qi = aq + (size_t)i * k;
