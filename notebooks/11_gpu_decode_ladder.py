@@ -20,8 +20,9 @@
 # same greedy decode (the benchmark prompt, then `steps` steps, the next token read back every
 # step) runs on each rung of a ladder: (a) the faithful engine, one torch op after another;
 # (b) the fast CUDA engine's fused Triton kernels launched one by one from Python; (c) the same
-# kernels captured once in a CUDA graph and replayed; (d) a persistent kernel (not built yet:
-# its rung says so). Per rung: kernels per token, host launches per token, host time per step,
+# kernels captured once in a CUDA graph and replayed; (d) one persistent kernel that walks all
+# the layers with grid-wide barriers between its stages (`qlib.quants.cuda.persistent`), also
+# replayed from a graph; a rung that cannot run this model says why. Per rung: kernels per token, host launches per token, host time per step,
 # GPU busy time per step, ms/token and the share of the bandwidth floor (the bytes a step reads
 # / this GPU's measured copy bandwidth). CUDA only: elsewhere the notebook records why it skipped.
 
@@ -87,9 +88,9 @@ if runs_here:
 if runs_here:
     r = {row["rung"]: row for row in built.to_dict("records")}
     per_op, eager, graph = r["per-op"], r["fused, one by one"], r["fused, CUDA graph"]
-    same = per_op["ids"] == eager["ids"] == graph["ids"]
-    print(w.finding("rungs_agree", "The three rungs produce {same} greedy ids over {n} steps.",
-                    table="ladder", same="the same" if same else "different", n=steps))
+    same = all(row["ids"] == per_op["ids"] for row in r.values())
+    print(w.finding("rungs_agree", "The {k} rungs produce {same} greedy ids over {n} steps.",
+                    table="ladder", k=len(r), same="the same" if same else "different", n=steps))
     print(w.finding("fusion", "Fusing the step's ops into {k:.0f} Triton kernels takes decode "
                     "from {a:.2f} to {b:.3f} ms/token ({x:.1f}x); launched one by one the host "
                     "spends {h:.3f} ms per step enqueueing them.", table="ladder",
@@ -104,6 +105,13 @@ if runs_here:
                     pct=graph["floor_pct"], floor=graph["floor_ms"] * 1e3,
                     busy=graph["gpu_busy_ms"], k=graph["kernels_per_token"],
                     gap=100 * (1 - graph["gpu_busy_ms"] / graph["ms_per_token"])))
+    if "persistent" in r:
+        pk = r["persistent"]
+        print(w.finding("persistent", "One persistent kernel per step: {b:.3f} ms/token "
+                        "({x:.2f}x the CUDA-graph rung), {k:.0f} kernels per token, GPU busy "
+                        "{busy:.3f} ms, {pct:.1f}% of the bandwidth floor.", table="ladder",
+                        b=pk["ms_per_token"], x=pk["ms_per_token"] / graph["ms_per_token"],
+                        k=pk["kernels_per_token"], busy=pk["gpu_busy_ms"], pct=pk["floor_pct"]))
     w.seed_reference("metal_per_op_commit", "decode step, Metal, one command buffer per op "
                      "(CANDLE_METAL_COMPUTE_PER_BUFFER=1) vs the default 50", "11.6 vs 2.4 ms",
                      ours=f"{per_op['ms_per_token']:.2f} (per-op) vs "

@@ -41,10 +41,10 @@ def test_ladder_rungs_agree_and_order(model_path):
     ids = passage_ids(Tokenizer.from_gguf(model_path), 32)
     rows = gpu_ladder.ladder(str(model_path), ids, steps=16, reps=1)
     built = {r["rung"]: r for r in rows if "missing" not in r}
-    assert list(built) == [r.name for r in gpu_ladder.LADDER]
+    assert list(built) == [r.name for r in gpu_ladder.LADDER]  # SmolLM2 Q4_1 runs every rung
     assert len({tuple(r["ids"]) for r in built.values()}) == 1  # the same greedy ids
     graph, eager = built["fused, CUDA graph"], built["fused, one by one"]
     assert graph["kernels_per_token"] > 0 and graph["gpu_busy_ms"] > 0
     assert graph["ms_per_token"] < built["per-op"]["ms_per_token"]
     assert graph["launches_per_token"] < eager["launches_per_token"]
-    assert rows[-1]["rung"] == "persistent" and rows[-1]["missing"]
+    assert built["persistent"]["kernels_per_token"] < graph["kernels_per_token"]

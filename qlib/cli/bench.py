@@ -173,6 +173,7 @@ def variant(r: dict) -> str:
     if r["runtime"] == "qlib":
         if r.get("engine") == "fast":
             kv = f", {r['kv_type']} KV" if r.get("kv_type", "f32") != "f32" else ""
+            kv += ", persistent decode" if r.get("decode") == "persistent" else ""
             return f"fast ({r['prefill']} prefill{kv})" if r.get("prefill") else "fast"
         return f"faithful {r.get('form') or 'default'}"
     if r["runtime"] == "transformers":

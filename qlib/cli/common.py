@@ -138,14 +138,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="--engine fast on CPU: the KV cache's element type (default: f32; f16 halves the "
         "bytes each decode step reads at long context)",
     )
+    p.add_argument(
+        "--decode",
+        choices=("fused", "persistent"),
+        default=None,
+        help="--engine fast on CUDA: five fused kernels per layer (default) or the whole decode "
+        "step in one persistent kernel",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine options the command line gave (``--attention``: the faithful engine's;
-    ``--kv-type``: the fast engines')."""
+    ``--kv-type``, ``--decode``: the fast engines')."""
     options = {} if args.attention is None else {"attention": args.attention}
     if getattr(args, "kv_type", None):
         if resolve(args.engine, args.form)[0] != FAST:
             raise ModelError("--kv-type sizes the fast engine's KV cache: add --engine fast")
         options["kv_type"] = args.kv_type
+    if getattr(args, "decode", None):
+        if resolve(args.engine, args.form)[0] != FAST:
+            raise ModelError("--decode picks the fast CUDA engine's decode: add --engine fast")
+        options["decode"] = args.decode
     return options

@@ -57,6 +57,7 @@ from .fused import FUSED_STACKS
 
 PREFILL_MODES = ("f32", "packed")
 ATTENTION_MODES = ("split", "single")  # decode attention: blocks in parallel, or one loop
+DECODE_MODES = ("fused", "persistent")  # five fused kernels per layer, or one persistent kernel
 GRAPH_CACHE = 4  # prefill graphs kept (one per prompt length)
 
 
@@ -188,6 +189,30 @@ def embed(ids: torch.Tensor, w: Part, out: torch.Tensor) -> None:
     fused.embed(ids, w, out)
 
 
+def _persistent_decoder(model: CudaFastModel, content, get, tok: QTensor, out: QTensor,
+                        **options):  # fmt: skip
+    """The ``PersistentDecoder`` of ``model``: the GGUF blocks of every matrix on the device."""
+    from ..quants.cuda import persistent
+
+    c = model.config
+    infos = content.tensor_infos
+    mats = {n: i.dtype.name for n, i in infos.items() if len(i.shape) == 2}
+    why = persistent.unsupported(mats, c.head_dim, c.rope_dim)
+    if why:
+        raise ModelError(why)
+    layers = []
+    for i, ly in enumerate(model.layers):
+        raw = {n: get(f"blk.{i}.{n}.weight") for n in persistent.MATRICES}
+        raw.update(attn_norm=ly.attn_norm, ffn_norm=ly.ffn_norm)
+        layers.append(raw)
+    try:
+        return persistent.PersistentDecoder(c, layers, tok, out, model.norm, model.cos,
+                                            model.sin, model.cache, model.device,
+                                            **options)  # fmt: skip
+    except persistent.PersistentError as e:
+        raise ModelError(str(e)) from None
+
+
 class CudaLayer:
     wqkv: CudaLinear
     wo: CudaLinear
@@ -255,6 +280,7 @@ class CudaFastModel(StaticKVState):
         self._decode_runs = 0
         self._device_pos = 0  # the value self._pos holds (host mirror: no read-back)
         self._prefill_graphs: OrderedDict[int, tuple] = OrderedDict()
+        self._persistent = None  # a PersistentDecoder when from_gguf(decode="persistent")
         self._prefill_seen: set[int] = set()
 
     @classmethod
@@ -269,12 +295,19 @@ class CudaFastModel(StaticKVState):
         attention: str = "split",
         max_seq_len: int | None = None,
         kv_type: str | None = None,
+        decode: str = "fused",
+        decode_options: dict | None = None,
     ) -> CudaFastModel:
         """Build from a parsed ``gguf_file.Content`` and its open file.
 
         ``max_seq_len``: positions the KV cache holds (None: the file's ``llama.context_length``,
-        else 4096); ``kv_type``: ``f32`` only (the CPU engine also has ``f16``)."""
+        else 4096); ``kv_type``: ``f32`` only (the CPU engine also has ``f16``); ``decode``:
+        ``fused`` (five fused kernels per layer) or ``persistent`` (the whole step in one
+        kernel, ``qlib.quants.cuda.persistent``: a device copy of the GGUF blocks as well;
+        ``decode_options`` go to its ``PersistentDecoder``: ``threads``, ``stage_times``)."""
         dev = as_device(device)
+        if decode not in DECODE_MODES:
+            raise ModelError(f"unknown decode mode {decode!r}: {', '.join(DECODE_MODES)}")
         if kv_type not in (None, "f32"):
             raise ModelError(f"the CUDA fast engine keeps a float32 KV cache (kv_type f32), "
                              f"not {kv_type!r}")  # fmt: skip
@@ -295,8 +328,12 @@ class CudaFastModel(StaticKVState):
         tok_p = _prepare_stacked([tok])[0]
         out_p = tok_p if out is tok else _prepare_stacked([out])[0]
         norm = get("output_norm.weight").dequantize()
-        return cls(config, tok_p, layers, norm, out_p, dev, prefill=prefill, graphs=graphs,
-                   attention=attention, max_seq_len=max_seq_len)  # fmt: skip
+        model = cls(config, tok_p, layers, norm, out_p, dev, prefill=prefill, graphs=graphs,
+                    attention=attention, max_seq_len=max_seq_len)  # fmt: skip
+        if decode == "persistent":
+            model._persistent = _persistent_decoder(model, content, get, tok, out,
+                                                    **(decode_options or {}))  # fmt: skip
+        return model
 
     # -- state -------------------------------------------------------------
 
@@ -312,6 +349,9 @@ class CudaFastModel(StaticKVState):
         """One token: ``self._tok`` at ``self._pos`` -> ``self._logits`` (device state only)."""
         from ..quants.cuda import fused
 
+        if self._persistent is not None:  # the whole step in one kernel
+            self._persistent.step(self._tok, self._pos, self._logits)
+            return
         c, h = self.config, self._h
         eps = c.rms_norm_eps
         if self.attention == "split":

@@ -98,6 +98,8 @@ def bench_qlib(args: argparse.Namespace) -> dict:
         options["attention"] = args.attention
     if getattr(args, "kv_type", None) and resolve(args.engine, args.form)[0] == "fast":
         options["kv_type"] = args.kv_type  # (the faithful engine's cache is float32)
+    if getattr(args, "decode", None) and resolve(args.engine, args.form)[0] == "fast":
+        options["decode"] = args.decode  # (the fast CUDA engine's)
     times: dict[str, float] = {}
     model, content = load(
         args.model, args.device, engine=args.engine, form=args.form, times=times, **options
@@ -126,8 +128,10 @@ def bench_qlib(args: argparse.Namespace) -> dict:
     engine, form = resolve(args.engine, args.form)
     result.update(runtime="qlib", engine=engine, form=form or "default", load_ms=load_ms)
     if engine == "fast":
+        persistent = getattr(model, "_persistent", None) is not None
         result.update(prefill=getattr(model, "prefill", args.prefill),
-                      kv_type=getattr(model, "kv_type", "f32"))  # fmt: skip
+                      kv_type=getattr(model, "kv_type", "f32"),
+                      decode="persistent" if persistent else "fused")  # fmt: skip
     return result
 
 
