@@ -97,6 +97,9 @@ def test_qmatmul_matches_reference(t, x):
     assert y.dtype == torch.float32 and y.shape == (4, 6)
     expected = reference.matmul(packed, x.numpy(), t)
     assert (np.abs(y.numpy() - expected) <= tolerance(x, w)).all()
+    if t not in ("F32", "F16", "BF16"):  # the torch path too (qmatmul may take the C kernel)
+        y_torch = qmatmul(x, prepare(w))
+        assert (np.abs(y_torch.numpy() - expected) <= tolerance(x, w)).all()
 
 
 @pytest.mark.parametrize("t", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "F16"])
@@ -116,10 +119,11 @@ def test_both_group_sum_paths_agree(monkeypatch):
     import qlib.quants.cpu.matmul as mm
 
     w, _ = weight("Q5_K", 300, 512)
+    pw = prepare(w)  # the torch path (a QTensor may go to the C kernel)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0))
-    few = qmatmul(x, w)
+    few = qmatmul(x, pw)
     monkeypatch.setattr(mm, "_INT_ROWS", 0)
-    assert torch.equal(qmatmul(x, w), few)
+    assert torch.equal(qmatmul(x, pw), few)
 
 
 def test_prepared_weight_and_cache(x):
@@ -127,8 +131,11 @@ def test_prepared_weight_and_cache(x):
     pw = prepare(w)
     assert pw.codes.dtype == torch.int8 and pw.codes.shape == (64, 512)
     assert pw.scales.shape == (512 // 32, 64) and pw.offsets.shape == pw.scales.shape
-    assert torch.equal(qmatmul(x, pw), qmatmul(x, w))
     import qlib.quants.cpu.matmul as mm
+
+    y = qmatmul(x, pw)  # the torch path; a QTensor: the C kernel where it runs (float order)
+    assert torch.equal(y, mm.qmatmul_prepared(x, pw))
+    torch.testing.assert_close(qmatmul(x, w), y, rtol=1e-5, atol=1e-5 * y.abs().max().item())
 
     assert mm._prepared(w) is mm._prepared(w)
 

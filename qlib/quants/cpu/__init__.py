@@ -1,11 +1,15 @@
-"""AVX-512 VNNI kernels for the CPU quantized matmul (Q4_0, Q4_1, Q8_0 weights; Q5_0 widened).
+"""AVX-512 VNNI kernels for the CPU quantized matmul (Q4_0, Q4_1, Q8_0 weights, Q5_0 widened;
+Q2_K..Q6_K and Q5_1 on their GGUF blocks).
 
-``kernels.c`` (the quantized GEMM/GEMV and the decode attention step) and
+``kernels.c`` (the quantized GEMM/GEMV of repacked Q4_0 / Q4_1 / Q8_0 planes),
+``kquants.c`` (the same for K-quant and Q5_1 blocks as the file has them),
+``attn.c`` (the decode attention step) and
 ``prefill.c`` (RmsNorm, SwiGLU, RoPE + KV write + causal attention between the
 bf16 prefill matmuls; with AMX, an AMX GEMM and the whole prefill layer), shipped
 as source, are compiled on first use and loaded with ctypes. Semantics are ggml's
-(activations quantized to Q8_0 / Q8_1 with x86 rounding, exact integer block dots,
-float32 scaling), so results equal ``qlib.quants.reference.matmul`` to float rounding.
+(activations quantized to Q8_0 / Q8_1 / Q8_K with x86 rounding, exact integer block
+dots, float32 scaling), so results equal ``qlib.quants.reference.matmul`` to float
+rounding.
 
 Modules, each importing only those above it:
 
