@@ -4,6 +4,7 @@ that every engine runs before reading any data."""
 from __future__ import annotations
 
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,8 @@ class LlamaConfig:
     rope_freq_base: float
     architecture: str
     rope_is_neox: bool
+    rope_scaling: str = "none"  # llama.rope.scaling.type: none, linear, yarn, longrope, ...
+    rope_scaling_factor: float = 1.0  # llama.rope.scaling.factor (linear: positions / factor)
 
     @property
     def head_dim(self) -> int:
@@ -95,6 +98,18 @@ class LlamaConfig:
             )
         if rope_dim % 2:
             raise ModelFileError(f"head_dim {rope_dim} is odd; RoPE rotates pairs")
+        scaling = metadata.get("llama.rope.scaling.type", "none")
+        if not isinstance(scaling, str):
+            raise ModelFileError(
+                f"metadata key llama.rope.scaling.type is {_describe(scaling)}, expected a string"
+            )
+        factor_key = "llama.rope.scaling.factor"
+        factor = md_float(factor_key, metadata.get(factor_key, 1.0))
+        if "llama.rope.scale_linear" in metadata and scaling == "none":  # the older key
+            scaling = "linear"
+            factor = md_float("llama.rope.scale_linear", metadata["llama.rope.scale_linear"])
+        if factor <= 0:
+            raise ModelFileError(f"metadata key {factor_key} = {factor} must be > 0")
         return cls(
             head_count=head_count,
             head_count_kv=head_count_kv,
@@ -105,6 +120,8 @@ class LlamaConfig:
             rope_freq_base=rope_freq_base,
             architecture=arch,
             rope_is_neox=arch in NEOX_ARCHITECTURES,
+            rope_scaling=scaling,
+            rope_scaling_factor=factor,
         )
 
 
@@ -184,12 +201,64 @@ def check_tensors(content, config: LlamaConfig, form: str | None = None) -> int:
 
 
 def precompute_freqs_cis(
-    rope_dim: int, freq_base: float, device: torch.device, length: int = MAX_SEQ_LEN
+    rope_dim: int,
+    freq_base: float,
+    device: torch.device,
+    length: int = MAX_SEQ_LEN,
+    *,
+    freq_factors: torch.Tensor | None = None,
+    position_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of shape (length, rope_dim / 2), in float32 as candle (whose tables
-    hold MAX_SEQ_LEN positions, the default; the fast engines ask for their context)."""
+    hold MAX_SEQ_LEN positions, the default; the fast engines ask for their context).
+
+    ``freq_factors`` (``rope_freqs.weight``, rope_dim / 2 values) divide each frequency and
+    ``position_scale`` multiplies the positions, as ggml's ``rope_ext`` does with its
+    ``freq_factors`` and ``freq_scale``; candle (the faithful engine) uses neither."""
     i = torch.arange(0, rope_dim, 2, dtype=torch.float32)
     theta = 1.0 / torch.pow(torch.tensor(freq_base, dtype=torch.float32), i / rope_dim)
+    if freq_factors is not None:
+        theta = theta / freq_factors.reshape(-1).float().cpu()
     positions = torch.arange(length, dtype=torch.float32).reshape(length, 1)
+    if position_scale != 1.0:
+        positions = positions * position_scale
     idx_theta = positions @ theta.reshape(1, -1)
     return idx_theta.cos().to(device), idx_theta.sin().to(device)
+
+
+HONOURED_SCALING = ("none", "linear")  # the rope scaling types the fast engines apply
+
+
+def rope_tables(
+    config: LlamaConfig, device: torch.device, length: int, freq_factors: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fast engines' RoPE tables: the file's scaling honoured, as llama.cpp does.
+
+    ``freq_factors``: the file's ``rope_freqs.weight`` (Llama 3.1+ "llama3" scaling, stored by
+    the converter as one factor per frequency); linear scaling divides positions by
+    ``rope_scaling_factor``. Other scaling types (yarn, longrope) are not applied: a warning
+    says so."""
+    if config.rope_scaling not in HONOURED_SCALING:
+        warnings.warn(
+            f"rope scaling {config.rope_scaling!r} is not implemented in qlib: positions are "
+            "not scaled (results past the original context will differ from llama.cpp)",
+            stacklevel=2,
+        )
+    scale = 1.0 / config.rope_scaling_factor if config.rope_scaling == "linear" else 1.0
+    if freq_factors is not None and freq_factors.numel() != config.rope_dim // 2:
+        raise ModelFileError(
+            f"tensor rope_freqs.weight has {freq_factors.numel()} values, expected "
+            f"rope_dim / 2 = {config.rope_dim // 2}"
+        )
+    return precompute_freqs_cis(config.rope_dim, config.rope_freq_base, device, length,
+                                freq_factors=freq_factors, position_scale=scale)  # fmt: skip
+
+
+def scaling_ignored(config: LlamaConfig, has_freq_factors: bool) -> str | None:
+    """What RoPE scaling a file asks for that candle's forward (the faithful engine) ignores."""
+    parts = []
+    if has_freq_factors:
+        parts.append("per-frequency factors (rope_freqs.weight)")
+    if config.rope_scaling != "none":
+        parts.append(f"{config.rope_scaling} scaling x{config.rope_scaling_factor:g}")
+    return " and ".join(parts) or None

@@ -8,7 +8,9 @@ sharp edges, because the experiments measure them:
 
 * a missing required key fails with ``cannot find <key> in metadata``, a
   missing ``llama.rope.freq_base`` silently becomes 10000;
-* the RoPE variant is picked from ``general.architecture`` (NEOX list);
+* the RoPE variant is picked from ``general.architecture`` (NEOX list); RoPE
+  scaling (``rope_freqs.weight``, ``llama.rope.scaling.*``) is ignored, as candle
+  does (``strict=True`` refuses such a file, saying so; the fast engines honour it);
 * cos/sin tables hold ``MAX_SEQ_LEN = 4096`` positions, beyond that the
   narrow fails;
 * the causal mask is built on the host only for ``seq_len > 1`` and cached
@@ -66,7 +68,13 @@ from ..quants.api import dequantize_torch
 from ..quants.qtensor import FORMS, QMatMul, QTensor
 from ..spans import span
 from . import progress
-from .config import MAX_SEQ_LEN, LlamaConfig, check_tensors, precompute_freqs_cis
+from .config import (
+    MAX_SEQ_LEN,
+    LlamaConfig,
+    check_tensors,
+    precompute_freqs_cis,
+    scaling_ignored,
+)
 from .errors import IndexPosError, InputError, ModelError, ShapeError
 
 ATTENTION_MODES = ("auto", "naive", "sdpa", "fold")
@@ -400,6 +408,12 @@ class ModelWeights:
         check_options(attention, kv_cache, max_seq_len)  # before any tensor is read
         config = LlamaConfig.from_metadata(content.metadata)
         vocab = check_tensors(content, config, form)
+        ignored = scaling_ignored(config, "rope_freqs.weight" in content.tensor_infos)
+        if strict and ignored:
+            raise ModelError(
+                f"strict=True: this file asks for RoPE {ignored}, which candle's quantized_llama "
+                "(this engine) ignores; the fast engine (engine='fast') applies it"
+            )
         cos, sin = precompute_freqs_cis(config.rope_dim, config.rope_freq_base, device)
 
         def tensor(name: str) -> QTensor:

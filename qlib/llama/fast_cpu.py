@@ -75,7 +75,7 @@ from ..quants.qtensor import QTensor
 from ..spans import span
 from . import progress
 from .checks import StaticKVState, check_max_seq_len, context_length
-from .config import MAX_SEQ_LEN, LlamaConfig, precompute_freqs_cis
+from .config import MAX_SEQ_LEN, LlamaConfig, rope_tables
 from .errors import ModelError
 from .faithful import rope_neox
 from .fused import FUSED_STACKS
@@ -360,6 +360,7 @@ class FastModel(StaticKVState):
         hugepages: bool = True,
         amx: bool = True,
         kv_type: str = DEFAULT_KV_TYPE,
+        rope_freqs: torch.Tensor | None = None,
     ):
         self.config = config
         self.device = torch.device("cpu")
@@ -381,8 +382,8 @@ class FastModel(StaticKVState):
         if kv_type not in KV_TYPES:
             raise ModelError(f"unknown kv_type {kv_type!r}: {', '.join(KV_TYPES)}")
         self.kv_type = kv_type
-        cos, sin = precompute_freqs_cis(config.rope_dim, config.rope_freq_base, self.device,
-                                        max(self.max_seq_len, MAX_SEQ_LEN))  # fmt: skip
+        cos, sin = rope_tables(config, self.device, max(self.max_seq_len, MAX_SEQ_LEN),
+                               rope_freqs)  # the file's RoPE scaling, as llama.cpp  # fmt: skip
         self.cos, self.sin = cos, sin
         self.rot = torch.complex(cos, sin)  # (positions, d/2) for rope_i
         c = config
@@ -583,9 +584,12 @@ class FastModel(StaticKVState):
         output = FastLinear([out_w], bf16=False)  # prefill needs only the last row
         norm = get("output_norm.weight").dequantize()
         release_pages(f)
+        freqs = "rope_freqs.weight" in content.tensor_infos  # Llama 3.1+ RoPE scaling
+        rope_freqs = get("rope_freqs.weight").dequantize() if freqs else None
         return cls(config, tok_embd, layers, norm, output, prefill=prefill,
                    bf16_min_rows=bf16_min_rows, max_seq_len=max_seq_len,
-                   hugepages=hugepages, amx=amx, kv_type=kv_type)  # fmt: skip
+                   hugepages=hugepages, amx=amx, kv_type=kv_type,
+                   rope_freqs=rope_freqs)  # fmt: skip
 
     # -- state -------------------------------------------------------------
 

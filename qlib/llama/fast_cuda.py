@@ -51,7 +51,7 @@ from ..quants.qtensor import QTensor
 from ..spans import span
 from . import progress
 from .checks import StaticKVState, check_max_seq_len, context_length
-from .config import MAX_SEQ_LEN, LlamaConfig, precompute_freqs_cis
+from .config import MAX_SEQ_LEN, LlamaConfig, rope_tables
 from .errors import ModelError
 from .fused import FUSED_STACKS
 
@@ -242,6 +242,7 @@ class CudaFastModel(StaticKVState):
         graphs: bool = True,
         attention: str = "split",
         max_seq_len: int = MAX_SEQ_LEN,
+        rope_freqs: torch.Tensor | None = None,
     ):
         if attention not in ATTENTION_MODES:
             raise ModelError(f"unknown attention {attention!r}: {', '.join(ATTENTION_MODES)}")
@@ -256,8 +257,8 @@ class CudaFastModel(StaticKVState):
         self.output = output
         self.graphs = graphs and device.type == "cuda"
         self.max_seq_len = check_max_seq_len(max_seq_len)
-        self.cos, self.sin = precompute_freqs_cis(config.rope_dim, config.rope_freq_base, device,
-                                                  max(self.max_seq_len, MAX_SEQ_LEN))  # fmt: skip
+        self.cos, self.sin = rope_tables(config, device, max(self.max_seq_len, MAX_SEQ_LEN),
+                                         rope_freqs)  # the file's RoPE scaling  # fmt: skip
         c = config
         self.heads = (c.head_count, c.head_count_kv, c.head_dim)
         # Allocated once, never zeroed: only positions < kv_len are read.
@@ -328,8 +329,11 @@ class CudaFastModel(StaticKVState):
         tok_p = _prepare_stacked([tok])[0]
         out_p = tok_p if out is tok else _prepare_stacked([out])[0]
         norm = get("output_norm.weight").dequantize()
+        freqs = "rope_freqs.weight" in content.tensor_infos  # Llama 3.1+ RoPE scaling
+        rope_freqs = get("rope_freqs.weight").dequantize() if freqs else None
         model = cls(config, tok_p, layers, norm, out_p, dev, prefill=prefill, graphs=graphs,
-                    attention=attention, max_seq_len=max_seq_len)  # fmt: skip
+                    attention=attention, max_seq_len=max_seq_len,
+                    rope_freqs=rope_freqs)  # fmt: skip
         if decode == "persistent":
             model._persistent = _persistent_decoder(model, content, get, tok, out,
                                                     **(decode_options or {}))  # fmt: skip

@@ -1,0 +1,117 @@
+"""RoPE scaling (Llama 3.1+ ``rope_freqs.weight``; linear ``llama.rope.scaling.*``): the fast
+engine applies it as llama.cpp does (teacher-forced logits against llama-cpp-python's on the
+same file); the faithful engine ignores it, as candle, and refuses it under ``strict=True``.
+
+The file: the synthetic ``tiny`` shape (random seeded weights, F32, 2 layers, head_dim 64),
+rewritten with the scaling added. Positions up to 96 so that rotations differ visibly.
+Tolerance: 1e-5 x max |logit| (measured 5.9e-7 for both kinds): llama.cpp's F32 matmuls and
+its RoPE (theta raised by repeated multiplication) round differently from ours; without the
+scaling the logits differ by about 0.5 x max |logit| (checked below).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from qlib import models
+from qlib.gguf import Content, Typed, write
+from qlib.gguf.constants import GGUFValueType
+from qlib.llama.config import LlamaConfig, rope_tables
+from qlib.llama.engine import load
+from qlib.llama.errors import ModelError
+
+N = 96
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny() -> str:
+    try:
+        return str(models.synthetic("tiny", "F32"))
+    except Exception as e:  # no tokenizer source here
+        pytest.skip(f"cannot make the synthetic model: {e}")
+
+
+def with_scaling(src: str, dst, *, freqs: np.ndarray | None = None, linear: float | None = None):
+    """``src`` rewritten with ``rope_freqs.weight`` and/or linear scaling metadata."""
+    content = Content.read_path(src)
+    metadata = {k: Typed(content.metadata_types[k], v) for k, v in content.metadata.items()}
+    with open(src, "rb") as f:
+        tensors = {n: content.tensor(f, n) for n in content.tensor_infos}
+    if freqs is not None:
+        from qlib.quants.qtensor import QTensor
+        from qlib.quants.types import ggml_type
+
+        data = torch.from_numpy(freqs.astype(np.float32).view(np.uint8).copy())
+        tensors["rope_freqs.weight"] = QTensor(data, (freqs.size,), ggml_type("F32"))
+    if linear is not None:
+        metadata["llama.rope.scaling.type"] = Typed(GGUFValueType.STRING, "linear")
+        metadata["llama.rope.scaling.factor"] = Typed(GGUFValueType.FLOAT32, linear)
+    with open(dst, "wb") as f:
+        write(f, metadata, tensors)
+    return str(dst)
+
+
+def ids() -> list[int]:
+    gen = torch.Generator().manual_seed(1)
+    return [int(i) for i in torch.randint(10, 40000, (N,), generator=gen)]
+
+
+def fast_logits(path: str) -> np.ndarray:
+    model, _ = load(path, engine="fast", prefill="int8")
+    with torch.inference_mode():
+        return model.forward(torch.tensor([ids()]), 0, all_logits=True)[0].numpy()
+
+
+def llama_cpp_logits(path: str) -> np.ndarray:
+    pytest.importorskip("llama_cpp")
+    from qlib.suite.experiments.drift import LlamaCppSource
+
+    return LlamaCppSource(path, n_ctx=128).teacher_forced(ids())
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("kind", ["freqs", "linear"])
+def test_fast_engine_scales_rope_as_llama_cpp(tiny, tmp_path, kind):
+    rng = np.random.default_rng(0)
+    half = Content.read_path(tiny).metadata["llama.rope.dimension_count"] // 2
+    freqs = rng.uniform(1.0, 32.0, half) if kind == "freqs" else None
+    path = with_scaling(tiny, tmp_path / "scaled.gguf", freqs=freqs,
+                        linear=4.0 if kind == "linear" else None)  # fmt: skip
+    ref = llama_cpp_logits(path)
+    got = fast_logits(path)
+    assert rel(got, ref) <= TOL
+    assert rel(fast_logits(tiny), ref) > 50 * TOL  # the scaling matters at these positions
+
+
+def test_faithful_ignores_scaling_and_strict_says_so(tiny, tmp_path):
+    path = with_scaling(tiny, tmp_path / "scaled.gguf", linear=4.0)
+    plain, _ = load(tiny, form="f32")
+    scaled, _ = load(path, form="f32")
+    x = torch.tensor([ids()[:8]])
+    assert torch.equal(plain.forward(x, 0), scaled.forward(x, 0))  # candle: ignored
+    with pytest.raises(ModelError, match="strict=True: this file asks for RoPE linear scaling"):
+        load(path, form="f32", strict=True)
+
+
+def test_tables():
+    md = {"llama.attention.head_count": 2, "llama.attention.head_count_kv": 2,
+          "llama.block_count": 1, "llama.embedding_length": 16, "llama.rope.dimension_count": 8,
+          "llama.attention.layer_norm_rms_epsilon": 1e-5, "general.architecture": "llama",
+          "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}  # fmt: skip
+    c = LlamaConfig.from_metadata(md)
+    cos, sin = rope_tables(c, torch.device("cpu"), 10)
+    plain = LlamaConfig.from_metadata({**md, "llama.rope.scaling.type": "none"})
+    cos2, _ = rope_tables(plain, torch.device("cpu"), 5)
+    torch.testing.assert_close(cos[0:10:2], cos2, rtol=0, atol=1e-6)  # position 2k -> k
+    ff = torch.full((4,), 2.0)
+    cos3, _ = rope_tables(plain, torch.device("cpu"), 10, ff)
+    torch.testing.assert_close(cos3, cos, rtol=0, atol=1e-6)  # factors 2 == positions / 2
+    with pytest.warns(UserWarning, match="yarn"):
+        rope_tables(LlamaConfig.from_metadata({**md, "llama.rope.scaling.type": "yarn"}),
+                    torch.device("cpu"), 4)  # fmt: skip
