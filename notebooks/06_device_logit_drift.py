@@ -71,7 +71,7 @@ print(f"GPU half: {gpu_dev or 'none'}; {len(ids)} teacher-forced tokens; "
 # %% [markdown]
 # ## The files
 #
-# Variants other than the file's own type are derived by `drift.derive_variant` (`qlib.convert.quantize_gguf`): every matrix
+# Variants other than the file's own type are derived by `qlib.models.derive` (`qlib.convert.quantize_gguf`): every matrix
 # dequantized to f32 and re-quantized with qlib's quantizer (norms stay F32), cached in
 # `data/models/`. They are re-quantized from Q4_1, so not byte-identical to files published
 # upstream.

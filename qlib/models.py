@@ -162,8 +162,10 @@ def derive(
     *,
     force: bool = False,
     log: Callable[[str], None] | None = None,
+    dest_dir: str | Path | None = None,
 ) -> Path:
-    """Path of ``source`` re-quantized to a type or recipe, made once in ``models_dir()``.
+    """Path of ``source`` re-quantized to a type or recipe, made once in ``dest_dir``
+    (default ``models_dir()``).
 
     ``derive("Q8_0")`` -> ``data/models/SmolLM2-135M-Instruct.Q8_0.gguf``: every tensor of
     the embedded Q4_1 file dequantized and quantized again with ``qlib.convert``
@@ -176,11 +178,12 @@ def derive(
 
     spec = normalize_spec(type_or_recipe)
     src = path(source)
-    dest = models_dir() / derived_name(src, spec)
+    dest = Path(dest_dir or models_dir()) / derived_name(src, spec)
     if dest.resolve() == src.resolve():
         return src
     if dest.is_file() and not force:
         return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
     report = quantize_gguf(src, dest, spec, log=log)
     if log:
         log(f"derived {dest} from {src.name}")

@@ -229,13 +229,13 @@ def test_versus_reference_and_ulp_rows():
     assert drift.position_drift(runs, drift.REFERENCE).shape == (6, 2)
 
 
-def test_derive_variant(tiny_path, tmp_path):
+def test_variant_path_derives_once(tiny_path, tmp_path):
     with open(tiny_path, "rb") as f:
         src = Content.read(f)
     assert drift.main_type(src) == "F32"
-    dst = drift.derived_path(tiny_path, "Q8_0", tmp_path)
+    dst = drift.variant_path(tiny_path, "Q8_0", tmp_path)
     assert dst == tmp_path / "tiny.Q8_0.gguf"
-    assert drift.derive_variant(tiny_path, dst, "Q8_0") == dst
+    assert drift.variant_path(tiny_path, "F32", tmp_path) == tiny_path  # its own type
     with open(dst, "rb") as f:
         out = Content.read(f)
     assert drift.main_type(out) == "Q8_0"
@@ -248,7 +248,7 @@ def test_derive_variant(tiny_path, tmp_path):
     assert out.metadata.pop("general.quantization_version") == 2  # as llama.cpp writes
     assert out.metadata == src.metadata  # everything else copied (tokenizer, template, ...)
     mtime = dst.stat().st_mtime_ns
-    drift.derive_variant(tiny_path, dst, "Q8_0")  # cached
+    drift.variant_path(tiny_path, "Q8_0", tmp_path)  # cached
     assert dst.stat().st_mtime_ns == mtime
     # the derived file runs, close to the float original
     a = drift.QlibSource(tiny_path, "cpu", "f32").teacher_forced(PROMPT)

@@ -48,44 +48,17 @@ def main_type(content: Content) -> str:
     return types.most_common(1)[0][0]
 
 
-def derived_path(src: str | Path, type_name: str, models_dir: str | Path | None = None) -> Path:
-    """``<dir>/<stem with its type replaced>.gguf``: SmolLM2-...Q4_1.gguf -> ...Q8_0.gguf."""
-    src = Path(src)
-    with open(src, "rb") as f:
-        current = main_type(Content.read(f))
-    stem = src.stem
-    stem = stem[: -len(current)] + type_name if stem.endswith(current) else f"{stem}.{type_name}"
-    if models_dir is None:
-        from ...models import models_dir as default_dir
+def variant_path(src: str | Path, type_name: str, models_dir: str | Path | None = None) -> Path:
+    """``src`` itself when its matrices are ``type_name``, else ``src`` re-quantized to it by
+    ``qlib.models.derive`` (made once, in ``models_dir`` or the models folder; 1-D tensors and
+    the metadata copied, ``general.file_type`` set; not byte-identical to a file quantized from
+    the original weights)."""
+    from ... import models
 
-        models_dir = default_dir()
-    return Path(models_dir) / f"{stem}.gguf"
-
-
-def derive_variant(src: str | Path, dst: str | Path, type_name: str) -> Path:
-    """Write ``dst``: ``src`` with each matrix dequantized to f32, re-quantized to ``type_name``.
-
-    ``qlib.convert.quantize_gguf`` does the work (as ``qlib.models.derive``): 1-D tensors
-    (the F32 norms) are kept, the metadata (tokenizer and chat template included) is
-    copied with its types, ``general.file_type`` set. Cached: an existing ``dst`` is
-    returned as is. The result is re-quantized from ``src``, not byte-identical to a
-    file quantized from the original weights.
-    """
-    from ...convert import quantize_gguf
-
-    dst = Path(dst)
-    if dst.is_file():
-        return dst
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    return quantize_gguf(src, dst, type_name).path
-
-
-def variant_path(src: str | Path, type_name: str) -> Path:
-    """``src`` itself when its matrices are ``type_name``, else the derived (cached) file."""
     with open(src, "rb") as f:
         if main_type(Content.read(f)) == type_name:
             return Path(src)
-    return derive_variant(src, derived_path(src, type_name), type_name)
+    return models.derive(type_name, str(src), dest_dir=models_dir)
 
 
 def passage_ids(tok: Any, n: int, name: str = "passage.txt") -> list[int]:
