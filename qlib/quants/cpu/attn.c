@@ -12,7 +12,10 @@
  * piece's max score m, sum of e^(s - m) and unnormalized sum of e^(s - m) v. A combine step
  * rescales the pieces by e^(m_c - max m) (with P == 1: out = o / sum, as before).
  * Scores of 16 positions are 16 vector dot products reduced together (a transpose-add); e^x
- * is the vector exp16 (~1 ulp). d % 16 == 0, d <= 128. Returns 0, or -1 (out of memory). */
+ * is the vector exp16 (~1 ulp). No software prefetch: the hardware's streams do as well here
+ * (A/B: a V prefetch into L2 during the K pass, or K rows two blocks ahead, gained nothing;
+ * so did one pass of online softmax over blocks of 64 or 256 positions, K and V together).
+ * d % 16 == 0, d <= 128. Returns 0, or -1 (out of memory). */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -46,17 +49,10 @@ static inline __m512 load_kv(const void *base, size_t at, int f16) {
     return _mm512_loadu_ps((const float *)base + at);
 }
 
-/* Rows of V into L2 while K streams: both streams in flight (one alone leaves a core's
- * memory bandwidth half used); the V pass then reads them from L2. */
-static inline void prefetch_l2(const void *base, size_t at, size_t bytes, int f16) {
-    const char *p = (const char *)base + at * (f16 ? 2 : 4);
-    for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
-}
-
 /* Scores of the rep query heads q [rep, d] against positions l0..l1-1 of K (one KV head,
  * rows of d): s[r * ld + l - l0] = q_r . k_l * scale. kbuf: 16 d floats. */
-static void scores(const float *q, int rep, int d, const void *K, const void *V, int f16,
-                   int l0, int l1, float scale, float *s, int ld, float *kbuf) {
+static void scores(const float *q, int rep, int d, const void *K, int f16, int l0, int l1,
+                   float scale, float *s, int ld, float *kbuf) {
     const int nd = d / 16;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int b = l0; b < l1; b += 16) {
@@ -72,7 +68,6 @@ static void scores(const float *q, int rep, int d, const void *K, const void *V,
                                             : _mm512_setzero_ps());
             kb = kbuf;
         }
-        prefetch_l2(V, (size_t)b * d, (size_t)nb * d * (f16 ? 2 : 4), f16);
         for (int r = 0; r < rep; r++) {
             const float *qr = q + (size_t)r * d;
             __m512 acc[16];
@@ -143,7 +138,7 @@ static void attn_piece(const float *q, int rep, int d, const void *K, const void
                        int l0, int l1, float scale, float *s, int ld, float *kbuf, float *m,
                        float *sum, float *o) {
     const int n = l1 - l0;
-    scores(q, rep, d, K, V, f16, l0, l1, scale, s, ld, kbuf);
+    scores(q, rep, d, K, f16, l0, l1, scale, s, ld, kbuf);
     for (int r = 0; r < rep; r++) {
         float *p = s + (size_t)r * ld;
         __m512 vmx = _mm512_set1_ps(-INFINITY);
@@ -242,8 +237,9 @@ int qlib_attn_decode_kv(float *qkv, void *kc, void *vc, int pos, int n_head, int
                                : (const void *)((const float *)kc + head);
         const void *V = kv_f16 ? (const void *)((const uint16_t *)vc + head)
                                : (const void *)((const float *)vc + head);
-        attn_piece(qkv + (size_t)g * rep * d, rep, d, K, V, kv_f16, l0, l1, scale, s, lp,
-                   kbufs + (size_t)16 * d * omp_get_thread_num(), m, sum, o);
+        float *kbuf = kbufs + (size_t)16 * d * omp_get_thread_num();
+        attn_piece(qkv + (size_t)g * rep * d, rep, d, K, V, kv_f16, l0, l1, scale, s, lp, kbuf,
+                   m, sum, o);
         FTZ_END
     }
     for (int h = 0; h < n_head; h++) { /* combine the pieces of each query head */
