@@ -40,6 +40,11 @@ replay_reps = 200  # passes of the one-layer op replay
 threads = 1  # torch CPU threads; None: torch's default (notebook 02 compares thread counts)
 form = None  # QMatMul form: None (the engine's default), "quantized", "f32" or "f16"
 seed = 0
+long_contexts = [256, 1024, 2048]  # the fast engines and llama.cpp: bench --context N
+long_steps = 16  # decode steps at each long context
+long_reps = 1  # timed runs per point, after the untimed first one
+long_threads = 2  # CPU threads of the long-context runs (each its own process)
+long_kv_types = ["f32", "f16"]  # the fast CPU engine's KV cache types
 
 # %%
 import os
@@ -65,7 +70,9 @@ w = ResultWriter("03_throughput_vs_context", params=dict(
     model_path=model_path, device=device, prefill_sizes=prefill_sizes, prefill_reps=prefill_reps,
     decode_contexts=decode_contexts, decode_steps=decode_steps,
     decode_steps_long=decode_steps_long, decode_reps=decode_reps, variants=variants,
-    replay_reps=replay_reps, threads=threads, form=form, seed=seed))
+    replay_reps=replay_reps, threads=threads, form=form, seed=seed, long_contexts=long_contexts,
+    long_steps=long_steps, long_reps=long_reps, long_threads=long_threads,
+    long_kv_types=long_kv_types))
 built = {dev: build(model_path, dev, form=form) for dev in devices}
 tokenizer = built["cpu"][1]
 ids = throughput.passage_ids(tokenizer, max(max(prefill_sizes), max(decode_contexts)) + 1)
@@ -200,6 +207,69 @@ for dev in devices:
         "{gd:.2f} ms measured end to end.", table="attention_core", dev=dev, gc=growth_core,
         n=built[dev][0].config.block_count, lo=lo, hi=hi,
         copy=k.copy_us[hi] / k.layer_us[hi], gd=growth_dec))
+
+# %% [markdown]
+# ## The fast engines and llama.cpp at long context
+#
+# The benchmark protocol at each context (`python -m qlib bench --context N`, one process per
+# point): the passage's tokens repeated to N, prefilled, then `long_steps` greedy steps from
+# position N. Beside each point the floor of a decode step: the bytes it must read (every
+# matmul weight once, and the KV cache over N positions in its type) at this machine's
+# measured copy bandwidth. llama.cpp keeps its default f16 cache.
+
+# %%
+from qlib.suite.experiments.common import copy_bandwidth
+from qlib.suite.experiments.speed import llama_cpp_available
+
+long_configs = throughput.long_context_configs(device if device in ("cpu", "cuda") else "cpu",
+                                               tuple(long_kv_types), llama_cpp_available())
+if not llama_cpp_available():
+    print(w.skipped("llama.cpp at long context", "llama-cpp-python is not installed (peers)"))
+long_rows = throughput.long_context_curve(model_path, long_contexts, steps=long_steps,
+                                          reps=long_reps, threads=long_threads,
+                                          configs=long_configs)
+bw = copy_bandwidth(device if device == "cuda" else "cpu")
+longc = pd.DataFrame(long_rows)
+longc["floor_ms"] = (longc.weight_bytes + longc.kv_bytes) / bw * 1e3
+if "decode_ms" in longc:
+    longc["decode_over_floor"] = longc.decode_ms / longc.floor_ms
+w.save_table(longc.drop(columns=["weight_bytes"]), "long_context", key=True, caption=(
+    f"bench --context N: prefill ms and decode ms/token (min), the step's bytes floor at "
+    f"{bw / 1e9:.1f} GB/s (copy bandwidth measured here)"), timing=["peak_rss_mb"])
+ok_long = longc[longc.error == ""] if "error" in longc else longc
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+for name, g in ok_long.groupby("runtime", sort=False):
+    axes[0].plot(g.context, g.decode_ms, marker="o", label=name)
+    axes[1].plot(g.context, g.prefill_ms, marker="o", label=name)
+    floor = g.floor_ms
+    axes[0].plot(g.context, floor, ls=":", color=axes[0].lines[-1].get_color())
+axes[0].set(xlabel="context N", ylabel="ms / token (log)", title="decode (dotted: bytes floor)")
+axes[1].set(xlabel="prompt tokens N", ylabel="ms (log)", title="prefill")
+for ax in axes:
+    plots.log2_axis(ax, "x", long_contexts)
+    plots.log_axis(ax, "y")
+    ax.legend(fontsize=7)
+fig.tight_layout()
+w.save_plot(fig, "long_context", caption="the fast engines and llama.cpp against context: decode "
+            "ms/token with each runtime's bytes floor, and prefill ms")
+if len(ok_long):
+    top = max(long_contexts)
+    at = ok_long[ok_long.context == top].set_index("runtime")
+    fast = [r for r in at.index if r.startswith("qlib fast")]
+    if fast:
+        best = at.loc[fast, "decode_ms"].idxmin()
+        print(w.finding("long_fast", "At {n} positions the fast engine ({cfg}) decodes in "
+                        "{ms:.2f} ms/token, {x:.2f}x its bytes floor.", table="long_context",
+                        n=top, cfg=best, ms=at.decode_ms[best], x=at.decode_over_floor[best]))
+        if "llama.cpp cpu, f16 KV" in at.index:
+            lc = at.loc["llama.cpp cpu, f16 KV"]
+            print(w.finding("long_vs_llama_cpp", "There llama.cpp takes {ms:.2f} ms/token and "
+                            "{pms:.0f} ms to prefill: the fast engine's ratios are {d:.2f}x "
+                            "(decode) and {p:.2f}x (prefill).", table="long_context",
+                            ms=lc.decode_ms, pms=lc.prefill_ms,
+                            d=at.decode_ms[best] / lc.decode_ms,
+                            p=at.prefill_ms[best] / lc.prefill_ms))
+longc.round(2)
 
 # %% [markdown]
 # ## Seed figures beside ours

@@ -8,7 +8,7 @@ import torch
 
 from qlib import models
 from qlib.gguf import Content
-from qlib.suite.experiments import gpu_ladder
+from qlib.suite.experiments import common, gpu_ladder
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def model_path():
 
 def test_bytes_per_step_counts_every_matmul_weight_once(model_path):
     content = Content.read_path(model_path)
-    got = gpu_ladder.bytes_per_step(content, context=100)
+    got = common.bytes_per_step(content, context=100)
     infos = content.tensor_infos
     mats = [i for n, i in infos.items() if n.startswith("blk.") and len(i.shape) == 2]
     assert len(mats) == 7 * content.metadata["llama.block_count"]

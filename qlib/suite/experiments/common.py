@@ -1,8 +1,9 @@
 """What the experiments share: the loader, the chat prompt, one greedy step, teacher-forced
-logits and KV cache snapshots."""
+logits, KV cache snapshots, and the bytes a decode step reads against the memory's speed."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +93,38 @@ def restore_kv(model: ModelWeights, snapshot: list, length: int | None = None) -
         if length is not None:
             k, v = k[:, :, :length].clone(), v[:, :, :length].clone()
         layer.put_kv(k, v, 0, model.max_seq_len)
+
+
+def copy_bandwidth(device: torch.device | str, mib: int = 512, reps: int = 5) -> float:
+    """Memory bandwidth in bytes/s: the best of ``reps`` copies of ``mib`` MiB (read + write)."""
+    device = torch.device(device)
+    a = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    b.copy_(a)
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        b.copy_(a)
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * a.numel() * 4 / best
+
+
+def bytes_per_step(content: Any, context: int, kv_bytes_per_value: int = 4) -> dict[str, float]:
+    """Bytes a decode step must read: every matmul weight once (the output layer, tied or
+    not), plus the KV cache over ``context`` positions (float32: 4 bytes a value)."""
+    infos = content.tensor_infos
+    weights = sum(i.nbytes for n, i in infos.items() if n.startswith("blk.") and len(i.shape) == 2)
+    weights += infos.get("output.weight", infos["token_embd.weight"]).nbytes
+    md = content.metadata
+    layers = md["llama.block_count"]
+    n_kv = md["llama.attention.head_count_kv"]
+    head_dim = md["llama.embedding_length"] // md["llama.attention.head_count"]
+    kv = 2 * layers * n_kv * head_dim * kv_bytes_per_value * context
+    return {"weight_bytes": float(weights), "kv_bytes": float(kv)}

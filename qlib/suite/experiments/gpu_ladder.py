@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .common import bytes_per_step, copy_bandwidth
+
 
 @dataclass(frozen=True)
 class Rung:
@@ -39,36 +41,6 @@ LADDER = (
     Rung("fused, CUDA graph", "fast", (("graphs", True),)),
     Rung("persistent", "fast", (("decode", "persistent"), ("graphs", True))),
 )
-
-
-def copy_bandwidth(device: torch.device, mib: int = 1024, reps: int = 5) -> float:
-    """Device memory bandwidth in bytes/s: a ``mib`` MiB device-to-device copy (read + write)."""
-    n = mib * (1 << 20) // 4
-    a = torch.empty(n, dtype=torch.float32, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize(device)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        b.copy_(a)
-        torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * a.numel() * 4 / best
-
-
-def bytes_per_step(content: Any, context: int) -> dict[str, float]:
-    """Bytes a decode step must read: every matmul weight once (the output layer, tied or
-    not), plus the float32 KV cache over ``context`` positions."""
-    infos = content.tensor_infos
-    weights = sum(i.nbytes for n, i in infos.items() if n.startswith("blk.") and len(i.shape) == 2)
-    weights += infos.get("output.weight", infos["token_embd.weight"]).nbytes
-    md = content.metadata
-    layers = md["llama.block_count"]
-    n_kv = md["llama.attention.head_count_kv"]
-    head_dim = md["llama.embedding_length"] // md["llama.attention.head_count"]
-    kv = 2 * layers * n_kv * head_dim * 4 * context
-    return {"weight_bytes": float(weights), "kv_bytes": float(kv)}
 
 
 def _greedy(model, prompt: torch.Tensor, steps: int) -> tuple[float, float, list[int]]:

@@ -222,3 +222,51 @@ def attention_core_by_context(
                 }
             )
     return rows
+
+
+# -- the fast engines and llama.cpp at long context ------------------------------------------
+
+LONG_CONTEXTS = (256, 1024, 2048)
+
+
+def long_context_configs(device: str, kv_types: tuple[str, ...], llama_cpp: bool) -> list[tuple]:
+    """(label, bench argv) per runtime of the long-context curve: qlib's fast engine with each
+    KV type, and llama.cpp (CPU, its default f16 cache) when installed."""
+    configs = [(f"qlib fast {device}, {kv} KV", ["--runtime", "qlib", "--engine", "fast",
+                                                  "--device", device, "--kv-type", kv])
+               for kv in kv_types if device == "cpu" or kv == "f32"]  # fmt: skip
+    if llama_cpp:
+        configs.append(("llama.cpp cpu, f16 KV", ["--runtime", "llama.cpp", "--device", "cpu"]))
+    return configs
+
+
+def long_context_curve(model: str, contexts: tuple[int, ...] | list[int], *, steps: int,
+                       reps: int, threads: int | None, configs: list[tuple],
+                       progress: bool = True) -> list[dict]:  # fmt: skip
+    """The benchmark protocol at each context (``qlib bench --context N``: the passage's tokens
+    repeated to N, prefilled, then ``steps`` greedy steps from position N), one process per
+    point and runtime, with the bytes a step must read there (weights + KV cache)."""
+    from tqdm.auto import tqdm
+
+    from ...gguf import Content
+    from ..bench import run_in_subprocess
+    from .common import bytes_per_step
+
+    content = Content.read_path(model)
+    rows = []
+    points = [(c, label, argv) for c in contexts for label, argv in configs]
+    for context, label, argv in tqdm(points, desc="context points", disable=not progress):
+        common = ["--model", str(model), "--context", str(context), "--steps", str(steps),
+                  "--reps", str(reps)]  # fmt: skip
+        common += ["--threads", str(threads)] if threads else []
+        r = run_in_subprocess(common + argv)
+        kv = 2 if "f16" in label else 4
+        row = {"runtime": label, "context": context, **bytes_per_step(content, context, kv)}
+        if "error" in r:
+            row["error"] = r["error"]
+        else:
+            row.update(prefill_ms=r["prefill_ms"]["min"], decode_ms=r["decode_ms_per_token"]["min"],
+                       decode_ms_median=r["decode_ms_per_token"]["median"],
+                       peak_rss_mb=r["peak_rss_mb"], error="")  # fmt: skip
+        rows.append(row)
+    return rows
