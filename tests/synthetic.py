@@ -196,3 +196,15 @@ def write_tiny_llama(
     with open(path, "wb") as f:
         write(f, metadata, tensors)
     return (path, held) if return_weights else path
+
+
+def greedy(model, prompt: list[int], n: int = 32) -> list[int]:
+    """``n`` greedy ids after a prefill of ``prompt`` (any engine; ids as plain ints)."""
+    import torch
+
+    logits = model.forward(torch.tensor([prompt]), 0)
+    out: list[int] = []
+    for pos in range(len(prompt), len(prompt) + n):
+        out.append(int(logits[0].argmax()))
+        logits = model.forward(torch.tensor([[out[-1]]]), pos)
+    return out

@@ -21,7 +21,13 @@ import os
 import numpy as np
 import pytest
 import torch
-from synthetic import _encode, tiny_llama_float_weights, tiny_llama_metadata, write_tiny_llama
+from synthetic import (
+    _encode,
+    greedy,
+    tiny_llama_float_weights,
+    tiny_llama_metadata,
+    write_tiny_llama,
+)
 
 from qlib import models
 from qlib.gguf import Content, write
@@ -126,7 +132,7 @@ def test_graph_replay_equals_eager(tmp_path):
     _, eager = load_pair(path, graphs=False)
     _, graphed = load_pair(path)
 
-    def greedy(model, n=24):
+    def greedy_logits(model, n=24):
         ids = torch.tensor([[1, 5, 9, 33, 7]])
         out, logits = [], []
         for _ in range(3):  # the second and third prefill replay the captured graph
@@ -139,7 +145,7 @@ def test_graph_replay_equals_eager(tmp_path):
             pos += 1
         return out, torch.cat(logits)
 
-    (a, la), (b, lb) = greedy(eager), greedy(graphed)
+    (a, la), (b, lb) = greedy_logits(eager), greedy_logits(graphed)
     assert graphed._decode_graph is not None and graphed._prefill_graphs
     assert a == b
     assert torch.equal(la, lb)
@@ -194,16 +200,8 @@ def test_smollm2_greedy_equals_f32_form(smollm2):
         tokenizer = Tokenizer.from_metadata(Content.read(f).metadata)
     ids = prompt_ids(tokenizer.encode, 203, models.data_file("passage.txt"))
 
-    def greedy(model, n=32):
-        logits = model.forward(torch.tensor([ids]), 0)
-        out = []
-        for pos in range(len(ids), len(ids) + n):
-            out.append(int(logits[0].argmax()))
-            logits = model.forward(torch.tensor([[out[-1]]]), pos)
-        return out
-
     with torch.inference_mode():
-        assert greedy(fast) == greedy(ref)
+        assert greedy(fast, ids) == greedy(ref, ids)
         tf = torch.tensor([ids])
         a = fast.forward(tf, 0, all_logits=True)[0]
         b = ref.forward(tf, 0, all_logits=True)[0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from synthetic import write_tiny_llama
+from synthetic import greedy, write_tiny_llama
 
 from qlib import models
 from qlib.gguf import Content
@@ -109,16 +109,8 @@ def test_smollm2_greedy_and_teacher_forced_equal_f32_form(smollm2):
         tokenizer = Tokenizer.from_metadata(Content.read(f).metadata)
     ids = prompt_ids(tokenizer.encode, 203, models.data_file("passage.txt"))
 
-    def greedy(model, n=32):
-        logits = model.forward(torch.tensor([ids]), 0)
-        out = []
-        for pos in range(len(ids), len(ids) + n):
-            out.append(int(logits[0].argmax()))
-            logits = model.forward(torch.tensor([[out[-1]]]), pos)
-        return out
-
     with torch.inference_mode():
-        assert greedy(fast) == greedy(ref)
+        assert greedy(fast, ids) == greedy(ref, ids)
         b = ref.forward(torch.tensor([ids]), 0, all_logits=True)[0]
         fast.clear_kv_cache()
         a = torch.cat([fast.forward(torch.tensor([[t]]), p) for p, t in enumerate(ids)])

@@ -165,10 +165,13 @@ __device__ __forceinline__ float row_dot(int t, const u8* row, const float* x, i
 }
 
 // out[row] (+)= W[row] . x for every row < N, R rows per warp task (their loads overlap).
-template <int K, int N, int R>
-__device__ __forceinline__ void gemv_rows(int t, const u8* base, const float* x, float* out,
-                                          int accumulate, int gwarp, int nwarps, int lane) {
+// ARGMAX: also returns (in lane 0) the largest argmax_key of the rows this warp wrote.
+__device__ __forceinline__ u64 argmax_key(float v, int idx);
+template <int K, int N, int R, bool ARGMAX = false>
+__device__ __forceinline__ u64 gemv_rows(int t, const u8* base, const float* x, float* out,
+                                         int accumulate, int gwarp, int nwarps, int lane) {
     const usize rb = row_bytes(t, K);
+    u64 mine = 0ull;
     for (int row0 = gwarp; row0 < N; row0 += R * nwarps) {
         const u8* rows[R];
 #pragma unroll
@@ -179,10 +182,17 @@ __device__ __forceinline__ void gemv_rows(int t, const u8* base, const float* x,
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 const int row = row0 + r * nwarps;
-                if (row < N) out[row] = accumulate ? ldcg(out + row) + y[r] : y[r];
+                if (row < N) {
+                    out[row] = accumulate ? ldcg(out + row) + y[r] : y[r];
+                    if (ARGMAX) {
+                        const u64 key = argmax_key(y[r], row);
+                        mine = key > mine ? key : mine;
+                    }
+                }
             }
         }
     }
+    return mine;
 }
 
 // Element i of a row (the embedding lookup).
@@ -461,27 +471,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
 
     // ---- the output layer and the argmax
     rmsnorm_to_shared<DIM>(h, out_norm, xs, red);
-    const usize rb = row_bytes(out_type, DIM);
-    u64 mine = 0ull;
-    constexpr int R = 4;  // rows per warp task: their loads overlap
-    for (int row0 = gwarp; row0 < VOCAB; row0 += R * nwarps) {
-        const u8* rows[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) rows[r] = out_w + rb * min(row0 + r * nwarps, VOCAB - 1);
-        float y[R];
-        rows_dot<DIM, R>(out_type, rows, xs, lane, y);
-        if (lane == 0) {
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                const int row = row0 + r * nwarps;
-                if (row < VOCAB) {
-                    logits[row] = y[r];
-                    const u64 key = argmax_key(y[r], row);
-                    mine = key > mine ? key : mine;
-                }
-            }
-        }
-    }
+    const u64 mine =  // 4 rows per warp task: their loads overlap
+        gemv_rows<DIM, VOCAB, 4, true>(out_type, out_w, xs, logits, 0, gwarp, nwarps, lane);
     if (lane == 0 && mine) atomicMax(best, mine);
     MARK(1 + 5 * NL);
 }
