@@ -78,6 +78,176 @@ static inline __attribute__((always_inline)) void dot_rows(
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(facc[r]);
 }
 
+/* -- the many-rows path (prefill): a tile of GT = 32 weight rows, re-laid once per call so
+ * that a 64-byte vector holds 4 consecutive codes of 16 weight rows (lane = weight row),
+ * times MR activation rows at a time (a broadcast of 4 activation codes per vpdpbusd).
+ * Each lane of an int32 accumulator then holds the exact integer block dot of its weight row
+ * with the activation row, started at the block's -offset * (sum of its 32 codes), and is
+ * added per block as float(sum) * (d_w d_a) (Q4_1: + m_w s_a) into float32 accumulators,
+ * in block order. So the outputs are ggml's sum over blocks, equal to the GEMV path above
+ * (which sums 8 partial lanes per block) to float rounding. */
+enum { GT = 32, GEMM_MR = 4 };
+/* m from which qlib_qgemm_ex (and kquants.c's qlib_kgemm) take the tiled path */
+int qlib_gemm_min_rows = 4;
+void qlib_qgemm_set_min_rows(int rows) { qlib_gemm_min_rows = rows; }
+
+/* 16 x 16 int32 transpose: r[i] lane c -> r[c] lane i. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int p = 0; p < 8; p++) {
+        t[2 * p] = _mm512_unpacklo_epi32(r[2 * p], r[2 * p + 1]);
+        t[2 * p + 1] = _mm512_unpackhi_epi32(r[2 * p], r[2 * p + 1]);
+    }
+    for (int q = 0; q < 4; q++) { /* u[4q + j], 128-bit lane L: rows 4q.. of column 4L + j */
+        u[4 * q + 0] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+        u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* The tile's codes as unsigned bytes in steps of 4 elements: wt[(s * GT + r) * 4 + t] = code
+ * of element 4s + t of tile row r (rows past n repeat the last row); dt / mt: float d / m. */
+static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const uint16_t *dw,
+                      const uint16_t *mw, int j0, int n, int k, uint8_t *wt, float *dt,
+                      float *mt) {
+    const int G = k / 32, last = n - 1 - j0;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int v = 0; v < GT / 16; v++) {
+        const uint8_t *row[16];
+        for (int l = 0; l < 16; l++) {
+            const int r = v * 16 + l;
+            row[l] = codes + (size_t)(j0 + (r < last ? r : last)) * row_bytes;
+        }
+        for (int c = 0; c < k / 64; c++) { /* 64 elements: 16 steps */
+            __m512i x[16];
+            for (int l = 0; l < 16; l++) {
+                if (type == QLIB_Q8_0) {
+                    x[l] = _mm512_loadu_si512(row[l] + 64 * c);
+                } else {
+                    const __m256i p = _mm256_loadu_si256((const __m256i *)(row[l] + 32 * c));
+                    x[l] = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_and_si256(p, low4)),
+                        _mm256_and_si256(_mm256_srli_epi16(p, 4), low4), 1);
+                }
+            }
+            transpose16(x);
+            for (int t = 0; t < 16; t++)
+                _mm512_store_si512(wt + ((size_t)(16 * c + t) * GT + v * 16) * 4, x[t]);
+        }
+    }
+    for (int r = 0; r < GT; r++) {
+        const size_t jr = (size_t)(j0 + (r < last ? r : last)) * G;
+        for (int b = 0; b < G; b++) {
+            dt[b * GT + r] = _cvtsh_ss(dw[jr + b]);
+            if (mt) mt[b * GT + r] = _cvtsh_ss(mw[jr + b]);
+        }
+    }
+}
+
+/* MR activation rows (codes aq, stride k; d ad, s as, block corrections cb: stride G) times
+ * the tile: y rows of stride n, cols j0 .. j0 + cols. */
+static inline __attribute__((always_inline)) void gemm_rows(
+    const int MR, int type, const uint8_t *wt, const float *dt, const float *mt, int k,
+    const int8_t *aq, const float *ad, const float *as, const int32_t *cb, float *y, int n,
+    int cols, int accumulate) {
+    enum { NV = GT / 16 };
+    const int G = k / 32;
+    __m512 facc[GEMM_MR][NV]; /* MR <= GEMM_MR: no VLA */
+    for (int i = 0; i < MR; i++)
+        for (int v = 0; v < NV; v++) facc[i][v] = _mm512_setzero_ps();
+    for (int b = 0; b < G; b++) {
+        __m512i iacc[GEMM_MR][NV];
+        for (int i = 0; i < MR; i++) {
+            const __m512i c0 = _mm512_set1_epi32(cb[(size_t)i * G + b]);
+            for (int v = 0; v < NV; v++) iacc[i][v] = c0;
+        }
+        const uint8_t *wb = wt + (size_t)b * 8 * GT * 4;
+        const int8_t *ab = aq + b * 32;
+        for (int s = 0; s < 8; s++) {
+            __m512i w[NV];
+            for (int v = 0; v < NV; v++) w[v] = _mm512_loadu_si512(wb + (s * GT + v * 16) * 4);
+            for (int i = 0; i < MR; i++) {
+                int32_t a4;
+                memcpy(&a4, ab + (size_t)i * k + 4 * s, 4);
+                const __m512i a = _mm512_set1_epi32(a4);
+                for (int v = 0; v < NV; v++) iacc[i][v] = _mm512_dpbusd_epi32(iacc[i][v], w[v], a);
+            }
+        }
+        for (int v = 0; v < NV; v++) {
+            const __m512 dwv = _mm512_loadu_ps(dt + b * GT + v * 16);
+            for (int i = 0; i < MR; i++) {
+                const __m512 dd = _mm512_mul_ps(dwv, _mm512_set1_ps(ad[(size_t)i * G + b]));
+                facc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i][v]), dd, facc[i][v]);
+            }
+            if (type == QLIB_Q4_1) {
+                const __m512 mwv = _mm512_loadu_ps(mt + b * GT + v * 16);
+                for (int i = 0; i < MR; i++)
+                    facc[i][v] = _mm512_fmadd_ps(mwv, _mm512_set1_ps(as[(size_t)i * G + b]),
+                                                 facc[i][v]);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int v = 0; v < NV; v++) {
+            const int c = cols - v * 16;
+            if (c <= 0) break;
+            const __mmask16 mask = c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << c) - 1);
+            float *yi = y + (size_t)i * n + v * 16;
+            __m512 r = facc[i][v];
+            if (accumulate) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(mask, yi));
+            _mm512_mask_storeu_ps(yi, mask, r);
+        }
+}
+
+
+/* The tiled path of qlib_qgemm_ex, on the quantized activations. Returns 0 or -1 (memory). */
+static int qgemm_tiled(int type, const uint8_t *codes, size_t row_bytes, const uint16_t *dw,
+                       const uint16_t *mw, int n, int k, const int8_t *aq, const float *ad,
+                       const float *as, const int32_t *cb, int m, float *y, int accumulate) {
+    const int G = k / 32, ntiles = (n + GT - 1) / GT;
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint8_t *wt = aligned_alloc(64, (size_t)GT * k);
+        float *dt = aligned_alloc(64, sizeof(float) * GT * (size_t)G * 2);
+        if (!wt || !dt) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int tj = 0; tj < ntiles; tj++) {
+                const int j0 = tj * GT, cols = n - j0 < GT ? n - j0 : GT;
+                float *mt = type == QLIB_Q4_1 ? dt + GT * (size_t)G : NULL;
+                gemm_tile(type, codes, row_bytes, dw, mw, j0, n, k, wt, dt, mt);
+                int i = 0;
+                for (; i + GEMM_MR <= m; i += GEMM_MR)
+                    gemm_rows(GEMM_MR, type, wt, dt, mt, k, aq + (size_t)i * k, ad + (size_t)i * G,
+                              as + (size_t)i * G, cb + (size_t)i * G, y + (size_t)i * n + j0, n,
+                              cols, accumulate);
+                for (; i < m; i++)
+                    gemm_rows(1, type, wt, dt, mt, k, aq + (size_t)i * k, ad + (size_t)i * G,
+                              as + (size_t)i * G, cb + (size_t)i * G, y + (size_t)i * n + j0, n,
+                              cols, accumulate);
+            }
+        }
+        free(wt), free(dt);
+    }
+    return failed ? -1 : 0;
+}
+
 /* y[m, n] (+)= f(x)[m, k] @ W[n, k].T, where f is RmsNorm with weight norm_w (when not
  * NULL) or, with swiglu, silu(x[:, :k]) * x[:, k:] (x rows then hold 2k floats);
  * accumulate adds into y (a residual). Returns 0, or -1 (k % 64 != 0, out of memory). */
@@ -109,6 +279,21 @@ int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint
             _mm512_storeu_si512(corr + (size_t)i * (k / 4) + e / 4,
                                 _mm512_mullo_epi32(lane, _mm512_set1_epi32(-offset)));
         }
+    }
+    if (m >= qlib_gemm_min_rows) { /* many rows: the tiled path, on exact block corrections */
+        int32_t *cb = malloc(sizeof(int32_t) * (size_t)m * G);
+        int rc = -1;
+        if (cb) {
+            for (size_t t = 0; t < (size_t)m * G; t++) {
+                int32_t sum = 0;
+                for (int l = 0; l < 8; l++) sum += corr[t * 8 + l];
+                cb[t] = sum;
+            }
+            rc = qgemm_tiled(type, codes, row_bytes, dw, mw, n, k, aq, ad, as, cb, m, y,
+                             accumulate);
+        }
+        free(cb), free(aq), free(ad), free(as), free(corr), free(row);
+        return rc;
     }
     const int nblk = (n + 3) / 4; /* groups of 4 weight rows */
 #pragma omp parallel for schedule(static)

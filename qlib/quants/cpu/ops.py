@@ -53,6 +53,7 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "qlib_qgemm_ex": ([_i, _p, _p, _p, _i, _i, _p, _i, _p, _p, _f, _i, _i], _i),
     "qlib_kgemm": ([_i, _p, _i, _i, _p, _i, _p, _p, _f, _i, _i], _i),
+    "qlib_qgemm_set_min_rows": ([_i], None),
     "qlib_attn_decode": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p], _i),
     "qlib_attn_decode_kv": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p, _i, _i], _i),
     "qlib_repack": ([_i, _p, _i, _i, _p, _p, _p], None),
@@ -92,6 +93,21 @@ def _lib() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"C kernels unavailable: {build.unavailable_reason()}")
     return lib
+
+
+GEMM_MIN_ROWS = 4
+"""From this many rows ``qgemm`` takes the kernels' tiled (GEMM) path: a tile of weight rows
+re-laid once per call, times several activation rows (the prefill); below it, the GEMV
+loops (decode). Both sum the same exact integer block dots (ggml semantics); only the
+float32 order of the per-block terms differs, so their outputs agree to float rounding.
+Within one path a row's result never depends on the other rows."""
+
+
+def set_gemm_min_rows(rows: int) -> None:
+    """Sets the row count from which ``qgemm`` takes the tiled path (tests: 1 forces it,
+    a huge value forces the GEMV loops); ``GEMM_MIN_ROWS`` is the default."""
+    lib = _lib()
+    lib.qlib_qgemm_set_min_rows(int(rows))
 
 
 def amx_available() -> bool:

@@ -1,0 +1,89 @@
+"""The two paths of the C matmul kernels: the tiled (GEMM) path that ``qgemm`` takes from
+``GEMM_MIN_ROWS`` rows (prefill) and the GEMV loops (decode).
+
+Both quantize each activation row the same way (Q8_0 / Q8_1 / Q8_K, as ggml's x86 backend)
+and sum the same exact integer block dots; only the float32 combination of the per-block
+terms is in another order (GEMV: 16 partial lanes per pair of blocks, summed at the end;
+GEMM: one term per block in block order, as ggml). So every output agrees to float rounding:
+``TOL`` = 1e-5 x the largest |output| of the product (observed <= 1e-6; a wrong code, scale,
+offset or row moves outputs by 1e-2 and more). Checked for m = 1..300 rows (every remainder
+of the tiles of 4 activation rows, tiles of 32 weight rows with n not a multiple of 32), every
+type of each kernel, with the fused RmsNorm / SwiGLU input and accumulate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qlib.quants import cpu
+from qlib.quants.cpu import ops, packing
+from qlib.quants.qtensor import QTensor
+
+TOL = 1e-5  # x max |output|: the float32 order of the per-block terms (see above)
+PLANES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0")  # kernels.c (Q5_0 widened to Q8_0 planes)
+BLOCKS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_1")  # kquants.c
+ROWS = list(range(1, 41)) + [63, 64, 65, 127, 128, 129, 203, 255, 256, 299, 300]
+
+pytestmark = pytest.mark.skipif(
+    not cpu.available(), reason=f"C kernels unavailable: {cpu.unavailable_reason()}"
+)
+
+
+@pytest.fixture
+def paths():
+    """(gemv, gemm): qgemm with the GEMV loops / the tiled path forced."""
+
+    def run(min_rows, *args, **kw):
+        ops.set_gemm_min_rows(min_rows)
+        try:
+            return cpu.qgemm(*args, **kw)
+        finally:
+            ops.set_gemm_min_rows(ops.GEMM_MIN_ROWS)
+
+    return (lambda *a, **kw: run(1 << 30, *a, **kw)), (lambda *a, **kw: run(1, *a, **kw))
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    torch.testing.assert_close(y, ref, rtol=TOL, atol=TOL * ref.abs().max().item())
+
+
+def _packed(type_name: str, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return packing.pack(QTensor.quantize(torch.randn(n, k, generator=g), type_name))
+
+
+@pytest.mark.parametrize("t", PLANES + BLOCKS)
+def test_gemm_equals_gemv_every_row_count(t, paths):
+    gemv, gemm = paths
+    k = 512 if t in BLOCKS else 576  # k % 256 (K-quants); 576 = 9 x 64 (SmolLM2's width)
+    w = _packed(t, 75, k, seed=len(t))  # 75 = 2 x 32 + 11 weight rows
+    x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(1))
+    full = gemv(x, w)
+    for m in ROWS:
+        y = gemm(x[:m], w)
+        _close(y, full[:m])
+        if m in (4, 37, 300):  # the tiled path's rows do not depend on the other rows
+            assert torch.equal(y, gemm(x, w)[:m])
+
+
+@pytest.mark.parametrize("t", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_1"])
+@pytest.mark.parametrize("n,k", [(33, 2048), (100, 1536)])
+def test_gemm_equals_gemv_shapes_and_fusions(t, n, k, paths):
+    gemv, gemm = paths
+    w = _packed(t, n, k, seed=n)
+    g = torch.Generator().manual_seed(2)
+    m = 21
+    x = torch.randn(m, k, generator=g)
+    norm = torch.rand(k, generator=g) + 0.5
+    _close(gemm(x, w, norm=norm, eps=1e-5), gemv(x, w, norm=norm, eps=1e-5))
+    gu = torch.randn(m, 2 * k, generator=g) * 3
+    _close(gemm(gu, w, swiglu=True), gemv(gu, w, swiglu=True))
+    base = torch.randn(m, n, generator=g)
+    a, b = base.clone(), base.clone()
+    gemm(x, w, a, accumulate=True), gemv(x, w, b, accumulate=True)
+    _close(a, b)
+
+
+def test_default_threshold():
+    """Decode (one row) stays on the GEMV loops; the prefill takes the tiled path."""
+    assert 1 < ops.GEMM_MIN_ROWS <= 8
