@@ -83,11 +83,14 @@ def test_kgemm_matches_torch_fallback(type_name, n, k):
     x = torch.randn(5, k, generator=g) * 2
     y = cpu.qgemm(x, pw)
     _close(y, qmatmul_prepared(x, pr))
-    # every row alone (m = 1: weight rows 4 at a time) and rows 0..4 of the weight alone:
-    # the same bits as 5 rows (each super-block unpacked once for 4 activation rows, then 1):
-    # a row's result does not depend on the other rows, nor on the unrolls
-    for i in range(5):
-        assert torch.equal(cpu.qgemm(x[i : i + 1], pw), y[i : i + 1])
+    # every row alone (m = 1: the GEMV loops, weight rows 4 at a time) equals the 5 rows
+    # (the tiled path from GEMM_MIN_ROWS rows, tests/test_gemm_paths.py) to float rounding;
+    # within a path, and with rows 0..4 of the weight alone, the same bits: a row's result
+    # does not depend on the other rows, nor on the unrolls
+    alone = torch.cat([cpu.qgemm(x[i : i + 1], pw) for i in range(5)])
+    _close(alone, y)
+    assert torch.equal(cpu.qgemm(x[1:], pw), y[1:])  # 4 rows: the tiled path too
+    assert torch.equal(cpu.qgemm(x[:2], pw), alone[:2])  # 2 rows: GEMV, each super-block once
     head = cpu.pack(QTensor(w.data[:5].clone(), (5, k), type_name))
     assert torch.equal(cpu.qgemm(x, head), y[:, :5])
     # fused RmsNorm

@@ -16,6 +16,10 @@
  * Rows are split over OpenMP threads; each output element is computed by one
  * thread in a fixed order, so a row's result never depends on the other rows.
  * Requires k % 64 == 0.
+ * From qlib_gemm_min_rows rows (4; prefill) a tiled GEMM path (below) computes the same
+ * exact integer block dots with weight tiles re-laid once per call: equal to the GEMV
+ * loops to float rounding (the float32 order of the per-block terms), rows independent
+ * within each path.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -90,31 +94,6 @@ enum { GT = 32, GEMM_MR = 4 };
 /* m from which qlib_qgemm_ex (and kquants.c's qlib_kgemm) take the tiled path */
 int qlib_gemm_min_rows = 4;
 void qlib_qgemm_set_min_rows(int rows) { qlib_gemm_min_rows = rows; }
-
-/* 16 x 16 int32 transpose: r[i] lane c -> r[c] lane i. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int p = 0; p < 8; p++) {
-        t[2 * p] = _mm512_unpacklo_epi32(r[2 * p], r[2 * p + 1]);
-        t[2 * p + 1] = _mm512_unpackhi_epi32(r[2 * p], r[2 * p + 1]);
-    }
-    for (int q = 0; q < 4; q++) { /* u[4q + j], 128-bit lane L: rows 4q.. of column 4L + j */
-        u[4 * q + 0] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
-        u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
-        u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
-        u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
-        const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
-        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
-        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
-        r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-        r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-    }
-}
 
 /* The tile's codes as unsigned bytes in steps of 4 elements: wt[(s * GT + r) * 4 + t] = code
  * of element 4s + t of tile row r (rows past n repeat the last row); dt / mt: float d / m. */

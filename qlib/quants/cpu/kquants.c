@@ -21,6 +21,11 @@
  * Rows are split over OpenMP threads; each output element is computed by one thread in a
  * fixed order, so a row's result never depends on the other rows.
  * Requires k % 256 == 0 (K-quants), k % 64 == 0 (Q5_1).
+ * From qlib_gemm_min_rows rows (4; prefill) the K-quants take a tiled GEMM path (below; Q5_1
+ * keeps the GEMV loops): the same
+ * exact integer block dots with weight tiles re-laid once per call: equal to the GEMV
+ * loops to float rounding (the float32 order of the per-block terms), rows independent
+ * within each path.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -409,6 +414,218 @@ static void dot_cols_k(int M, int type, const uint8_t *w, int k, const int8_t *a
 #undef QLIB_K_CASE
 }
 
+/* -- the many-rows path (prefill) for Q2_K..Q6_K, as kernels.c's tiled path: a tile of KT = 32
+ * weight rows unpacked once per call (kunpack) and re-laid so that a 64-byte vector holds 4
+ * codes (act_order positions) of 16 weight rows (lane = weight row), times KMR activation
+ * rows at a time (a broadcast of 4 activation codes per vpdpbusd). Per sub-block, a lane
+ * holds the exact integer isum_s of its weight row (started at -off * bsum_s for Q3_K /
+ * Q6_K), times the sub-block scale (vpmulld) into the exact sumi = sum_s sc_s (isum_s - off
+ * bsum_s); the mins' sum_s m_s bsum_s is exact too (vpdpwssd on pairs of mins). Per
+ * super-block: float(sumi) * (d_w d_a) and float(min sums) * -(dmin_w d_a) in block order. The
+ * integers are those of the GEMV path above; only the float32 order differs. */
+enum { KT = 32, KMR = 4, KNV = KT / 16 };
+extern int qlib_gemm_min_rows; /* kernels.c */
+
+typedef struct {
+    int nsb, ss;     /* sub-blocks per super-block, 4-code steps per sub-block */
+    int sub[16];     /* natural sub-block of the p-th run of codes in act_order */
+    int off, mins;   /* the code offset (Q3_K 4, Q6_K 32); whether the type has mins */
+    int bs0;         /* the first lane of the activation sums of these sub-blocks */
+} kgeom;
+
+static kgeom kgeometry(int type) {
+    kgeom g;
+    const int *order = act_order(type);
+    const int by32 = type == QLIB_Q4_K || type == QLIB_Q5_K;
+    g.nsb = by32 ? 8 : 16, g.ss = by32 ? 8 : 4;
+    for (int p = 0; p < g.nsb; p++)
+        g.sub[p] = by32 ? order[p] : 2 * order[p / 2] + p % 2;
+    g.off = type == QLIB_Q6_K ? 32 : type == QLIB_Q3_K ? 4 : 0;
+    g.mins = type == QLIB_Q2_K || by32;
+    g.bs0 = by32 ? 8 : 0;
+    return g;
+}
+
+/* The tile: wt codes [super-block][64 steps][KT rows][4], sc int32 [nb][16][KT], mn int32
+ * pairs of int16 mins [nb][8][KT], dt / dmt float [nb][KT]. Rows past n repeat the last. */
+static void ktile(int type, const kgeom *g, const uint8_t *w, size_t row_bytes, int j0, int n,
+                  int nb, const __m512i idx[4], uint8_t *wt, int32_t *sc, int32_t *mn, float *dt,
+                  float *dmt) {
+    const int bsize = block_bytes(type), last = n - 1 - j0;
+    _Alignas(64) uint8_t tmp[KT][256];
+    for (int b = 0; b < nb; b++) {
+        for (int r = 0; r < KT; r++) {
+            const uint8_t *wr = w + (size_t)(j0 + (r < last ? r : last)) * row_bytes;
+            kunpacked u;
+            kunpack(type, wr + (size_t)b * bsize, idx, &u);
+            for (int i = 0; i < 4; i++) _mm512_store_si512(tmp[r] + 64 * i, u.v[i]);
+            int16_t s16[16], m16[16];
+            _mm256_storeu_si256((__m256i *)s16, u.sc16);
+            _mm256_storeu_si256((__m256i *)m16, type == QLIB_Q2_K ? u.mn16 : u.sc16);
+            for (int s = 0; s < g->nsb; s++) sc[((size_t)b * 16 + s) * KT + r] = s16[s];
+            if (g->mins) {
+                const int16_t *mm = type == QLIB_Q2_K ? m16 : m16 + 8;
+                for (int p = 0; p < g->nsb / 2; p++)
+                    mn[((size_t)b * 8 + p) * KT + r] =
+                        (int32_t)(uint16_t)mm[2 * p] | (int32_t)((uint32_t)(uint16_t)mm[2 * p + 1] << 16);
+            }
+            dt[(size_t)b * KT + r] = u.d, dmt[(size_t)b * KT + r] = u.dmin;
+        }
+        for (int v = 0; v < KNV; v++)
+            for (int c = 0; c < 4; c++) {
+                __m512i x[16];
+                for (int l = 0; l < 16; l++) x[l] = _mm512_load_si512(tmp[v * 16 + l] + 64 * c);
+                transpose16(x);
+                for (int t = 0; t < 16; t++)
+                    _mm512_store_si512(wt + (((size_t)b * 64 + 16 * c + t) * KT + v * 16) * 4, x[t]);
+            }
+    }
+}
+
+static inline __attribute__((always_inline)) void krows_tiled(
+    const int MR, const kgeom *g, const uint8_t *wt, const int32_t *sc, const int32_t *mn,
+    const float *dt, const float *dmt, int nb, const int8_t *aq, const float *ad,
+    const int16_t *abs_, float *y, int n, int cols, int accumulate) {
+    const int k = 256 * nb;
+    __m512 facc[KMR][KNV];
+    for (int i = 0; i < MR; i++)
+        for (int v = 0; v < KNV; v++) facc[i][v] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m512i sumi[KMR][KNV];
+        for (int i = 0; i < MR; i++)
+            for (int v = 0; v < KNV; v++) sumi[i][v] = _mm512_setzero_si512();
+        const uint8_t *wb = wt + (size_t)b * 64 * KT * 4;
+        const int8_t *ab = aq + 256 * b;
+        for (int p = 0; p < g->nsb; p++) {
+            const int s = g->sub[p];
+            __m512i iacc[KMR][KNV];
+            for (int i = 0; i < MR; i++) {
+                const int c0 = g->off ? -g->off * abs_[((size_t)i * nb + b) * 16 + s] : 0;
+                for (int v = 0; v < KNV; v++) iacc[i][v] = _mm512_set1_epi32(c0);
+            }
+            for (int t = p * g->ss; t < (p + 1) * g->ss; t++) {
+                __m512i wv[KNV];
+                for (int v = 0; v < KNV; v++) wv[v] = _mm512_load_si512(wb + (t * KT + v * 16) * 4);
+                for (int i = 0; i < MR; i++) {
+                    int32_t a4;
+                    memcpy(&a4, ab + (size_t)i * k + 4 * t, 4);
+                    const __m512i a = _mm512_set1_epi32(a4);
+                    for (int v = 0; v < KNV; v++)
+                        iacc[i][v] = _mm512_dpbusd_epi32(iacc[i][v], wv[v], a);
+                }
+            }
+            for (int v = 0; v < KNV; v++) {
+                const __m512i scv = _mm512_load_si512(sc + ((size_t)b * 16 + s) * KT + v * 16);
+                for (int i = 0; i < MR; i++)
+                    sumi[i][v] = _mm512_add_epi32(sumi[i][v], _mm512_mullo_epi32(iacc[i][v], scv));
+            }
+        }
+        for (int v = 0; v < KNV; v++) {
+            const __m512 dwv = _mm512_load_ps(dt + (size_t)b * KT + v * 16);
+            for (int i = 0; i < MR; i++) {
+                const __m512 dd = _mm512_mul_ps(dwv, _mm512_set1_ps(ad[(size_t)i * nb + b]));
+                facc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[i][v]), dd, facc[i][v]);
+            }
+        }
+        if (g->mins) {
+            for (int v = 0; v < KNV; v++) {
+                const __m512 dmv = _mm512_load_ps(dmt + (size_t)b * KT + v * 16);
+                for (int i = 0; i < MR; i++) {
+                    const int16_t *bs = abs_ + ((size_t)i * nb + b) * 16 + g->bs0;
+                    __m512i im = _mm512_setzero_si512();
+                    for (int p = 0; p < g->nsb / 2; p++) {
+                        int32_t pair;
+                        memcpy(&pair, bs + 2 * p, 4);
+                        im = _mm512_dpwssd_epi32(
+                            im, _mm512_load_si512(mn + ((size_t)b * 8 + p) * KT + v * 16),
+                            _mm512_set1_epi32(pair));
+                    }
+                    const __m512 dm = _mm512_mul_ps(dmv, _mm512_set1_ps(ad[(size_t)i * nb + b]));
+                    facc[i][v] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), dm, facc[i][v]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int v = 0; v < KNV; v++) {
+            const int c = cols - v * 16;
+            if (c <= 0) break;
+            const __mmask16 mask = c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << c) - 1);
+            float *yi = y + (size_t)i * n + v * 16;
+            __m512 r = facc[i][v];
+            if (accumulate) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(mask, yi));
+            _mm512_mask_storeu_ps(yi, mask, r);
+        }
+}
+
+/* krows_tiled with the type as a constant (the geometry's loops unroll) */
+static void krows_tiled_t(int MR, int type, const uint8_t *wt, const int32_t *sc,
+                          const int32_t *mn, const float *dt, const float *dmt, int nb,
+                          const int8_t *aq, const float *ad, const int16_t *abs_, float *y, int n,
+                          int cols, int accumulate) {
+#define QLIB_KT_CASE(T)                                                                       \
+    case T: {                                                                                 \
+        const kgeom g = kgeometry(T);                                                         \
+        if (MR == KMR)                                                                        \
+            krows_tiled(KMR, &g, wt, sc, mn, dt, dmt, nb, aq, ad, abs_, y, n, cols, accumulate); \
+        else                                                                                  \
+            krows_tiled(1, &g, wt, sc, mn, dt, dmt, nb, aq, ad, abs_, y, n, cols, accumulate);   \
+        break;                                                                                \
+    }
+    switch (type) {
+        QLIB_KT_CASE(QLIB_Q2_K)
+        QLIB_KT_CASE(QLIB_Q3_K)
+        QLIB_KT_CASE(QLIB_Q4_K)
+        QLIB_KT_CASE(QLIB_Q5_K)
+        QLIB_KT_CASE(QLIB_Q6_K)
+    }
+#undef QLIB_KT_CASE
+}
+
+/* The tiled path of qlib_kgemm (K-quants), on the quantized activations: 0 or -1 (memory). */
+static int kgemm_tiled(int type, const uint8_t *w, size_t row_bytes, int n, int k,
+                       const int8_t *aq, const float *ad, const int16_t *abs_, int m, float *y,
+                       int accumulate) {
+    const int nb = k / 256, ntiles = (n + KT - 1) / KT;
+    const kgeom g = kgeometry(type);
+    int16_t idx_tab[4][32];
+    scale_index(type, idx_tab);
+    int failed = 0;
+#pragma omp parallel
+    {
+        __m512i idx[4];
+        for (int i = 0; i < 4; i++) idx[i] = _mm512_loadu_si512(idx_tab[i]);
+        uint8_t *wt = aligned_alloc(64, (size_t)KT * k);
+        int32_t *sc = aligned_alloc(64, sizeof(int32_t) * (size_t)nb * 24 * KT);
+        float *dt = aligned_alloc(64, sizeof(float) * (size_t)nb * 2 * KT);
+        if (!wt || !sc || !dt) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            int32_t *mn = sc + (size_t)nb * 16 * KT;
+            float *dmt = dt + (size_t)nb * KT;
+#pragma omp for schedule(static)
+            for (int tj = 0; tj < ntiles; tj++) {
+                const int j0 = tj * KT, cols = n - j0 < KT ? n - j0 : KT;
+                ktile(type, &g, w, row_bytes, j0, n, nb, idx, wt, sc, mn, dt, dmt);
+                int i = 0;
+                for (; i + KMR <= m; i += KMR)
+                    krows_tiled_t(KMR, type, wt, sc, mn, dt, dmt, nb, aq + (size_t)i * k,
+                                  ad + (size_t)i * nb, abs_ + (size_t)i * 16 * nb,
+                                  y + (size_t)i * n + j0, n, cols, accumulate);
+                for (; i < m; i++)
+                    krows_tiled_t(1, type, wt, sc, mn, dt, dmt, nb, aq + (size_t)i * k,
+                                  ad + (size_t)i * nb, abs_ + (size_t)i * 16 * nb,
+                                  y + (size_t)i * n + j0, n, cols, accumulate);
+            }
+        }
+        free(wt), free(sc), free(dt);
+    }
+    return failed ? -1 : 0;
+}
+
 /* y[m, n] (+)= f(x)[m, k] @ W[n, k].T for W given as GGUF blocks ([n, k / 256] K-quant
  * blocks or [n, k / 32] Q5_1 blocks), f and the flags as in kernels.c's qlib_qgemm_ex.
  * Returns 0, or -1 (type, k % 256 (Q5_1: 64) != 0, out of memory). */
@@ -434,6 +651,11 @@ int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
                              abs_ + (size_t)i * 16 * NB);
         else
             quantize_row_q8(row, k, aq + (size_t)i * k, ad + (size_t)i * G, as + (size_t)i * G);
+    }
+    if (kq && m >= qlib_gemm_min_rows) { /* many rows: the tiled path */
+        const int rc = kgemm_tiled(type, w, row_bytes, n, k, aq, ad, abs_, m, y, accumulate);
+        free(aq), free(ad), free(as), free(abs_), free(row);
+        return rc;
     }
     int16_t idx_tab[4][32];
     scale_index(type, idx_tab);

@@ -58,6 +58,31 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* 16 x 16 int32 transpose: r[i] lane c -> r[c] lane i. */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int p = 0; p < 8; p++) {
+        t[2 * p] = _mm512_unpacklo_epi32(r[2 * p], r[2 * p + 1]);
+        t[2 * p + 1] = _mm512_unpackhi_epi32(r[2 * p], r[2 * p + 1]);
+    }
+    for (int q = 0; q < 4; q++) { /* u[4q + j], 128-bit lane L: rows 4q.. of column 4L + j */
+        u[4 * q + 0] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+        u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
 /* -- the activation rows of the GEMV kernels (kernels.c, kquants.c) -- */
 
 /* One row of k floats -> int8 codes, d (f16-rounded float) and s = f16(d * sum q). */
