@@ -433,7 +433,7 @@ typedef struct {
     int bs0;         /* the first lane of the activation sums of these sub-blocks */
 } kgeom;
 
-static kgeom kgeometry(int type) {
+static inline __attribute__((always_inline)) kgeom kgeometry(int type) {
     kgeom g;
     const int *order = act_order(type);
     const int by32 = type == QLIB_Q4_K || type == QLIB_Q5_K;
@@ -483,10 +483,11 @@ static void ktile(int type, const kgeom *g, const uint8_t *w, size_t row_bytes, 
 }
 
 static inline __attribute__((always_inline)) void krows_tiled(
-    const int MR, const kgeom *g, const uint8_t *wt, const int32_t *sc, const int32_t *mn,
+    const int MR, const int type, const uint8_t *wt, const int32_t *sc, const int32_t *mn,
     const float *dt, const float *dmt, int nb, const int8_t *aq, const float *ad,
     const int16_t *abs_, float *y, int n, int cols, int accumulate) {
     const int k = 256 * nb;
+    const kgeom geo = kgeometry(type), *g = &geo; /* constants with the type's */
     __m512 facc[KMR][KNV];
     for (int i = 0; i < MR; i++)
         for (int v = 0; v < KNV; v++) facc[i][v] = _mm512_setzero_ps();
@@ -503,6 +504,7 @@ static inline __attribute__((always_inline)) void krows_tiled(
                 const int c0 = g->off ? -g->off * abs_[((size_t)i * nb + b) * 16 + s] : 0;
                 for (int v = 0; v < KNV; v++) iacc[i][v] = _mm512_set1_epi32(c0);
             }
+#pragma GCC unroll 8
             for (int t = p * g->ss; t < (p + 1) * g->ss; t++) {
                 __m512i wv[KNV];
                 for (int v = 0; v < KNV; v++) wv[v] = _mm512_load_si512(wb + (t * KT + v * 16) * 4);
@@ -564,14 +566,12 @@ static void krows_tiled_t(int MR, int type, const uint8_t *wt, const int32_t *sc
                           const int8_t *aq, const float *ad, const int16_t *abs_, float *y, int n,
                           int cols, int accumulate) {
 #define QLIB_KT_CASE(T)                                                                       \
-    case T: {                                                                                 \
-        const kgeom g = kgeometry(T);                                                         \
+    case T:                                                                                   \
         if (MR == KMR)                                                                        \
-            krows_tiled(KMR, &g, wt, sc, mn, dt, dmt, nb, aq, ad, abs_, y, n, cols, accumulate); \
+            krows_tiled(KMR, T, wt, sc, mn, dt, dmt, nb, aq, ad, abs_, y, n, cols, accumulate);  \
         else                                                                                  \
-            krows_tiled(1, &g, wt, sc, mn, dt, dmt, nb, aq, ad, abs_, y, n, cols, accumulate);   \
-        break;                                                                                \
-    }
+            krows_tiled(1, T, wt, sc, mn, dt, dmt, nb, aq, ad, abs_, y, n, cols, accumulate);    \
+        break;
     switch (type) {
         QLIB_KT_CASE(QLIB_Q2_K)
         QLIB_KT_CASE(QLIB_Q3_K)
