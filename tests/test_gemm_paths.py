@@ -3,12 +3,15 @@
 
 Both quantize each activation row the same way (Q8_0 / Q8_1 / Q8_K, as ggml's x86 backend)
 and sum the same exact integer block dots; only the float32 combination of the per-block
-terms is in another order (GEMV: 16 partial lanes per pair of blocks, summed at the end;
-GEMM: one term per block in block order, as ggml). So every output agrees to float rounding:
-``TOL`` = 1e-5 x the largest |output| of the product (observed <= 1e-6; a wrong code, scale,
-offset or row moves outputs by 1e-2 and more). Checked for m = 1..300 rows (every remainder
-of the tiles of 4 activation rows, tiles of 32 weight rows with n not a multiple of 32), every
-type of each kernel, with the fused RmsNorm / SwiGLU input and accumulate."""
+terms differs (legacy types, GEMV: 16 partial lanes per pair of blocks, summed at the end;
+GEMM: one term per block in block order, as ggml. K-quants, GEMM: the exact products
+sc_s * isum_s of the sub-blocks summed in float32, not in int32). So every output agrees to
+float rounding: ``TOL`` = 1e-5 x the largest |output| of the product (observed <= 9.2e-7 for
+every type at k = 512..8192, m = 300; a wrong code, scale, offset or row moves outputs by 1e-2
+and more). Checked for m = 1..300 rows (every remainder of the tiles of 4 activation rows;
+tiles of 32 weight rows with n not a multiple of 32), every type of each kernel (Q5_1 has no
+tiled path: both calls take the GEMV loops), with the fused RmsNorm / SwiGLU input and
+accumulate."""
 
 from __future__ import annotations
 

@@ -419,10 +419,13 @@ static void dot_cols_k(int M, int type, const uint8_t *w, int k, const int8_t *a
  * codes (act_order positions) of 16 weight rows (lane = weight row), times KMR activation
  * rows at a time (a broadcast of 4 activation codes per vpdpbusd). Per sub-block, a lane
  * holds the exact integer isum_s of its weight row (started at -off * bsum_s for Q3_K /
- * Q6_K), times the sub-block scale (vpmulld) into the exact sumi = sum_s sc_s (isum_s - off
- * bsum_s); the mins' sum_s m_s bsum_s is exact too (vpdpwssd on pairs of mins). Per
- * super-block: float(sumi) * (d_w d_a) and float(min sums) * -(dmin_w d_a) in block order. The
- * integers are those of the GEMV path above; only the float32 order differs. */
+ * Q6_K); float(isum_s) * sc_s is exact in float32 (below 2^24 for every type: Q6_K at most
+ * 16 * 32 * 128 * 128), and the 8 or 16 terms are summed in float32 into sumi (a vpmulld per
+ * sub-block, the exact integer sum, cost 20-25% of the Q4_K / Q6_K time: p0 is the VNNI
+ * port). The mins' sum_s m_s bsum_s is an exact integer (vpdpwssd on pairs of mins). Per
+ * super-block: sumi * (d_w d_a) and float(min sums) * -(dmin_w d_a) in block order. The
+ * integer sub-block dots are those of the GEMV path above; only the float32 combination
+ * differs. */
 enum { KT = 32, KMR = 4, KNV = KT / 16 };
 extern int qlib_gemm_min_rows; /* kernels.c */
 
@@ -449,7 +452,7 @@ static inline __attribute__((always_inline)) kgeom kgeometry(int type) {
 /* The tile: wt codes [super-block][64 steps][KT rows][4], sc int32 [nb][16][KT], mn int32
  * pairs of int16 mins [nb][8][KT], dt / dmt float [nb][KT]. Rows past n repeat the last. */
 static void ktile(int type, const kgeom *g, const uint8_t *w, size_t row_bytes, int j0, int n,
-                  int nb, const __m512i idx[4], uint8_t *wt, int32_t *sc, int32_t *mn, float *dt,
+                  int nb, const __m512i idx[4], uint8_t *wt, float *sc, int32_t *mn, float *dt,
                   float *dmt) {
     const int bsize = block_bytes(type), last = n - 1 - j0;
     _Alignas(64) uint8_t tmp[KT][256];
@@ -462,7 +465,7 @@ static void ktile(int type, const kgeom *g, const uint8_t *w, size_t row_bytes, 
             int16_t s16[16], m16[16];
             _mm256_storeu_si256((__m256i *)s16, u.sc16);
             _mm256_storeu_si256((__m256i *)m16, type == QLIB_Q2_K ? u.mn16 : u.sc16);
-            for (int s = 0; s < g->nsb; s++) sc[((size_t)b * 16 + s) * KT + r] = s16[s];
+            for (int s = 0; s < g->nsb; s++) sc[((size_t)b * 16 + s) * KT + r] = (float)s16[s];
             if (g->mins) {
                 const int16_t *mm = type == QLIB_Q2_K ? m16 : m16 + 8;
                 for (int p = 0; p < g->nsb / 2; p++)
@@ -483,7 +486,7 @@ static void ktile(int type, const kgeom *g, const uint8_t *w, size_t row_bytes, 
 }
 
 static inline __attribute__((always_inline)) void krows_tiled(
-    const int MR, const int type, const uint8_t *wt, const int32_t *sc, const int32_t *mn,
+    const int MR, const int type, const uint8_t *wt, const float *sc, const int32_t *mn,
     const float *dt, const float *dmt, int nb, const int8_t *aq, const float *ad,
     const int16_t *abs_, float *y, int n, int cols, int accumulate) {
     const int k = 256 * nb;
@@ -492,9 +495,9 @@ static inline __attribute__((always_inline)) void krows_tiled(
     for (int i = 0; i < MR; i++)
         for (int v = 0; v < KNV; v++) facc[i][v] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m512i sumi[KMR][KNV];
+        __m512 sumi[KMR][KNV]; /* sum_s sc_s isum_s: exact terms (< 2^24), float sums */
         for (int i = 0; i < MR; i++)
-            for (int v = 0; v < KNV; v++) sumi[i][v] = _mm512_setzero_si512();
+            for (int v = 0; v < KNV; v++) sumi[i][v] = _mm512_setzero_ps();
         const uint8_t *wb = wt + (size_t)b * 64 * KT * 4;
         const int8_t *ab = aq + 256 * b;
         for (int p = 0; p < g->nsb; p++) {
@@ -517,16 +520,16 @@ static inline __attribute__((always_inline)) void krows_tiled(
                 }
             }
             for (int v = 0; v < KNV; v++) {
-                const __m512i scv = _mm512_load_si512(sc + ((size_t)b * 16 + s) * KT + v * 16);
+                const __m512 scv = _mm512_load_ps(sc + ((size_t)b * 16 + s) * KT + v * 16);
                 for (int i = 0; i < MR; i++)
-                    sumi[i][v] = _mm512_add_epi32(sumi[i][v], _mm512_mullo_epi32(iacc[i][v], scv));
+                    sumi[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i][v]), scv, sumi[i][v]);
             }
         }
         for (int v = 0; v < KNV; v++) {
             const __m512 dwv = _mm512_load_ps(dt + (size_t)b * KT + v * 16);
             for (int i = 0; i < MR; i++) {
                 const __m512 dd = _mm512_mul_ps(dwv, _mm512_set1_ps(ad[(size_t)i * nb + b]));
-                facc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[i][v]), dd, facc[i][v]);
+                facc[i][v] = _mm512_fmadd_ps(sumi[i][v], dd, facc[i][v]);
             }
         }
         if (g->mins) {
@@ -561,7 +564,7 @@ static inline __attribute__((always_inline)) void krows_tiled(
 }
 
 /* krows_tiled with the type as a constant (the geometry's loops unroll) */
-static void krows_tiled_t(int MR, int type, const uint8_t *wt, const int32_t *sc,
+static void krows_tiled_t(int MR, int type, const uint8_t *wt, const float *sc,
                           const int32_t *mn, const float *dt, const float *dmt, int nb,
                           const int8_t *aq, const float *ad, const int16_t *abs_, float *y, int n,
                           int cols, int accumulate) {
@@ -596,7 +599,7 @@ static int kgemm_tiled(int type, const uint8_t *w, size_t row_bytes, int n, int 
         __m512i idx[4];
         for (int i = 0; i < 4; i++) idx[i] = _mm512_loadu_si512(idx_tab[i]);
         uint8_t *wt = aligned_alloc(64, (size_t)KT * k);
-        int32_t *sc = aligned_alloc(64, sizeof(int32_t) * (size_t)nb * 24 * KT);
+        float *sc = aligned_alloc(64, sizeof(float) * (size_t)nb * 24 * KT);
         float *dt = aligned_alloc(64, sizeof(float) * (size_t)nb * 2 * KT);
         if (!wt || !sc || !dt) {
 #pragma omp atomic write
@@ -604,7 +607,7 @@ static int kgemm_tiled(int type, const uint8_t *w, size_t row_bytes, int n, int 
         }
 #pragma omp barrier
         if (!failed) {
-            int32_t *mn = sc + (size_t)nb * 16 * KT;
+            int32_t *mn = (int32_t *)(sc + (size_t)nb * 16 * KT);
             float *dmt = dt + (size_t)nb * KT;
 #pragma omp for schedule(static)
             for (int tj = 0; tj < ntiles; tj++) {
