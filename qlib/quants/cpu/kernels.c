@@ -247,10 +247,17 @@ int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint
     }
     const int offset = type == QLIB_Q8_0 ? 128 : type == QLIB_Q4_0 ? 8 : 0;
     const __m512i ones = _mm512_set1_epi8(1);
+    /* many rows: the rows' quantization split over the threads too (a region per call costs
+     * decode nothing then) */
+    const int par = m >= qlib_gemm_min_rows && omp_get_max_threads() > 1;
+#pragma omp parallel for schedule(static) if (par)
     for (int i = 0; i < m; i++) {
+        float *ri = row;
+        float local[par ? k : 1]; /* each thread's input row when split */
+        if (par) ri = local;
         int8_t *q = aq + (size_t)i * k;
-        input_row(x + (size_t)i * k * (swiglu ? 2 : 1), k, norm_w, eps, swiglu, row);
-        quantize_row_q8(row, k, q, ad + (size_t)i * G,
+        input_row(x + (size_t)i * k * (swiglu ? 2 : 1), k, norm_w, eps, swiglu, ri);
+        quantize_row_q8(ri, k, q, ad + (size_t)i * G,
                         type == QLIB_Q4_1 ? as + (size_t)i * G : NULL);
         for (int e = 0; e < k; e += 64) { /* -offset * (sum of each 4 codes) */
             __m512i lane = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones,

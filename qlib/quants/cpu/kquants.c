@@ -647,13 +647,19 @@ int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
         free(aq), free(ad), free(as), free(abs_), free(row);
         return -1;
     }
+    /* many rows: the rows' quantization split over the threads too (as kernels.c) */
+    const int par = m >= qlib_gemm_min_rows && omp_get_max_threads() > 1;
+#pragma omp parallel for schedule(static) if (par)
     for (int i = 0; i < m; i++) {
-        input_row(x + (size_t)i * k * (swiglu ? 2 : 1), k, norm_w, eps, swiglu, row);
+        float *ri = row;
+        float local[par ? k : 1]; /* each thread's input row when split */
+        if (par) ri = local;
+        input_row(x + (size_t)i * k * (swiglu ? 2 : 1), k, norm_w, eps, swiglu, ri);
         if (kq)
-            quantize_row_q8k(row, k, type, aq + (size_t)i * k, ad + (size_t)i * NB,
+            quantize_row_q8k(ri, k, type, aq + (size_t)i * k, ad + (size_t)i * NB,
                              abs_ + (size_t)i * 16 * NB);
         else
-            quantize_row_q8(row, k, aq + (size_t)i * k, ad + (size_t)i * G, as + (size_t)i * G);
+            quantize_row_q8(ri, k, aq + (size_t)i * k, ad + (size_t)i * G, as + (size_t)i * G);
     }
     if (kq && m >= qlib_gemm_min_rows) { /* many rows: the tiled path */
         const int rc = kgemm_tiled(type, w, row_bytes, n, k, aq, ad, abs_, m, y, accumulate);
