@@ -227,6 +227,22 @@ static int qgemm_tiled(int type, const uint8_t *codes, size_t row_bytes, const u
     return failed ? -1 : 0;
 }
 
+/* Activation row i of qlib_qgemm_ex: the input row (scratch ri), its Q8_0 / Q8_1 codes,
+ * d (and s), and -offset * (sum of each 4 codes) per int32 lane. */
+static void act_row(int type, const float *x, int k, int i, const float *norm_w, float eps,
+                    int swiglu, float *ri, int8_t *aq, float *ad, float *as, int32_t *corr) {
+    const int G = k / 32, offset = type == QLIB_Q8_0 ? 128 : type == QLIB_Q4_0 ? 8 : 0;
+    const __m512i ones = _mm512_set1_epi8(1);
+    int8_t *q = aq + (size_t)i * k;
+    input_row(x + (size_t)i * k * (swiglu ? 2 : 1), k, norm_w, eps, swiglu, ri);
+    quantize_row_q8(ri, k, q, ad + (size_t)i * G, type == QLIB_Q4_1 ? as + (size_t)i * G : NULL);
+    for (int e = 0; e < k; e += 64) {
+        __m512i lane = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(q + e));
+        _mm512_storeu_si512(corr + (size_t)i * (k / 4) + e / 4,
+                            _mm512_mullo_epi32(lane, _mm512_set1_epi32(-offset)));
+    }
+}
+
 /* y[m, n] (+)= f(x)[m, k] @ W[n, k].T, where f is RmsNorm with weight norm_w (when not
  * NULL) or, with swiglu, silu(x[:, :k]) * x[:, k:] (x rows then hold 2k floats);
  * accumulate adds into y (a residual). Returns 0, or -1 (k % 64 != 0, out of memory). */
@@ -240,31 +256,19 @@ int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint
     float *ad = malloc(sizeof(float) * (size_t)m * G);
     float *as = malloc(sizeof(float) * (size_t)m * G);
     int32_t *corr = malloc(sizeof(int32_t) * (size_t)m * (k / 4));
-    float *row = malloc(sizeof(float) * (size_t)k);
+    const int par = m >= qlib_gemm_min_rows && omp_get_max_threads() > 1;
+    float *row = malloc(sizeof(float) * (size_t)k * (par ? omp_get_max_threads() : 1));
     if (!aq || !ad || !as || !corr || !row) {
         free(aq), free(ad), free(as), free(corr), free(row);
         return -1;
     }
-    const int offset = type == QLIB_Q8_0 ? 128 : type == QLIB_Q4_0 ? 8 : 0;
-    const __m512i ones = _mm512_set1_epi8(1);
-    /* many rows: the rows' quantization split over the threads too (a region per call costs
-     * decode nothing then) */
-    const int par = m >= qlib_gemm_min_rows && omp_get_max_threads() > 1;
-#pragma omp parallel for schedule(static) if (par)
-    for (int i = 0; i < m; i++) {
-        float *ri = row;
-        float local[par ? k : 1]; /* each thread's input row when split */
-        if (par) ri = local;
-        int8_t *q = aq + (size_t)i * k;
-        input_row(x + (size_t)i * k * (swiglu ? 2 : 1), k, norm_w, eps, swiglu, ri);
-        quantize_row_q8(ri, k, q, ad + (size_t)i * G,
-                        type == QLIB_Q4_1 ? as + (size_t)i * G : NULL);
-        for (int e = 0; e < k; e += 64) { /* -offset * (sum of each 4 codes) */
-            __m512i lane = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones,
-                                               _mm512_loadu_si512(q + e));
-            _mm512_storeu_si512(corr + (size_t)i * (k / 4) + e / 4,
-                                _mm512_mullo_epi32(lane, _mm512_set1_epi32(-offset)));
-        }
+    if (par) { /* many rows: the rows' quantization split over the threads too */
+#pragma omp parallel for schedule(static)
+        for (int i = 0; i < m; i++)
+            act_row(type, x, k, i, norm_w, eps, swiglu, row + (size_t)omp_get_thread_num() * k,
+                    aq, ad, as, corr);
+    } else { /* decode: no parallel region */
+        for (int i = 0; i < m; i++) act_row(type, x, k, i, norm_w, eps, swiglu, row, aq, ad, as, corr);
     }
     if (m >= qlib_gemm_min_rows) { /* many rows: the tiled path, on exact block corrections */
         int32_t *cb = malloc(sizeof(int32_t) * (size_t)m * G);

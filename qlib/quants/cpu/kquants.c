@@ -629,6 +629,19 @@ static int kgemm_tiled(int type, const uint8_t *w, size_t row_bytes, int n, int 
     return failed ? -1 : 0;
 }
 
+/* Activation row i of qlib_kgemm: the input row (scratch ri), its Q8_K (kq) or Q8_1 codes. */
+static void kact_row(int type, int kq, const float *x, int k, int i, const float *norm_w,
+                     float eps, int swiglu, float *ri, int8_t *aq, float *ad, float *as,
+                     int16_t *abs_) {
+    const int G = k / 32, NB = k / 256;
+    input_row(x + (size_t)i * k * (swiglu ? 2 : 1), k, norm_w, eps, swiglu, ri);
+    if (kq)
+        quantize_row_q8k(ri, k, type, aq + (size_t)i * k, ad + (size_t)i * NB,
+                         abs_ + (size_t)i * 16 * NB);
+    else
+        quantize_row_q8(ri, k, aq + (size_t)i * k, ad + (size_t)i * G, as + (size_t)i * G);
+}
+
 /* y[m, n] (+)= f(x)[m, k] @ W[n, k].T for W given as GGUF blocks ([n, k / 256] K-quant
  * blocks or [n, k / 32] Q5_1 blocks), f and the flags as in kernels.c's qlib_qgemm_ex.
  * Returns 0, or -1 (type, k % 256 (Q5_1: 64) != 0, out of memory). */
@@ -642,24 +655,20 @@ int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
     float *ad = malloc(sizeof(float) * (size_t)m * G);
     float *as = malloc(sizeof(float) * (size_t)m * G);
     int16_t *abs_ = malloc(sizeof(int16_t) * 16 * (size_t)m * (NB ? NB : 1));
-    float *row = malloc(sizeof(float) * (size_t)k);
+    const int par = m >= qlib_gemm_min_rows && omp_get_max_threads() > 1;
+    float *row = malloc(sizeof(float) * (size_t)k * (par ? omp_get_max_threads() : 1));
     if (!aq || !ad || !as || !abs_ || !row) {
         free(aq), free(ad), free(as), free(abs_), free(row);
         return -1;
     }
-    /* many rows: the rows' quantization split over the threads too (as kernels.c) */
-    const int par = m >= qlib_gemm_min_rows && omp_get_max_threads() > 1;
-#pragma omp parallel for schedule(static) if (par)
-    for (int i = 0; i < m; i++) {
-        float *ri = row;
-        float local[par ? k : 1]; /* each thread's input row when split */
-        if (par) ri = local;
-        input_row(x + (size_t)i * k * (swiglu ? 2 : 1), k, norm_w, eps, swiglu, ri);
-        if (kq)
-            quantize_row_q8k(ri, k, type, aq + (size_t)i * k, ad + (size_t)i * NB,
-                             abs_ + (size_t)i * 16 * NB);
-        else
-            quantize_row_q8(ri, k, aq + (size_t)i * k, ad + (size_t)i * G, as + (size_t)i * G);
+    if (par) { /* many rows: the rows' quantization split over the threads too */
+#pragma omp parallel for schedule(static)
+        for (int i = 0; i < m; i++)
+            kact_row(type, kq, x, k, i, norm_w, eps, swiglu,
+                     row + (size_t)omp_get_thread_num() * k, aq, ad, as, abs_);
+    } else { /* decode: no parallel region */
+        for (int i = 0; i < m; i++)
+            kact_row(type, kq, x, k, i, norm_w, eps, swiglu, row, aq, ad, as, abs_);
     }
     if (kq && m >= qlib_gemm_min_rows) { /* many rows: the tiled path */
         const int rc = kgemm_tiled(type, w, row_bytes, n, k, aq, ad, abs_, m, y, accumulate);
