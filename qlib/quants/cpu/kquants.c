@@ -457,24 +457,27 @@ static void ktile(int type, const kgeom *g, const uint8_t *w, size_t row_bytes, 
     const int bsize = block_bytes(type), last = n - 1 - j0;
     _Alignas(64) uint8_t tmp[KT][256];
     for (int b = 0; b < nb; b++) {
-        for (int r = 0; r < KT; r++) {
-            const uint8_t *wr = w + (size_t)(j0 + (r < last ? r : last)) * row_bytes;
-            kunpacked u;
-            kunpack(type, wr + (size_t)b * bsize, idx, &u);
-            for (int i = 0; i < 4; i++) _mm512_store_si512(tmp[r] + 64 * i, u.v[i]);
-            int16_t s16[16], m16[16];
-            _mm256_storeu_si256((__m256i *)s16, u.sc16);
-            _mm256_storeu_si256((__m256i *)m16, type == QLIB_Q2_K ? u.mn16 : u.sc16);
-            for (int s = 0; s < g->nsb; s++) sc[((size_t)b * 16 + s) * KT + r] = (float)s16[s];
-            if (g->mins) {
-                const int16_t *mm = type == QLIB_Q2_K ? m16 : m16 + 8;
-                for (int p = 0; p < g->nsb / 2; p++)
-                    mn[((size_t)b * 8 + p) * KT + r] =
-                        (int32_t)(uint16_t)mm[2 * p] | (int32_t)((uint32_t)(uint16_t)mm[2 * p + 1] << 16);
+        for (int v = 0; v < KNV; v++) {
+            __m512i S[16], M[16]; /* rows' scales (Q4_K / Q5_K: and mins) and Q2_K's mins */
+            for (int l = 0; l < 16; l++) {
+                const int r = v * 16 + l;
+                const uint8_t *wr = w + (size_t)(j0 + (r < last ? r : last)) * row_bytes;
+                kunpacked u;
+                kunpack(type, wr + (size_t)b * bsize, idx, &u);
+                for (int i = 0; i < 4; i++) _mm512_store_si512(tmp[r] + 64 * i, u.v[i]);
+                S[l] = _mm512_cvtepi16_epi32(u.sc16), M[l] = _mm512_cvtepi16_epi32(u.mn16);
+                dt[(size_t)b * KT + r] = u.d, dmt[(size_t)b * KT + r] = u.dmin;
             }
-            dt[(size_t)b * KT + r] = u.d, dmt[(size_t)b * KT + r] = u.dmin;
-        }
-        for (int v = 0; v < KNV; v++)
+            transpose16(S); /* S[s]: scale s of the 16 rows */
+            for (int t = 0; t < g->nsb; t++)
+                _mm512_store_ps(sc + ((size_t)b * 16 + t) * KT + v * 16, _mm512_cvtepi32_ps(S[t]));
+            if (g->mins) { /* pairs of int16 mins (non-negative), low: the even one */
+                const __m512i *mm = S + 8;
+                if (type == QLIB_Q2_K) transpose16(M), mm = M;
+                for (int p = 0; p < g->nsb / 2; p++)
+                    _mm512_store_si512(mn + ((size_t)b * 8 + p) * KT + v * 16,
+                                       _mm512_or_si512(mm[2 * p], _mm512_slli_epi32(mm[2 * p + 1], 16)));
+            }
             for (int c = 0; c < 4; c++) {
                 __m512i x[16];
                 for (int l = 0; l < 16; l++) x[l] = _mm512_load_si512(tmp[v * 16 + l] + 64 * c);
@@ -482,6 +485,7 @@ static void ktile(int type, const kgeom *g, const uint8_t *w, size_t row_bytes, 
                 for (int t = 0; t < 16; t++)
                     _mm512_store_si512(wt + (((size_t)b * 64 + 16 * c + t) * KT + v * 16) * 4, x[t]);
             }
+        }
     }
 }
 
