@@ -215,7 +215,7 @@ for dev in devices:
 # point): the passage's tokens repeated to N, prefilled, then `long_steps` greedy steps from
 # position N. Beside each point the floor of a decode step: the bytes it must read (every
 # matmul weight once, and the KV cache over N positions in its type) at this machine's
-# measured copy bandwidth. llama.cpp keeps its default f16 cache.
+# measured memory bandwidth (`copy_bandwidth`: a read-only pass on CPU, a copy on GPU). llama.cpp keeps its default f16 cache.
 
 # %%
 from qlib.suite.experiments.common import copy_bandwidth
@@ -235,7 +235,8 @@ if "decode_ms" in longc:
     longc["decode_over_floor"] = longc.decode_ms / longc.floor_ms
 w.save_table(longc.drop(columns=["weight_bytes"]), "long_context", key=True, caption=(
     f"bench --context N: prefill ms and decode ms/token (min), the step's bytes floor at "
-    f"{bw / 1e9:.1f} GB/s (copy bandwidth measured here)"), timing=["peak_rss_mb"])
+    f"{bw / 1e9:.1f} GB/s (measured here: a read-only pass on CPU, a copy on GPU)"),
+    timing=["peak_rss_mb"])
 ok_long = longc[longc.error == ""] if "error" in longc else longc
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
 for name, g in ok_long.groupby("runtime", sort=False):
