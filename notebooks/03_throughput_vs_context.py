@@ -228,7 +228,7 @@ if not llama_cpp_available():
 long_rows = throughput.long_context_curve(model_path, long_contexts, steps=long_steps,
                                           reps=long_reps, threads=long_threads,
                                           configs=long_configs)
-bw = copy_bandwidth(device if device == "cuda" else "cpu")
+bw = copy_bandwidth(device if device == "cuda" else "cpu", threads=long_threads)
 longc = pd.DataFrame(long_rows)
 longc["floor_ms"] = (longc.weight_bytes + longc.kv_bytes) / bw * 1e3
 if "decode_ms" in longc:

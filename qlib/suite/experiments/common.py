@@ -95,14 +95,18 @@ def restore_kv(model: ModelWeights, snapshot: list, length: int | None = None) -
         layer.put_kv(k, v, 0, model.max_seq_len)
 
 
-def copy_bandwidth(device: torch.device | str, mib: int = 512, reps: int = 5) -> float:
+def copy_bandwidth(device: torch.device | str, mib: int = 512, reps: int = 5,
+                   threads: int | None = None) -> float:  # fmt: skip
     """Memory bandwidth in bytes/s for a decode step's reads, measured here.
 
     On a GPU: the best of ``reps`` device copies of ``mib`` MiB, counted as read + write. On a
     CPU a copy also reads every destination line before writing it (write-allocate), so the
     figure is a read-only pass instead: the best of ``reps`` sums over ``mib`` MiB (on the
-    threads torch uses), which is what streaming weights does."""
+    threads torch uses, or ``threads``), which is what streaming weights does."""
     device = torch.device(device)
+    before = torch.get_num_threads()
+    if threads and device.type == "cpu":
+        torch.set_num_threads(threads)
     a = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32, device=device)
     b = torch.empty_like(a) if device.type != "cpu" else None
 
@@ -113,12 +117,15 @@ def copy_bandwidth(device: torch.device | str, mib: int = 512, reps: int = 5) ->
             b.copy_(a)
             torch.cuda.synchronize(device)
 
-    once()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
+    try:
         once()
-        best = min(best, time.perf_counter() - start)
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            once()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
     return (1 if b is None else 2) * a.numel() * 4 / best
 
 
