@@ -347,6 +347,11 @@ class CudaFastModel(StaticKVState):
         extra = 0 if self.output is self.tok_embd else self.output.nbytes()
         return sum(w.nbytes() for w in lin) + self.tok_embd.nbytes() + extra
 
+    @property
+    def decode(self) -> str:
+        """``fused`` (five kernels per layer) or ``persistent`` (one kernel a step)."""
+        return "fused" if self._persistent is None else "persistent"
+
     # -- decode: five fused kernels per layer ----------------------------------------------
 
     def _decode_kernels(self) -> None:

@@ -128,10 +128,9 @@ def bench_qlib(args: argparse.Namespace) -> dict:
     engine, form = resolve(args.engine, args.form)
     result.update(runtime="qlib", engine=engine, form=form or "default", load_ms=load_ms)
     if engine == "fast":
-        persistent = getattr(model, "_persistent", None) is not None
         result.update(prefill=getattr(model, "prefill", args.prefill),
                       kv_type=getattr(model, "kv_type", "f32"),
-                      decode="persistent" if persistent else "fused")  # fmt: skip
+                      decode=getattr(model, "decode", "fused"))  # fmt: skip
     return result
 
 

@@ -556,15 +556,8 @@ static inline __attribute__((always_inline)) void krows_tiled(
         }
     }
     for (int i = 0; i < MR; i++)
-        for (int v = 0; v < KNV; v++) {
-            const int c = cols - v * 16;
-            if (c <= 0) break;
-            const __mmask16 mask = c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << c) - 1);
-            float *yi = y + (size_t)i * n + v * 16;
-            __m512 r = facc[i][v];
-            if (accumulate) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(mask, yi));
-            _mm512_mask_storeu_ps(yi, mask, r);
-        }
+        for (int v = 0; v < KNV && cols - v * 16 > 0; v++)
+            store_lanes(y + (size_t)i * n + v * 16, facc[i][v], cols - v * 16, accumulate);
 }
 
 /* krows_tiled with the type as a constant (the geometry's loops unroll) */

@@ -86,6 +86,14 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
 /* -- the activation rows of the GEMV kernels (kernels.c, kquants.c) -- */
 
 /* One row of k floats -> int8 codes, d (f16-rounded float) and s = f16(d * sum q). */
+/* Store the first c (> 0) lanes of r at y (c >= 16: all 16), added to y's values when
+ * accumulate: a tile's output columns, the last tile of a matrix partial. */
+static inline void store_lanes(float *y, __m512 r, int c, int accumulate) {
+    const __mmask16 mask = c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << c) - 1);
+    if (accumulate) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(mask, y));
+    _mm512_mask_storeu_ps(y, mask, r);
+}
+
 static inline void quantize_row_q8(const float *x, int k, int8_t *q, float *d, float *s) {
     for (int b = 0; b < k / 32; b++) {
         __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
