@@ -254,14 +254,18 @@ fig.tight_layout()
 w.save_plot(fig, "long_context", caption="the fast engines and llama.cpp against context: decode "
             "ms/token with each runtime's bytes floor, and prefill ms")
 if len(ok_long):
-    top = max(long_contexts)
-    at = ok_long[ok_long.context == top].set_index("runtime")
+    top, low = ok_long.context.max(), ok_long.context.min()  # (a point past the file's length
+    at = ok_long[ok_long.context == top].set_index("runtime")  # runs at its last position)
     fast = [r for r in at.index if r.startswith("qlib fast")]
     if fast:
         best = at.loc[fast, "decode_ms"].idxmin()
+        first = ok_long[(ok_long.context == low) & (ok_long.runtime == best)].decode_ms
         print(w.finding("long_fast", "At {n} positions the fast engine ({cfg}) decodes in "
-                        "{ms:.2f} ms/token, {x:.2f}x its bytes floor.", table="long_context",
-                        n=top, cfg=best, ms=at.decode_ms[best], x=at.decode_over_floor[best]))
+                        "{ms:.2f} ms/token, {x:.2f}x its bytes floor and {g:.2f}x its time at "
+                        "{low} positions.", table="long_context", n=top, cfg=best,
+                        ms=at.decode_ms[best], x=at.decode_over_floor[best],
+                        g=at.decode_ms[best] / first.iloc[0] if len(first) else float("nan"),
+                        low=low))
         if "llama.cpp cpu, f16 KV" in at.index:
             lc = at.loc["llama.cpp cpu, f16 KV"]
             print(w.finding("long_vs_llama_cpp", "There llama.cpp takes {ms:.2f} ms/token and "

@@ -126,6 +126,36 @@ def test_packed_prefill_matches_dense(tmp_path):
     close(fast.forward(ids, 0, all_logits=True), ref.forward(ids, 0, all_logits=True))
 
 
+# Tensor-core prefill modes against the f32 form. Unit roundoff: bf16 2^-9, tf32 2^-11; each
+# product rounds both inputs (2u), and the errors of a dot's terms partly cancel; through two
+# layers and the output a bound of ~12u of the largest logit: bf16 0.025, tf32 0.006.
+PREFILL_TOL = {"bf16": 0.025, "tf32": 0.006}
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", sorted(PREFILL_TOL))
+def test_tensor_core_prefill_near_f32(tmp_path, mode):
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_kv_head=2)
+    ref, fast = load_pair(path, prefill=mode)
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    assert fast.layers[0].wqkv.dense.dtype == dtype
+    ids = torch.tensor([list(range(3, 60))])
+    tol = PREFILL_TOL[mode]
+
+    def check(a: torch.Tensor, b: torch.Tensor) -> float:
+        diff, scale = (a - b).abs().max().item(), b.abs().max().item()
+        assert diff <= tol * scale, f"{mode}: {diff:.3g} > {tol} x {scale:.3g}"
+        return diff
+
+    for all_logits in (True, False, False):  # eager, eager (first length), graph capture
+        diff = check(fast.forward(ids, 0, all_logits=all_logits),
+                     ref.forward(ids, 0, all_logits=all_logits))  # fmt: skip
+        assert diff > 0  # the rounding shows: the tensor-core mode really ran
+    assert torch.backends.cuda.matmul.fp32_precision != "tf32"  # restored after the prefill
+    x = torch.tensor([[7]])  # a decode step after it: the f32 kernels on the prefilled cache
+    check(fast.forward(x, ids.shape[1]), ref.forward(x, ids.shape[1]))
+
+
 @needs_cuda
 def test_graph_replay_equals_eager(tmp_path):
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1")
@@ -156,7 +186,7 @@ def test_index_pos_and_shape_errors(tmp_path):
     with open(path, "rb") as f:
         content = Content.read(f)
         with pytest.raises(ModelError, match="unknown prefill mode"):
-            CudaFastModel.from_gguf(content, f, "cpu", prefill="bf16")
+            CudaFastModel.from_gguf(content, f, "cpu", prefill="int8")  # a CPU engine's mode
         fast = CudaFastModel.from_gguf(content, f, "cpu", max_seq_len=16)
     with pytest.raises(IndexPosError, match="index_pos 3 disagrees"):
         fast.forward(torch.tensor([[1]]), 3)

@@ -84,9 +84,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prefill",
         default=None,
-        choices=("bf16", "int8", "f32", "packed"),
-        help="--engine fast: prefill matmuls (CPU: bf16 (default) or int8; CUDA: f32 (default) "
-        "or packed)",
+        choices=("bf16", "int8", "f32", "tf32", "packed"),
+        help="--engine fast: prefill matmuls (CPU: bf16 (default where the CPU has bf16 "
+        "hardware) or int8; CUDA: f32 (default), tf32, bf16 or packed)",
     )
     p.add_argument(
         "--runtime",

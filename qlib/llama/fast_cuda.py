@@ -13,9 +13,12 @@ the kernels, float32 activations and accumulation), so its logits equal the
   the position are read from device tensors, so the whole step (152 kernels for
   SmolLM2) is captured once in a CUDA graph and replayed for every position:
   one launch per token instead of hundreds;
-* **prefill** (``t > 1``) uses float32 dense copies of the layer weights made at
-  load (``prefill="f32"``, cuBLAS, TF32 off) or the exact tensor-core GEMM of the
-  packed weights (``prefill="packed"``: no extra memory, slower); attention is
+* **prefill** (``t > 1``) uses dense copies of the layer weights made at load, multiplied by
+  cuBLAS: float32 with TF32 off (``prefill="f32"``, the default: the f32 form's numerics),
+  the same copies with TF32 tensor cores on (``"tf32"``), or bfloat16 copies (``"bf16"``:
+  half the memory; bf16 matmul inputs, float32 outputs and residual stream, attention in
+  bf16 (flash); drift measured in docs/gpu.md); or the exact tensor-core GEMM of the packed
+  weights (``"packed"``: no extra memory, slower). Attention is
   ``scaled_dot_product_attention``; a prefill from position 0 is captured as a
   CUDA graph per prompt length (the first call runs eagerly, the second captures);
 * **static KV cache** ``[layers, 2, n_kv, max_seq_len, d]`` float32, allocated on the device
@@ -36,6 +39,7 @@ raises ``IndexPosError``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections import OrderedDict
@@ -55,7 +59,8 @@ from .config import MAX_SEQ_LEN, LlamaConfig, rope_tables
 from .errors import ModelError
 from .fused import FUSED_STACKS
 
-PREFILL_MODES = ("f32", "packed")
+PREFILL_MODES = ("f32", "tf32", "bf16", "packed")
+PREFILL_DTYPES = {"f32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
 ATTENTION_MODES = ("split", "single")  # decode attention: blocks in parallel, or one loop
 DECODE_MODES = ("fused", "persistent")  # five fused kernels per layer, or one persistent kernel
 GRAPH_CACHE = 4  # prefill graphs kept (one per prompt length)
@@ -115,14 +120,17 @@ def _prepare_stacked(qtensors: list[QTensor], dense: torch.Tensor | None = None)
 
 class CudaLinear:
     """One (possibly stacked) weight: packed planes for decode (a float32 ``DenseWeight`` for
-    types without kernels), a dense copy for prefill. A stack of mixed types is one part per
-    run of one type, run one after the other into slices of one output."""
+    types without kernels), a dense copy (float32 or bfloat16) for prefill. A stack of mixed
+    types is one part per run of one type, run one after the other into slices of one output."""
 
-    def __init__(self, qtensors: list[QTensor], dense: bool):
+    def __init__(self, qtensors: list[QTensor], dense: torch.dtype | None):
         self.dense: torch.Tensor | None = None
-        if dense:
+        if dense is not None:
             self.dense = torch.cat([q.dequantize(dtype=torch.float32) for q in qtensors])
-        self.parts = _prepare_stacked(qtensors, self.dense)
+        f32 = self.dense if dense == torch.float32 else None  # rows the dense parts can share
+        self.parts = _prepare_stacked(qtensors, f32)
+        if self.dense is not None and dense != torch.float32:
+            self.dense = self.dense.to(dense)
         self.out_features = sum(p.n for p in self.parts)
         self.in_features = self.parts[0].k
 
@@ -132,9 +140,12 @@ class CudaLinear:
         return [p.type_name for p in self.parts]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` for a block of rows ``[t, k]`` (prefill)."""
+        """``x @ W.T`` for a block of float32 rows ``[t, k]`` (prefill): float32 out; a bf16
+        dense copy multiplies ``x`` rounded to bf16 (float32 accumulation and output)."""
         if self.dense is not None:
-            return x @ self.dense.t()
+            if self.dense.dtype == torch.float32:
+                return x @ self.dense.t()
+            return torch.mm(x.to(self.dense.dtype), self.dense.t(), out_dtype=torch.float32)
         from ..quants.cuda import kernels
 
         y = torch.empty(x.shape[0], self.out_features, device=x.device)
@@ -148,10 +159,11 @@ class CudaLinear:
         return y
 
     def nbytes(self) -> int:
-        # dense parts are rows of the prefill copy when there is one (not counted twice)
-        shared = self.dense is not None
+        # dense parts are rows of the float32 prefill copy when there is one (not counted twice)
+        shared = self.dense is not None and self.dense.dtype == torch.float32
         n = sum(p.nbytes() for p in self.parts if not (shared and isinstance(p, DenseWeight)))
-        return n + (self.dense.numel() * 4 if self.dense is not None else 0)
+        dense = self.dense.numel() * self.dense.element_size() if self.dense is not None else 0
+        return n + dense
 
 
 def gemv(x: torch.Tensor, w: Part, y: torch.Tensor, *, norm: torch.Tensor | None = None,
@@ -213,13 +225,25 @@ def _persistent_decoder(model: CudaFastModel, content, get, tok: QTensor, out: Q
         raise ModelError(str(e)) from None
 
 
+@contextlib.contextmanager
+def _fp32_precision(mode: str):
+    """cuBLAS's float32 matmul precision set to ``mode`` (``tf32``, ``ieee``) for a block."""
+    matmul = torch.backends.cuda.matmul
+    old = matmul.fp32_precision
+    matmul.fp32_precision = mode
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = old
+
+
 class CudaLayer:
     wqkv: CudaLinear
     wo: CudaLinear
     w13: CudaLinear
     w2: CudaLinear
 
-    def __init__(self, get, p: str, dense: bool):
+    def __init__(self, get, p: str, dense: torch.dtype | None):
         for attr, names in FUSED_STACKS.items():  # wqkv, wo, w13, w2
             setattr(self, attr, CudaLinear([get(f"{p}.{n}.weight") for n in names], dense))
         self.attn_norm = get(f"{p}.attn_norm.weight").dequantize()
@@ -301,6 +325,7 @@ class CudaFastModel(StaticKVState):
     ) -> CudaFastModel:
         """Build from a parsed ``gguf_file.Content`` and its open file.
 
+        ``prefill``: ``f32``, ``tf32``, ``bf16`` or ``packed`` (the module docstring);
         ``max_seq_len``: positions the KV cache holds (None: the file's ``llama.context_length``,
         else 4096); ``kv_type``: ``f32`` only (the CPU engine also has ``f16``); ``decode``:
         ``fused`` (five fused kernels per layer) or ``persistent`` (the whole step in one
@@ -321,7 +346,7 @@ class CudaFastModel(StaticKVState):
         def get(name: str) -> QTensor:
             return content.tensor(f, name, dev)
 
-        dense = prefill == "f32"
+        dense = PREFILL_DTYPES.get(prefill)  # None: "packed"
         blocks = progress.layers(range(config.block_count), config.block_count)
         layers = [CudaLayer(get, f"blk.{i}", dense) for i in blocks]
         tok = get("token_embd.weight")
@@ -435,6 +460,8 @@ class CudaFastModel(StaticKVState):
         t, end = ids.numel(), pos + ids.numel()
         nq, nkv, hd = self.heads
         eps, dims, group = c.rms_norm_eps, (c.embedding_length,), nq // nkv
+        # the attention's dtype: bf16 (flash attention) in the bf16 mode, else float32
+        adt = torch.bfloat16 if self.prefill == "bf16" else torch.float32
         h = torch.empty(t, c.embedding_length, device=self.device)
         embed(ids, self.tok_embd, h)
         mask = None
@@ -447,11 +474,15 @@ class CudaFastModel(StaticKVState):
             q = torch.empty(t, nq * hd, device=self.device)
             fused.rope_store(qkv, q, kc, vc, self._pos, self.cos, self.sin, heads=self.heads,
                              neox=c.rope_is_neox)  # fmt: skip
-            k = kc[:, None, :end].expand(nkv, group, end, hd).reshape(nq, end, hd)
-            v = vc[:, None, :end].expand(nkv, group, end, hd).reshape(nq, end, hd)
+            if adt == torch.float32:  # the float32 kernels take GQA as repeated K/V heads
+                k = kc[:, None, :end].expand(nkv, group, end, hd).reshape(nq, end, hd)
+                v = vc[:, None, :end].expand(nkv, group, end, hd).reshape(nq, end, hd)
+            else:
+                k, v = kc[:, :end].to(adt), vc[:, :end].to(adt)
             y = F.scaled_dot_product_attention(
-                q.view(t, nq, hd).transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
-                is_causal=mask is None, scale=1.0 / math.sqrt(hd),
+                q.view(t, nq, hd).transpose(0, 1)[None].to(adt), k[None], v[None],
+                attn_mask=mask, is_causal=mask is None, scale=1.0 / math.sqrt(hd),
+                enable_gqa=k.shape[0] != nq,
             )  # fmt: skip
             h = h + ly.wo.matmul(y[0].transpose(0, 1).reshape(t, nq * hd))
             gu = ly.w13.matmul(F.rms_norm(h, dims, ly.ffn_norm, eps))
@@ -465,18 +496,26 @@ class CudaFastModel(StaticKVState):
         gemv(h[t - 1], self.output, logits, norm=self.norm, eps=eps)
         return logits
 
+    def _matmul_precision(self) -> contextlib.AbstractContextManager:
+        """TF32 tensor cores for float32 matmuls while a ``tf32`` prefill runs (restored after)."""
+        if self.prefill != "tf32":
+            return contextlib.nullcontext()
+        return _fp32_precision("tf32")
+
     def _prefill(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         self._pos.fill_(pos)
         self._device_pos = pos
         t = ids.numel()
         if not self.graphs or pos != 0 or all_logits or t not in self._prefill_seen:
             self._prefill_seen.add(t)
-            return self._prefill_rows(ids, pos, all_logits)
+            with self._matmul_precision():
+                return self._prefill_rows(ids, pos, all_logits)
         entry = self._prefill_graphs.get(t)
         if entry is None:
             static_ids = ids.clone()
             out: list[torch.Tensor] = []
-            graph = self._capture(lambda: out.append(self._prefill_rows(static_ids, 0, False)))
+            with self._matmul_precision():  # the captured cuBLAS kernels keep their math mode
+                graph = self._capture(lambda: out.append(self._prefill_rows(static_ids, 0, False)))
             entry = (graph, static_ids, out[0])
             self._prefill_graphs[t] = entry
             while len(self._prefill_graphs) > GRAPH_CACHE:

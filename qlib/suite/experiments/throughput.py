@@ -231,10 +231,14 @@ LONG_CONTEXTS = (256, 1024, 2048)
 
 def long_context_configs(device: str, kv_types: tuple[str, ...], llama_cpp: bool) -> list[tuple]:
     """(label, bench argv) per runtime of the long-context curve: qlib's fast engine with each
-    KV type, and llama.cpp (CPU, its default f16 cache) when installed."""
+    KV type (on CUDA: its f32 cache, with the default f32 prefill and the bf16 one), and
+    llama.cpp (CPU, its default f16 cache) when installed."""
     configs = [(f"qlib fast {device}, {kv} KV", ["--runtime", "qlib", "--engine", "fast",
                                                   "--device", device, "--kv-type", kv])
                for kv in kv_types if device == "cpu" or kv == "f32"]  # fmt: skip
+    if device == "cuda":
+        configs.append(("qlib fast cuda, f32 KV, bf16 prefill",
+                        [*configs[0][1], "--prefill", "bf16"]))  # fmt: skip
     if llama_cpp:
         configs.append(("llama.cpp cpu, f16 KV", ["--runtime", "llama.cpp", "--device", "cpu"]))
     return configs
@@ -245,23 +249,29 @@ def long_context_curve(model: str, contexts: tuple[int, ...] | list[int], *, ste
                        progress: bool = True) -> list[dict]:  # fmt: skip
     """The benchmark protocol at each context (``qlib bench --context N``: the passage's tokens
     repeated to N, prefilled, then ``steps`` greedy steps from position N), one process per
-    point and runtime, with the bytes a step must read there (weights + KV cache)."""
+    point and runtime, with the bytes a step must read there (weights + KV cache). A context
+    whose steps would pass the file's ``llama.context_length`` runs at that length less the
+    steps (the row's ``context``; ``requested`` keeps the asked one)."""
     from tqdm.auto import tqdm
 
     from ...gguf import Content
+    from ...llama.checks import context_length
     from ..bench import run_in_subprocess
     from .common import bytes_per_step
 
     content = Content.read_path(model)
+    limit = context_length(content.metadata) - steps
     rows = []
     points = [(c, label, argv) for c in contexts for label, argv in configs]
-    for context, label, argv in tqdm(points, desc="context points", disable=not progress):
+    for requested, label, argv in tqdm(points, desc="context points", disable=not progress):
+        context = min(requested, limit)
         common = ["--model", str(model), "--context", str(context), "--steps", str(steps),
                   "--reps", str(reps)]  # fmt: skip
         common += ["--threads", str(threads)] if threads else []
         r = run_in_subprocess(common + argv)
         kv = 2 if "f16" in label else 4
-        row = {"runtime": label, "context": context, **bytes_per_step(content, context, kv)}
+        row = {"runtime": label, "context": context, "requested": requested,
+               **bytes_per_step(content, context, kv)}  # fmt: skip
         if "error" in r:
             row["error"] = r["error"]
         else:
