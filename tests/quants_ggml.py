@@ -6,6 +6,9 @@
 * ``ggml_from_float(x, type)``: the CPU backend's ``from_float`` for a dot type
   (the x86 SIMD ``quantize_row_q8_0`` etc. that a matmul runs on activations).
 * ``ggml_vec_dot(w_bytes, a_bytes, type, k)``: the CPU backend's ``vec_dot``.
+* ``GGMLDot(ggml, qmatmul)``: a stand-in for one of qlib's ``QMatMul`` whose product is
+  ggml's own (``from_float`` + ``vec_dot`` per output, the x86 build's, or with
+  ``generic=True`` the scalar reference ``*_generic`` functions): tests/test_position0.py.
 
 ``load()`` returns None when llama_cpp is missing, so callers can skip.
 """
@@ -91,6 +94,66 @@ class GGML:
                 fn(k, ctypes.addressof(s), 0, w[j].ctypes.data, 0, a[i].ctypes.data, 0, 1)
                 out[i, j] = s.value
         return out
+
+
+class GGMLDot:
+    """``y = x @ w.T`` of a qlib ``QMatMul``'s weight, computed by ggml itself.
+
+    ``generic=False``: the CPU backend's ``from_float`` and ``vec_dot`` (what llama.cpp's
+    x86 build runs, AVX2 / VNNI order). ``generic=True``: ggml's scalar reference,
+    ``quantize_row_<dot>_ref`` and ``ggml_vec_dot_<w>_<dot>_generic``. One ctypes call per
+    output: for checks on a few rows, not for speed.
+    """
+
+    def __init__(self, ggml: GGML, inner, generic: bool = False):
+        from qlib.quants.activations import VEC_DOT_TYPE
+
+        w = inner.qtensor
+        self.ggml, self.generic = ggml, generic
+        self.type_name, self.dot_type = w.dtype.name, VEC_DOT_TYPE[w.dtype.name]
+        self.out_features, self.in_features = int(w.shape[0]), int(w.shape[-1])
+        self.weight = np.ascontiguousarray(w.data.cpu().numpy().reshape(self.out_features, -1))
+        if generic:
+            t, d = self.type_name.lower(), self.dot_type.lower()
+            vp = ctypes.c_void_p
+            vec_dot = ctypes.cast(getattr(ggml.cpu, f"ggml_vec_dot_{t}_{d}_generic"), vp).value
+            quant = ctypes.cast(getattr(ggml.base, f"quantize_row_{d}_ref"), vp).value
+            self._vec_dot, self._from_float = _VEC_DOT(vec_dot), _FROM_FLOAT(quant)
+        else:
+            traits = ggml.traits(self.type_name)
+            self._vec_dot = _VEC_DOT(traits.vec_dot)
+            self._from_float = _FROM_FLOAT(ggml.traits(self.dot_type).from_float)
+
+    def forward(self, x):
+        import torch
+
+        lead, k, n = x.shape[:-1], self.in_features, self.out_features
+        rows = np.ascontiguousarray(x.reshape(-1, k).float().cpu().numpy())
+        acts = np.zeros((rows.shape[0], ggml_type(self.dot_type).row_bytes(k)), dtype=np.uint8)
+        out = np.zeros((rows.shape[0], n), dtype=np.float32)
+        s = ctypes.c_float()
+        for i in range(rows.shape[0]):
+            self._from_float(rows[i].ctypes.data, acts[i].ctypes.data, k)
+            a = acts[i].ctypes.data
+            for j in range(n):
+                self._vec_dot(k, ctypes.addressof(s), 0, self.weight[j].ctypes.data, 0, a, 0, 1)
+                out[i, j] = s.value
+        return torch.from_numpy(out).reshape(*lead, n).to(x.device)
+
+    __call__ = forward
+
+
+def with_ggml_dots(model, ggml: GGML, generic: bool = False):
+    """Swap every QMatMul of a ``ModelWeights`` (7 per layer, the output) for a ``GGMLDot``
+    in place; returns the model."""
+    owners = [model]
+    for layer in model.layers:
+        owners += [layer, layer.mlp]
+    for owner in owners:
+        for attr, value in list(vars(owner).items()):
+            if hasattr(value, "qtensor") and hasattr(value, "form"):
+                setattr(owner, attr, GGMLDot(ggml, value, generic))
+    return model
 
 
 def load() -> GGML | None:
