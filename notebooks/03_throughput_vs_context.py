@@ -42,7 +42,8 @@ form = None  # QMatMul form: None (the engine's default), "quantized", "f32" or 
 seed = 0
 long_contexts = [256, 1024, 2048]  # the fast engines and llama.cpp: bench --context N
 long_steps = 16  # decode steps at each long context
-long_reps = 1  # timed runs per point, after the untimed first one
+long_reps = 2  # timed runs per point (min), after the untimed first one (on CUDA the first
+# timed prefill captures its graph, the second replays it)
 long_threads = 2  # CPU threads of the long-context runs (each its own process)
 long_kv_types = ["f32", "f16"]  # the fast CPU engine's KV cache types
 

@@ -269,7 +269,8 @@ def long_context_curve(model: str, contexts: tuple[int, ...] | list[int], *, ste
                   "--reps", str(reps)]  # fmt: skip
         common += ["--threads", str(threads)] if threads else []
         r = run_in_subprocess(common + argv)
-        kv = 2 if "f16" in label else 4
+        kv_type = argv[argv.index("--kv-type") + 1] if "--kv-type" in argv else "f16"  # llama.cpp
+        kv = 2 if kv_type == "f16" else 4
         row = {"runtime": label, "context": context, "requested": requested,
                **bytes_per_step(content, context, kv)}  # fmt: skip
         if "error" in r:
