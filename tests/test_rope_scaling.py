@@ -115,3 +115,24 @@ def test_tables():
     with pytest.warns(UserWarning, match="yarn"):
         rope_tables(LlamaConfig.from_metadata({**md, "llama.rope.scaling.type": "yarn"}),
                     torch.device("cpu"), 4)  # fmt: skip
+
+
+def test_partial_rope_is_refused_as_llama_cpp_refuses_it(tiny, tmp_path):
+    """``llama.rope.dimension_count`` < head_dim: llama.cpp's loader rejects a llama-architecture
+    file whose n_rot differs from the head size ("invalid n_rot"), so such a file is not a valid
+    llama GGUF: qlib refuses it too, at load, naming the key (every engine reads one config)."""
+    content = Content.read_path(tiny)
+    metadata = {k: Typed(content.metadata_types[k], v) for k, v in content.metadata.items()}
+    head_dim = metadata["llama.rope.dimension_count"].value
+    metadata["llama.rope.dimension_count"] = Typed(GGUFValueType.UINT32, head_dim // 2)
+    with open(tiny, "rb") as f:
+        tensors = {n: content.tensor(f, n) for n in content.tensor_infos}
+    path = tmp_path / "partial.gguf"
+    with open(path, "wb") as f:
+        write(f, metadata, tensors)
+    for engine in ("faithful", "fast"):
+        with pytest.raises(ModelError, match=f"dimension_count {head_dim // 2} differs from head"):
+            load(str(path), engine=engine)
+    llama_cpp = pytest.importorskip("llama_cpp")
+    with pytest.raises(Exception):  # noqa: B017 (its loader raises a plain ValueError)
+        llama_cpp.Llama(model_path=str(path), n_ctx=64, verbose=False)

@@ -94,7 +94,8 @@ class LlamaConfig:
         if rope_dim != embedding_length // head_count:
             raise ModelFileError(
                 f"llama.rope.dimension_count {rope_dim} differs from head_dim "
-                f"{embedding_length // head_count}; partial RoPE is not supported"
+                f"{embedding_length // head_count}: a llama model rotates whole heads (llama.cpp "
+                f"refuses this file too: 'invalid n_rot')"
             )
         if rope_dim % 2:
             raise ModelFileError(f"head_dim {rope_dim} is odd; RoPE rotates pairs")
