@@ -560,7 +560,11 @@ class Tokenizer:
         if self.model == "gpt2":
             self.pre = get("ggml.pre") or "default"
             self._pre = pre_tokenizer_for(self.pre)
-            self._merges = [_split_merge(m) for m in get("ggml.merges") or []]
+            # the merges as the file has them ("a b"); split into pairs only to build the
+            # ``tokenizers`` backend (the pairs as Python tuples would hold ~8 MB more)
+            self._merges = list(get("ggml.merges") or [])
+            for m in self._merges:
+                _split_merge(m)  # malformed merges fail here, as before
             default_bos = self._pre.add_bos
         else:
             scores = get("ggml.scores")
@@ -621,7 +625,9 @@ class Tokenizer:
     def _build_backend(self, added: bool) -> _HFTokenizer:
         if self.model == "gpt2":
             bpe = models.BPE(
-                vocab=dict(self._vocab), merges=self._merges, ignore_merges=self._pre.ignore_merges
+                vocab=dict(self._vocab),
+                merges=[_split_merge(m) for m in self._merges],
+                ignore_merges=self._pre.ignore_merges,
             )
             tk = _HFTokenizer(bpe)
             tk.pre_tokenizer = hf_pre_tokenizer(self._pre.regexes)

@@ -430,6 +430,72 @@ def test_index_pos_is_checked(tiny):
         assert fm.kv_len == 1
 
 
+# -- memory: pages released while packing, the embedding looked up once ---------------------
+
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", PACKED_TYPES)
+def test_dequantize_rows_of_packed_weights(type_name):
+    """A packed weight's rows (planes, widened Q5_0, GGUF blocks) dequantize to exactly the
+    values of the QTensor it was packed from: a tied embedding is looked up there."""
+    g = torch.Generator().manual_seed(4)
+    w = QTensor.quantize(torch.randn(40, 512, generator=g), type_name)
+    pw = cpu.pack(w)
+    ids = torch.tensor([0, 39, 7, 7, 12])
+    assert torch.equal(cpu.dequantize_rows(pw, ids), w.dequantize()[ids])
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q6_K"])
+def test_pack_releases_every_piece(type_name, monkeypatch):
+    """``pack(release=)`` is called on pieces of the blocks that cover each weight once, in
+    order, and the packed weight is the one packed without it."""
+    from qlib.quants.cpu import packing
+
+    monkeypatch.setattr(packing, "PACK_CHUNK", 3000)  # a few rows a piece
+    g = torch.Generator().manual_seed(5)
+    a = QTensor.quantize(torch.randn(24, 512, generator=g), type_name)
+    b = QTensor.quantize(torch.randn(9, 512, generator=g), type_name)
+    pieces: list[torch.Tensor] = []
+    pw = cpu.pack([a, b], release=pieces.append)
+    ref = cpu.pack([a, b])
+    for x, y in ((pw.codes, ref.codes), (pw.d, ref.d), (pw.m, ref.m)):
+        assert (x is None and y is None) or torch.equal(x, y)
+    assert len(pieces) > 2
+    assert torch.equal(torch.cat([p.reshape(-1) for p in pieces]),
+                       torch.cat([a.data.reshape(-1), b.data.reshape(-1)]))  # fmt: skip
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_mapped_fast_engine_embedding(tmp_path, tie):
+    """Mapped, the fast engine looks a tied embedding up in the output's packed weight and an
+    untied one in the file (dropping its pages again): the same rows, the same logits as the
+    read file's engine; the norms are not views of the mapping."""
+    from qlib.llama.engine import load
+
+    p = write_tiny_llama(tmp_path / "t.gguf", weight_type="Q8_0", n_embd=128, n_ff=256,
+                         tie_output=tie)  # fmt: skip
+    mapped, _ = load(p, engine="fast")
+    read, _ = load(p, engine="fast", mmap=False)
+    packed = mapped.output.packed is not None
+    assert (mapped._embed_rows is not None) == (tie and packed)
+    ids = torch.tensor([3, 0, 200, 3])
+    want = mapped.tok_embd.dequantize()[ids]
+    assert torch.equal(mapped.embed(ids), want) and torch.equal(read.embed(ids), want)
+    spans = [[int(a, 16) for a in line.split()[0].split("-")]
+             for line in open("/proc/self/maps") if line.rstrip().endswith(str(p))]  # fmt: skip
+    in_file = lambda t: any(lo <= t.data_ptr() < hi for lo, hi in spans)  # noqa: E731
+    assert in_file(mapped.tok_embd.data) or not spans  # (no /proc: nothing to check)
+    assert not any(in_file(ly.attn_norm) or in_file(ly.ffn_norm) for ly in mapped.layers)
+    assert not in_file(mapped.norm)
+    x = torch.tensor([[1, 5, 7, 3, 9]])
+    with torch.inference_mode():
+        assert torch.equal(mapped.forward(x, 0), read.forward(x, 0))
+        assert torch.equal(mapped.forward(x[:, :1], 5), read.forward(x[:, :1], 5))
+
+
 # -- SmolLM2 -------------------------------------------------------------------
 
 

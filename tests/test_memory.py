@@ -85,10 +85,13 @@ except OSError:
 out["rss_before_load"] = rss_mib()
 model, content = load(sys.argv[1], mmap=sys.argv[2] == "mmap", engine=sys.argv[3])
 out["rss_after_load"], out["peak_after_load"] = rss_mib(), peak_mib()
+prompt = int(sys.argv[4]) if len(sys.argv) > 4 else 64
+vocab = content.tensor_infos["token_embd.weight"].shape[0]
 with torch.inference_mode():
-    ids = torch.arange(1, 65).reshape(1, -1)
+    # ids spread over the vocabulary, as a text's are (the embedding rows looked up)
+    ids = (torch.arange(1, prompt + 1) * 7919 % vocab).reshape(1, -1)
     logits = model.forward(ids, 0)
-    for pos in range(64, 96):
+    for pos in range(prompt, prompt + 32):
         nxt = logits.argmax(-1, keepdim=True)
         logits = model.forward(nxt, pos)
 out["rss_after_run"], out["peak_after_run"] = rss_mib(), peak_mib()
@@ -110,9 +113,9 @@ def model_path():
         pytest.skip(str(e))
 
 
-def _child(model_path, mapping: str, engine: str) -> dict:
+def _child(model_path, mapping: str, engine: str, prompt: int = 64) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(model_path), mapping, engine],
+        [sys.executable, "-c", CHILD, str(model_path), mapping, engine, str(prompt)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -165,12 +168,46 @@ def test_running_peak_is_bounded(measured):
 
 
 def test_fast_engine_holds_the_weights_once(model_path):
-    """The fast engine repacks every weight from the mapped file and drops the mapped pages:
-    at peak it holds about the file once (packed planes: the same bytes as the blocks; the
-    tied output packs the embedding once more, which the rows looked up then share)."""
+    """The fast engine repacks every weight from the mapped file, dropping the mapped pages of
+    each piece once packed: at peak it holds about the file once (packed planes: the same
+    bytes as the blocks). The tied output's packed weight is also where the embedding's rows
+    are looked up, so the embedding is not held a second time (before: +17 MiB here)."""
     m = _child(model_path, "mmap", "fast")
-    content = Content.read_path(model_path)
-    emb = content.tensor_infos["token_embd.weight"].nbytes / MIB
-    bound = m["file_mib"] + emb + LOAD_MARGIN_MIB
+    bound = m["file_mib"] + LOAD_MARGIN_MIB
     assert m["load_peak_mib"] <= bound, f"fast load peak {m['load_peak_mib']:.1f} > {bound:.1f}"
     assert m["run_peak_mib"] <= bound + RUN_MARGIN_MIB, m
+
+
+# What the fast engine may add to the 1B-shape files (``models.synthetic``; skipped where they
+# have not been made) beyond the interpreter with torch and qlib imported, in MiB: the file's
+# tensors once (packed: the same bytes) + this margin. Measured (2-core dev machine, 128-token
+# prefill of ids spread over the vocabulary, 32 steps): Q4_K_M +63 over the file's 637.8, Q8_0
+# +58 to +65 over 1,090.0 (the metadata as Python objects 9, RoPE tables and the C kernels'
+# library 11, the KV cache of 160 positions 10, prefill activations and the allocator's
+# retention ~30). Before the embedding was looked up in the tied output's packed copy and the
+# mapped pages were dropped piece by piece while packing: +109 and +113 (the mapped
+# embedding's pages touched by the lookups, a layer's pages on top of its packed copy, at the
+# tied output the whole embedding's). The margin lies between the two.
+BIG_MARGIN_MIB = 84
+# The whole process: the issue's target, peak RSS <= 1.3 x the file. The interpreter with torch
+# and qlib is ~225 MiB before any model (0.35 x the Q4_K_M file alone), so only Q8_0 can meet
+# it; printed for both, asserted for Q8_0 where the imports cost what they cost here.
+TARGET_RATIO = 1.3
+IMPORTS_MIB = 240  # the imports' RSS above which the whole-process ratio is not asserted
+
+
+@pytest.mark.parametrize("spec", ["Q4_K_M", "Q8_0"])
+def test_fast_engine_big_file_peak(spec):
+    path = models.models_dir() / f"synthetic-1b.{spec}.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} not made (qlib.models.synthetic('1b', {spec!r}))")
+    m = _child(path, "mmap", "fast", prompt=128)
+    ratio = m["peak_after_run"] / m["file_mib"]
+    print(f"{spec}: peak {m['peak_after_run']:.0f} MiB = {ratio:.3f} x the file")
+    bound = m["file_mib"] + BIG_MARGIN_MIB
+    assert m["run_peak_mib"] <= bound, (
+        f"the fast engine added {m['run_peak_mib']:.1f} MiB at peak to the imports, more than "
+        f"the file ({m['file_mib']:.1f}) + {BIG_MARGIN_MIB}: a second copy of a weight? {m}"
+    )
+    if spec == "Q8_0" and m["rss_before_load"] <= IMPORTS_MIB:
+        assert ratio <= TARGET_RATIO, m

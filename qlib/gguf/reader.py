@@ -174,6 +174,7 @@ class MappedFile:
         self.file = f
         self.size = os.fstat(f.fileno()).st_size
         self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self._base: int | None = None  # the mapping's address (``release_view``)
 
     @classmethod
     def open(cls, f: BinaryIO) -> MappedFile | BinaryIO:
@@ -189,10 +190,28 @@ class MappedFile:
         """Bytes ``start .. start + n`` of the file as a uint8 tensor (no copy)."""
         return torch.frombuffer(self.map, dtype=torch.uint8, count=n, offset=start)
 
-    def release(self) -> None:
-        """Drop the mapped pages from this process (``MADV_DONTNEED``; the views stay valid)."""
-        if hasattr(mmap, "MADV_DONTNEED"):
-            self.map.madvise(mmap.MADV_DONTNEED)
+    def release(self, start: int = 0, n: int | None = None) -> None:
+        """Drop the mapped pages of bytes ``start .. start + n`` (default: the whole file) from
+        this process (``MADV_DONTNEED``, on the pages that hold any of them; the views stay
+        valid: a later touch reads the page cache again)."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        end = self.size if n is None else min(self.size, start + n)
+        lo = max(0, start) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > lo:
+            self.map.madvise(mmap.MADV_DONTNEED, lo, end - lo)
+
+    def release_view(self, t: torch.Tensor) -> bool:
+        """``release`` the bytes under ``t`` when it is a view of this mapping (contiguous, as
+        ``view`` and ``Content.tensor`` make them); False, and nothing done, for any other."""
+        if self._base is None:
+            self._base = torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
+        n = t.numel() * t.element_size()
+        start = t.data_ptr() - self._base
+        if not t.is_contiguous() or start < 0 or start + n > self.size or not n:
+            return False
+        self.release(start, n)
+        return True
 
     def read(self, n: int = -1) -> bytes:
         return self.file.read(n)
@@ -210,10 +229,14 @@ class MappedFile:
         return self.file.fileno()
 
 
-def release_pages(f: BinaryIO | MappedFile) -> None:
-    """``MappedFile.release`` for a mapped file; nothing for any other."""
+def release_pages(f: BinaryIO | MappedFile, view: torch.Tensor | None = None) -> None:
+    """``MappedFile.release`` for a mapped file (``view``: only the pages under that view of
+    it, ``release_view``); nothing for any other."""
     if isinstance(f, MappedFile):
-        f.release()
+        if view is None:
+            f.release()
+        else:
+            f.release_view(view)
 
 
 # ----------------------------------------------------------------------------- reading

@@ -58,8 +58,10 @@ raises ``IndexPosError``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
+from collections.abc import Callable
 from typing import BinaryIO
 
 import torch
@@ -93,6 +95,8 @@ def default_prefill() -> str:
     Without them oneDNN emulates bf16 and the prefill is slower than the int8 one (measured:
     docs/performance.md, "Prefill without bf16 hardware")."""
     return "bf16" if build.cpu_flags() & set(BF16_FLAGS) else "int8"
+
+
 PREPACK_BATCH = 256  # oneDNN's row-count hint for the prepacked bf16 weights
 
 
@@ -155,6 +159,16 @@ def _runs(qtensors: list[QTensor]) -> list[list[QTensor]]:
     return runs
 
 
+Release = Callable[[torch.Tensor], object]  # drops a mapped file's pages under a view of it
+
+
+def _owned(q: QTensor) -> torch.Tensor:
+    """A small tensor's float32 values in memory of their own. An F32 tensor dequantizes to a
+    view of its blocks, here of the mapped file: each touch of it would map the file's page
+    cache around it (large folios: up to 2 MB for an 8 KB norm)."""
+    return q.dequantize().clone()
+
+
 class LinearPart:
     """Rows ``r0 .. r0 + n`` of a (stacked) weight, all of one GGUF type: the C kernels'
     weight (``packed``: Q4_0 / Q4_1 / Q8_0 planes, Q5_0 widened to Q8_0 codes, the same
@@ -162,14 +176,14 @@ class LinearPart:
     lack, the torch matmul with ggml semantics (``prepared``: int8 codes and float32
     scales; the dequantized float32 weight for F32 / F16 / BF16)."""
 
-    def __init__(self, qtensors: list[QTensor], r0: int):
+    def __init__(self, qtensors: list[QTensor], r0: int, release: Release | None = None):
         self.type_name = qtensors[0].dtype.name
         self.r0 = r0
         self.n = sum(q.shape[0] for q in qtensors)
         self.packed: cpu.PackedWeight | None = None
         self.prepared: PreparedWeight | None = None
         if cpu.packable(self.type_name, qtensors[0].shape[-1]):
-            self.packed = cpu.pack(qtensors)
+            self.packed = cpu.pack(qtensors, release=release)
         else:
             self.prepared = prepare(_stack(qtensors))
 
@@ -216,7 +230,8 @@ class FastLinear:
     """
 
     def __init__(self, qtensors: list[QTensor], bf16: bool, amx: bool = False,
-                 interleave: bool = False, amx_packed: bool = True):  # fmt: skip
+                 interleave: bool = False, amx_packed: bool = True,
+                 release: Release | None = None):  # fmt: skip
         if len({q.shape[-1] for q in qtensors}) != 1:
             rows = ", ".join(str(q.shape[-1]) for q in qtensors)
             raise ModelError(f"stacked projections read one input: rows of {rows} elements")
@@ -226,7 +241,7 @@ class FastLinear:
         self.parts: list[LinearPart] = []
         for run in runs:
             r0 = self.parts[-1].r0 + self.parts[-1].n if self.parts else 0
-            self.parts.append(LinearPart(run, r0))
+            self.parts.append(LinearPart(run, r0, release))  # blocks released as packed
         one = self.parts[0] if len(self.parts) == 1 else None
         self.packed: cpu.PackedWeight | None = one.packed if one is not None else None
         self.prepared: PreparedWeight | None = one.prepared if one is not None else None
@@ -334,13 +349,14 @@ class FastLayer:
     w2: FastLinear
 
     def __init__(self, get, p: str, eps: float, bf16: bool, amx: bool = False,
-                 amx_packed: bool = True):  # fmt: skip
+                 amx_packed: bool = True, release: Release | None = None):  # fmt: skip
         for attr, names in FUSED_STACKS.items():  # wqkv, wo, w13, w2
             qtensors = [get(f"{p}.{n}.weight") for n in names]
-            lin = FastLinear(qtensors, bf16, amx, interleave=attr == "w13", amx_packed=amx_packed)
+            lin = FastLinear(qtensors, bf16, amx, interleave=attr == "w13", amx_packed=amx_packed,
+                             release=release)  # fmt: skip
             setattr(self, attr, lin)
-        self.attn_norm = get(f"{p}.attn_norm.weight").dequantize()
-        self.ffn_norm = get(f"{p}.ffn_norm.weight").dequantize()
+        self.attn_norm = _owned(get(f"{p}.attn_norm.weight"))
+        self.ffn_norm = _owned(get(f"{p}.ffn_norm.weight"))
 
 
 class FastModel(StaticKVState):
@@ -361,10 +377,16 @@ class FastModel(StaticKVState):
         amx: bool = True,
         kv_type: str = DEFAULT_KV_TYPE,
         rope_freqs: torch.Tensor | None = None,
+        embed_rows: cpu.PackedWeight | None = None,
+        embed_release: Release | None = None,
     ):
         self.config = config
         self.device = torch.device("cpu")
         self.tok_embd = tok_embd
+        # where ``embed`` reads rows: ``embed_rows`` (a packed weight of the same values,
+        # the tied output's) or ``tok_embd``'s blocks, then ``embed_release(tok_embd.data)``
+        self._embed_rows = embed_rows
+        self._embed_release = embed_release
         self.layers = layers
         self.norm = norm
         self.output = output
@@ -573,23 +595,32 @@ class FastModel(StaticKVState):
         def get(name: str) -> QTensor:
             return content.tensor(f, name, "cpu")
 
+        # Mapped (``gguf.MappedFile``): the tensors are views of the file; packing drops the
+        # pages of each piece it has read (``cpu.pack(release=)``), so at any time the file is
+        # held once, as packed weights or as mapped pages, never both (but a few MB)
+        release = functools.partial(release_pages, f)
         layers = []
         for i in progress.layers(range(config.block_count), config.block_count):
-            layers.append(
-                FastLayer(get, f"blk.{i}", config.rms_norm_eps, bf16, amx_layers, amx_packed)
-            )
+            layers.append(FastLayer(get, f"blk.{i}", config.rms_norm_eps, bf16, amx_layers,
+                                    amx_packed, release))  # fmt: skip
             release_pages(f)  # repacked: the layer's mapped pages are not needed any more
         tok_embd = get("token_embd.weight")  # a view of the mapped file: rows read on lookup
-        out_w = get("output.weight") if "output.weight" in content.tensor_infos else tok_embd
-        output = FastLinear([out_w], bf16=False)  # prefill needs only the last row
-        norm = get("output_norm.weight").dequantize()
+        tied = "output.weight" not in content.tensor_infos
+        out_w = tok_embd if tied else get("output.weight")
+        output = FastLinear([out_w], bf16=False, release=release)  # prefill: the last row only
+        norm = _owned(get("output_norm.weight"))
         release_pages(f)
         freqs = "rope_freqs.weight" in content.tensor_infos  # Llama 3.1+ RoPE scaling
-        rope_freqs = get("rope_freqs.weight").dequantize() if freqs else None
+        rope_freqs = _owned(get("rope_freqs.weight")) if freqs else None
+        # the embedding's rows: a tied output's packed weight holds exactly the embedding's
+        # values (``cpu.dequantize_rows``); else the file's blocks, whose mapped pages each
+        # lookup drops again (they would add up to the whole embedding over a conversation)
+        embed_rows = output.packed if tied else None
         return cls(config, tok_embd, layers, norm, output, prefill=prefill,
                    bf16_min_rows=bf16_min_rows, max_seq_len=max_seq_len,
                    hugepages=hugepages, amx=amx, kv_type=kv_type,
-                   rope_freqs=rope_freqs)  # fmt: skip
+                   rope_freqs=rope_freqs, embed_rows=embed_rows,
+                   embed_release=release)  # fmt: skip
 
     # -- state -------------------------------------------------------------
 
@@ -613,8 +644,13 @@ class FastModel(StaticKVState):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantize only the rows of ``token_embd`` that are looked up: ``[t, d]``."""
+        if self._embed_rows is not None:
+            return cpu.dequantize_rows(self._embed_rows, ids)
         t = self.tok_embd
-        return dequantize_torch(t.data[ids].reshape(-1), t.dtype.name, (ids.numel(), t.shape[-1]))
+        x = dequantize_torch(t.data[ids].reshape(-1), t.dtype.name, (ids.numel(), t.shape[-1]))
+        if self._embed_release is not None:
+            self._embed_release(t.data)
+        return x
 
     def rope(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         """x: ``(t, heads, d)`` -> rotated (a new tensor)."""
@@ -682,6 +718,9 @@ class FastModel(StaticKVState):
                 n_ff = gu.shape[1] // 2
                 g = F.silu(gu[:, :n_ff], inplace=True).mul_(gu[:, n_ff:])
                 h += layer.w2.forward(g, rows)
+                # free this layer's activations before the next layer makes its own (else two
+                # layers' gate/up outputs, t x 2 n_ff floats each, are alive at once)
+                del a, qkv, qk, y, gu, g
             self._kv_len = end
             h = F.rms_norm(h if all_logits else h[t - 1 :], dims, self.norm, eps)
             logits = self.output.quantized(h.contiguous())

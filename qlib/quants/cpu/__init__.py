@@ -56,6 +56,7 @@ from .ops import (
     swiglu_bf16,
 )
 from .packing import (
+    dequantize_rows,
     pack,
     pack_amx,
     pack_amx_bf16,
@@ -85,6 +86,7 @@ __all__ = [
     "attn_decode_plan",
     "attn_prefill",
     "dequantize_bf16",
+    "dequantize_rows",
     "exp",
     "load",
     "prefill_layer",

@@ -13,8 +13,11 @@ repacked: ``kquants.c`` reads their GGUF blocks, which ``pack`` copies row after
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from ..api import dequantize_torch
 from ..legacy import Q5_0
 from . import build, ops
 from .layout import BLOCK_CODES, BLOCKS, ROW_MULTIPLE, TYPE_CODES, WIDENED, AmxWeight, PackedWeight
@@ -44,9 +47,23 @@ def widen_q5_0(blocks: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pack(qtensors) -> PackedWeight:
+PACK_CHUNK = 4 << 20  # bytes of GGUF blocks ``pack`` reads between two ``release`` calls
+
+
+def _chunks(rows: int, row_bytes: int) -> list[slice]:
+    """Rows ``0 .. rows`` in pieces of about ``PACK_CHUNK`` bytes of blocks."""
+    step = max(1, PACK_CHUNK // max(row_bytes, 1))
+    return [slice(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
+def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> PackedWeight:
     """Repack one 2-D QTensor, or several with the same type and k stacked by rows (a
-    ``WIDENED`` type as its kernel type: ``type_name`` is then that one)."""
+    ``WIDENED`` type as its kernel type: ``type_name`` is then that one).
+
+    ``release``, if given, is called with each piece of the blocks once it is packed (about
+    ``PACK_CHUNK`` bytes: ``gguf.release_pages`` drops a mapped file's pages of it), so a
+    weight packed from a mapped file never holds its blocks and its packed copy whole at once.
+    """
     qtensors = list(qtensors) if isinstance(qtensors, (list, tuple)) else [qtensors]
     name = qtensors[0].dtype.name
     k = int(qtensors[0].shape[-1])
@@ -58,7 +75,16 @@ def pack(qtensors) -> PackedWeight:
         if k % ROW_MULTIPLE[name]:
             raise ValueError(f"pack: no C kernel for {name} with k={k} (k % {ROW_MULTIPLE[name]})")
         n = sum(rows for rows, _ in weights)
-        codes = torch.cat([data.reshape(rows, k // elements * nbytes) for rows, data in weights])
+        row_bytes = k // elements * nbytes
+        codes = torch.empty(n, row_bytes, dtype=torch.uint8)
+        j = 0
+        for rows, data in weights:
+            data = data.reshape(rows, row_bytes)
+            for part in _chunks(rows, row_bytes):
+                codes[j + part.start : j + part.stop].copy_(data[part])
+                if release is not None:
+                    release(data[part])
+            j += rows
         return PackedWeight(name, n, k, codes, None, None)
     kernel_type = WIDENED.get(name, name)
     if kernel_type not in TYPE_CODES or k % 64:
@@ -70,9 +96,14 @@ def pack(qtensors) -> PackedWeight:
     m = torch.empty(n, G, dtype=torch.int16) if kernel_type == "Q4_1" else None
     if build.available():
         j = 0
-        for rows, data in weights:  # each weight into its rows of the planes
-            part = slice(j, j + rows)
-            ops.repack(name, data, k, codes[part], d[part], m[part] if m is not None else None)
+        for rows, data in weights:  # each weight into its rows of the planes, piece by piece
+            data = data.reshape(rows, -1)
+            for part in _chunks(rows, data.shape[1]):
+                dst = slice(j + part.start, j + part.stop)
+                m_dst = m[dst] if m is not None else None
+                ops.repack(name, data[part], k, codes[dst], d[dst], m_dst)
+                if release is not None:
+                    release(data[part])
             j += rows
         return PackedWeight(kernel_type, n, k, codes, d, m)
     if name in WIDENED:  # the same values in the kernel type's blocks
@@ -90,6 +121,30 @@ def pack(qtensors) -> PackedWeight:
         q = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n, k // 64, 2, 32)  # natural order
         codes.copy_((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2))
     return PackedWeight(name, n, k, codes, d, m)
+
+
+def dequantize_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a packed weight as float32 ``[len(ids), k]``: the values
+    ``QTensor.dequantize`` gives for those rows of the weight it was packed from (a tied
+    embedding looked up in the output layer's planes: ``q * d (+ m)``, the same float32
+    products; GGUF blocks are dequantized as they are)."""
+    ids = ids.reshape(-1)
+    t, k = ids.numel(), pw.k
+    if pw.blocks:
+        return dequantize_torch(pw.codes[ids].reshape(-1), pw.type_name, (t, k))
+    c = pw.codes[ids]
+    if pw.type_name == "Q8_0":
+        q = c.to(torch.int16) - 128
+    else:  # per 64 elements 32 bytes: byte i = e[i] | e[i + 32] << 4
+        c = c.view(t, k // 64, 32)
+        q = torch.cat([c & 15, c >> 4], dim=-1).reshape(t, k)
+        if pw.type_name == "Q4_0":
+            q = q.to(torch.int16) - 8
+    d = pw.d[ids].view(torch.float16).float().unsqueeze(-1)
+    y = q.float().view(t, k // 32, 32) * d
+    if pw.m is not None:
+        y = y + pw.m[ids].view(torch.float16).float().unsqueeze(-1)
+    return y.reshape(t, k)
 
 
 def _tile_rows(n: int, interleave: bool) -> torch.Tensor | None:
