@@ -20,7 +20,8 @@
 # same greedy decode (the benchmark prompt, then `steps` steps, the next token read back every
 # step) runs on each rung of a ladder: (a) the faithful engine, one torch op after another;
 # (b) the fast CUDA engine's fused Triton kernels launched one by one from Python; (c) the same
-# kernels captured once in a CUDA graph and replayed; (d) one persistent kernel that walks all
+# kernels captured once in a CUDA graph and replayed, without and with programmatic dependent
+# launch (PDL: Hopper and later); (d) one persistent kernel that walks all
 # the layers with grid-wide barriers between its stages (`qlib.quants.cuda.persistent`), also
 # replayed from a graph; a rung that cannot run this model says why. Per rung: kernels per token, host launches per token, host time per step,
 # GPU busy time per step, ms/token and the share of the bandwidth floor (the bytes a step reads
@@ -105,6 +106,13 @@ if runs_here:
                     pct=graph["floor_pct"], floor=graph["floor_ms"] * 1e3,
                     busy=graph["gpu_busy_ms"], k=graph["kernels_per_token"],
                     gap=100 * (1 - graph["gpu_busy_ms"] / graph["ms_per_token"])))
+    if "fused, CUDA graph + PDL" in r:
+        pdl = r["fused, CUDA graph + PDL"]
+        print(w.finding("pdl", "With programmatic dependent launch (each kernel's blocks wait on "
+                        "the device for the previous kernel) the same graph takes {b:.3f} "
+                        "ms/token ({x:.2f}x the CUDA-graph rung), GPU busy {busy:.3f} ms.",
+                        table="ladder", b=pdl["ms_per_token"],
+                        x=pdl["ms_per_token"] / graph["ms_per_token"], busy=pdl["gpu_busy_ms"]))
     if "persistent" in r:
         pk = r["persistent"]
         print(w.finding("persistent", "One persistent kernel per step: {b:.3f} ms/token "

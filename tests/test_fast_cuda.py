@@ -156,27 +156,43 @@ def test_tensor_core_prefill_near_f32(tmp_path, mode):
     check(fast.forward(x, ids.shape[1]), ref.forward(x, ids.shape[1]))
 
 
+def greedy_logits(model, n=24) -> tuple[list[int], torch.Tensor]:
+    ids = torch.tensor([[1, 5, 9, 33, 7]])
+    out, logits = [], []
+    for _ in range(3):  # the second and third prefill replay the captured graph
+        step = model.forward(ids, 0)
+    pos = ids.shape[1]
+    for _ in range(n):
+        out.append(int(step[0].argmax()))
+        logits.append(step)
+        step = model.forward(torch.tensor([[out[-1]]]), pos)
+        pos += 1
+    return out, torch.cat(logits)
+
+
 @needs_cuda
 def test_graph_replay_equals_eager(tmp_path):
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1")
     _, eager = load_pair(path, graphs=False)
     _, graphed = load_pair(path)
-
-    def greedy_logits(model, n=24):
-        ids = torch.tensor([[1, 5, 9, 33, 7]])
-        out, logits = [], []
-        for _ in range(3):  # the second and third prefill replay the captured graph
-            step = model.forward(ids, 0)
-        pos = ids.shape[1]
-        for _ in range(n):
-            out.append(int(step[0].argmax()))
-            logits.append(step)
-            step = model.forward(torch.tensor([[out[-1]]]), pos)
-            pos += 1
-        return out, torch.cat(logits)
-
     (a, la), (b, lb) = greedy_logits(eager), greedy_logits(graphed)
     assert graphed._decode_graph is not None and graphed._prefill_graphs
+    assert a == b
+    assert torch.equal(la, lb)
+
+
+@needs_cuda
+def test_dependent_launch_changes_nothing(tmp_path):
+    """Programmatic dependent launch only moves when the kernels start: the same kernels'
+    results, bit for bit (each kernel waits for its predecessor before touching memory)."""
+    from qlib.quants.cuda import fused
+
+    if not fused.pdl_available():
+        pytest.skip("no programmatic dependent launch here (needs sm90+ and Triton >= 3.4)")
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1")
+    _, on = load_pair(path, pdl=True)
+    _, off = load_pair(path, pdl=False)
+    (a, la), (b, lb) = greedy_logits(on), greedy_logits(off)
     assert a == b
     assert torch.equal(la, lb)
 

@@ -12,7 +12,9 @@ the kernels, float32 activations and accumulation), so its logits equal the
   projection + residual. Weights stay packed (4/8-bit planes). The token id and
   the position are read from device tensors, so the whole step (152 kernels for
   SmolLM2) is captured once in a CUDA graph and replayed for every position:
-  one launch per token instead of hundreds;
+  one launch per token instead of hundreds. On Hopper and later the kernels launch with
+  programmatic dependent launch (``pdl=True``, the default where available: each kernel's
+  blocks wait on the device for the previous one instead of launching after it);
 * **prefill** (``t > 1``) uses dense copies of the layer weights made at load, multiplied by
   cuBLAS: float32 with TF32 off (``prefill="f32"``, the default: the f32 form's numerics),
   the same copies with TF32 tensor cores on (``"tf32"``), or bfloat16 copies (``"bf16"``:
@@ -267,12 +269,14 @@ class CudaFastModel(StaticKVState):
         attention: str = "split",
         max_seq_len: int = MAX_SEQ_LEN,
         rope_freqs: torch.Tensor | None = None,
+        pdl: bool | None = None,
     ):
         if attention not in ATTENTION_MODES:
             raise ModelError(f"unknown attention {attention!r}: {', '.join(ATTENTION_MODES)}")
         self.config = config
         self.prefill = prefill
         self.attention = attention
+        self.pdl = pdl if pdl is not None else device.type == "cuda"  # (used where available)
         self._split_attention = None
         self.device = device
         self.tok_embd = tok_embd
@@ -322,6 +326,7 @@ class CudaFastModel(StaticKVState):
         kv_type: str | None = None,
         decode: str = "fused",
         decode_options: dict | None = None,
+        pdl: bool | None = None,
     ) -> CudaFastModel:
         """Build from a parsed ``gguf_file.Content`` and its open file.
 
@@ -330,7 +335,9 @@ class CudaFastModel(StaticKVState):
         else 4096); ``kv_type``: ``f32`` only (the CPU engine also has ``f16``); ``decode``:
         ``fused`` (five fused kernels per layer) or ``persistent`` (the whole step in one
         kernel, ``qlib.quants.cuda.persistent``: a device copy of the GGUF blocks as well;
-        ``decode_options`` go to its ``PersistentDecoder``: ``threads``, ``stage_times``)."""
+        ``decode_options`` go to its ``PersistentDecoder``: ``threads``, ``stage_times``);
+        ``pdl``: programmatic dependent launch of the fused kernels (None: on where the device
+        and Triton have it, ``fused.pdl_available()``)."""
         dev = as_device(device)
         if decode not in DECODE_MODES:
             raise ModelError(f"unknown decode mode {decode!r}: {', '.join(DECODE_MODES)}")
@@ -358,7 +365,7 @@ class CudaFastModel(StaticKVState):
         rope_freqs = get("rope_freqs.weight").dequantize() if freqs else None
         model = cls(config, tok_p, layers, norm, out_p, dev, prefill=prefill, graphs=graphs,
                     attention=attention, max_seq_len=max_seq_len,
-                    rope_freqs=rope_freqs)  # fmt: skip
+                    rope_freqs=rope_freqs, pdl=pdl)  # fmt: skip
         if decode == "persistent":
             model._persistent = _persistent_decoder(model, content, get, tok, out,
                                                     **(decode_options or {}))  # fmt: skip
@@ -424,7 +431,10 @@ class CudaFastModel(StaticKVState):
 
     def _decode_step(self) -> None:
         """The decode kernels, then the device position moves to the next one."""
-        self._decode_kernels()
+        from ..quants.cuda import fused
+
+        with fused.launch_mode(self.pdl):
+            self._decode_kernels()
         self._pos.add_(1)
 
     def _decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:

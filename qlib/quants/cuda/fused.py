@@ -20,14 +20,32 @@ can be captured once in a CUDA graph and replayed for every position.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from .kernels import _HAS_OFFSET, _args, _codes, _dot_rows, _scales
+
+try:  # grid dependency control (programmatic dependent launch, sm90+), Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: PDL stays off
+    gdc_launch_dependents = gdc_wait = None
 from .layout import EPI_ADD, EPI_GATE, EPI_STORE, EPI_SWIGLU, Prepared
 
 __all__ = ["EPI_ADD", "EPI_GATE", "EPI_STORE", "EPI_SWIGLU"]  # re-exported from layout
+
+
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    """With programmatic dependent launch: let the next kernel launch now, then wait until the
+    previous one has finished (its writes visible) before touching any memory."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit
@@ -42,9 +60,10 @@ def _rstd(x, K, eps, KB: tl.constexpr):
 def _norm_gemv_kernel(
     x, nw, y, qs, qh, d, dm, sc, mn, N, K, G, eps, qs_stride, qh_stride, d_stride, sc_stride,
     FMT: tl.constexpr, HAS_OFF: tl.constexpr, NORM: tl.constexpr, EPI: tl.constexpr,
-    BN: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr,
+    BN: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One row of x; BN output rows a program (SwiGLU: BN gate rows and their up rows)."""
+    _pdl_start(PDL)
     rstd = 1.0
     if NORM:
         rstd = _rstd(x, K, eps, KB)
@@ -112,8 +131,10 @@ def _qkv_rope_kernel(
     qs_stride, qh_stride, d_stride, sc_stride,
     FMT: tl.constexpr, HAS_OFF: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr,
     D: tl.constexpr, NEOX: tl.constexpr, BP: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """RmsNorm, the stacked q/k/v GEMV (BP row pairs a program), RoPE, KV-cache write."""
+    _pdl_start(PDL)
     rstd = _rstd(x, K, eps, KB)
     pos = tl.load(pos_ptr).to(tl.int64)
     j = tl.program_id(0) * BP + tl.arange(0, BP)
@@ -181,10 +202,11 @@ def _attn_decode_kernel(
 @triton.jit(do_not_specialize=["S", "NS", "scale"])
 def _attn_split_kernel(
     q, kc, vc, pm, pl, pacc, pos_ptr, S, NS, scale,
-    GROUP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
+    GROUP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Query head ``h``, cache positions ``BL s .. BL s + BL - 1`` (up to ``pos``): the block's
     max score, its softmax denominator and its weighted sum of V, for ``_attn_combine_kernel``."""
+    _pdl_start(PDL)
     h = tl.program_id(0)
     s = tl.program_id(1)
     n = tl.load(pos_ptr).to(tl.int64) + 1
@@ -208,9 +230,11 @@ def _attn_split_kernel(
 
 @triton.jit(do_not_specialize=["NS"])
 def _attn_combine_kernel(
-    out, pm, pl, pacc, pos_ptr, NS, D: tl.constexpr, BL: tl.constexpr, NSB: tl.constexpr
-):
+    out, pm, pl, pacc, pos_ptr, NS, D: tl.constexpr, BL: tl.constexpr, NSB: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
     """``out[h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s`` over the live blocks."""
+    _pdl_start(PDL)
     h = tl.program_id(0)
     n = tl.load(pos_ptr).to(tl.int64) + 1
     dd = tl.arange(0, D)
@@ -235,9 +259,10 @@ def _attn_combine_kernel(
 @triton.jit(do_not_specialize=["K", "G"])
 def _embed_kernel(
     ids, out, qs, qh, d, dm, sc, mn, K, G, qs_stride, qh_stride, d_stride, sc_stride,
-    FMT: tl.constexpr, HAS_OFF: tl.constexpr, GB: tl.constexpr,
+    FMT: tl.constexpr, HAS_OFF: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """``out[t] = dequantize(W[ids[t]])`` (float32)."""
+    _pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     row = tl.load(ids + t).to(tl.int64)
     g = tl.arange(0, GB)
@@ -245,12 +270,12 @@ def _embed_kernel(
     g = tl.minimum(g, G - 1)
     i = tl.arange(0, 16)
     lo, hi = _codes(qs, qh, row, g[:, None], i[None, :], qs_stride, qh_stride, FMT)
-    s_lo, s_hi, off = _scales(d, dm, sc, mn, row, g, d_stride, sc_stride, FMT)
+    s_lo, s_hi, off_lo, off_hi = _scales(d, dm, sc, mn, row, g, d_stride, sc_stride, FMT)
     v_lo = lo.to(tl.float32) * s_lo[:, None]
     v_hi = hi.to(tl.float32) * s_hi[:, None]
     if HAS_OFF:
-        v_lo += off[:, None]
-        v_hi += off[:, None]
+        v_lo += off_lo[:, None]
+        v_hi += off_hi[:, None]
     p = out + t * K + g[:, None] * 32 + i[None, :]
     tl.store(p, v_lo, mask=gmask)
     tl.store(p + 16, v_hi, mask=gmask)
@@ -261,6 +286,36 @@ def _embed_kernel(
 
 def _np2(n: int) -> int:
     return triton.next_power_of_2(n)
+
+
+_PDL = [False]  # programmatic dependent launch of the decode kernels (``launch_mode``)
+
+
+@functools.cache
+def pdl_available() -> bool:
+    """Whether the decode kernels can launch dependently: Triton's grid dependency control
+    and a CUDA device of compute capability 9.0+ (Hopper), not the interpreter."""
+    if gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@contextlib.contextmanager
+def launch_mode(pdl: bool):
+    """Kernels launched in this block use programmatic dependent launch (where available):
+    each kernel's CTAs become resident while the previous kernel finishes and wait for it on
+    the device (``_pdl_start``), so the launch gap overlaps the previous kernel's tail. A
+    CUDA graph captured in the block keeps those programmatic edges."""
+    old = _PDL[0]
+    _PDL[0] = bool(pdl) and pdl_available()
+    try:
+        yield
+    finally:
+        _PDL[0] = old
+
+
+def _pdl() -> dict:
+    return {"PDL": True, "launch_pdl": True} if _PDL[0] else {"PDL": False}
 
 
 def norm_gemv(
@@ -289,7 +344,7 @@ def norm_gemv(
     _norm_gemv_kernel[(triton.cdiv(n_out, bn),)](
         x, norm if norm is not None else x, y, *planes, w.n, w.k, w.groups, eps, *strides,
         FMT=fmt, HAS_OFF=fmt in _HAS_OFFSET, NORM=norm is not None, EPI=epilogue,
-        BN=bn, NG=min(ng, _np2(w.groups)), KB=_np2(w.k), num_warps=num_warps,
+        BN=bn, NG=min(ng, _np2(w.groups)), KB=_np2(w.k), num_warps=num_warps, **_pdl(),
     )  # fmt: skip
 
 
@@ -322,7 +377,7 @@ def qkv_rope(
     _qkv_rope_kernel[(triton.cdiv(n_pairs, bp),)](
         x, norm, q, kc, vc, pos, cos, sin, *planes, w.k, w.groups, eps, kc.shape[1], *strides,
         FMT=fmt, HAS_OFF=fmt in _HAS_OFFSET, NQ=nq, NKV=nkv, D=hd, NEOX=neox, BP=bp,
-        NG=min(ng, _np2(w.groups)), KB=_np2(w.k), num_warps=num_warps,
+        NG=min(ng, _np2(w.groups)), KB=_np2(w.k), num_warps=num_warps, **_pdl(),
     )  # fmt: skip
 
 
@@ -391,11 +446,12 @@ class SplitAttention:
         nq, nkv, hd = self.heads
         _attn_split_kernel[(nq, self.ns)](
             q, kc, vc, self.m, self.l, self.acc, pos, kc.shape[1], self.ns, hd**-0.5,
-            GROUP=nq // nkv, D=hd, BL=self.bl, num_warps=num_warps,
+            GROUP=nq // nkv, D=hd, BL=self.bl, num_warps=num_warps, **_pdl(),
         )  # fmt: skip
         _attn_combine_kernel[(nq,)](
-            out, self.m, self.l, self.acc, pos, self.ns, D=hd, BL=self.bl, NSB=nsb, num_warps=2
-        )
+            out, self.m, self.l, self.acc, pos, self.ns, D=hd, BL=self.bl, NSB=nsb, num_warps=2,
+            **_pdl(),
+        )  # fmt: skip
 
 
 def embed(ids: torch.Tensor, w: Prepared, out: torch.Tensor) -> None:
@@ -404,5 +460,5 @@ def embed(ids: torch.Tensor, w: Prepared, out: torch.Tensor) -> None:
     fmt = w.format_id
     _embed_kernel[(ids.numel(),)](
         ids, out, *planes, w.k, w.groups, *strides,
-        FMT=fmt, HAS_OFF=fmt in _HAS_OFFSET, GB=_np2(w.groups), num_warps=4,
+        FMT=fmt, HAS_OFF=fmt in _HAS_OFFSET, GB=_np2(w.groups), num_warps=4, **_pdl(),
     )  # fmt: skip

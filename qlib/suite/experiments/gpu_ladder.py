@@ -7,6 +7,9 @@ token read back to the host every step) on a different way of driving the GPU:
 * ``fused, one by one``: the fast CUDA engine's fused Triton kernels launched from Python
   every step (``graphs=False``);
 * ``fused, CUDA graph``: the same kernels captured once and replayed (one launch a token);
+* ``fused, CUDA graph + PDL``: the same graph with programmatic dependent launch (Hopper+:
+  each kernel's blocks are resident and wait on the device while the previous one finishes);
+  where the device or Triton lacks it the rung says so;
 * ``persistent``: one resident kernel walking the layers with grid-wide barriers between the
   stages (``qlib.quants.cuda.persistent``), in a CUDA graph too; where it cannot run (a type
   it has no code for, no NVRTC) the rung reports why instead of a time.
@@ -38,7 +41,8 @@ class Rung:
 LADDER = (
     Rung("per-op", "faithful"),
     Rung("fused, one by one", "fast", (("graphs", False),)),
-    Rung("fused, CUDA graph", "fast", (("graphs", True),)),
+    Rung("fused, CUDA graph", "fast", (("graphs", True), ("pdl", False))),
+    Rung("fused, CUDA graph + PDL", "fast", (("graphs", True), ("pdl", True))),
     Rung("persistent", "fast", (("decode", "persistent"), ("graphs", True))),
 )
 
@@ -96,7 +100,12 @@ def run_rung(rung: Rung, path: str, prompt_ids: list[int], *, steps: int, reps: 
              profile_steps: int = 16, device: str = "cuda") -> dict[str, Any]:  # fmt: skip
     """Load the engine of ``rung``, time ``reps`` greedy runs and profile a few steps."""
     from ...llama.engine import load
+    from ...llama.errors import ModelError
+    from ...quants.cuda import fused
 
+    if dict(rung.options).get("pdl") and not fused.pdl_available():
+        raise ModelError("no programmatic dependent launch here (it needs a GPU of compute "
+                         "capability 9.0+ and Triton >= 3.4)")  # fmt: skip
     model, content = load(path, device, engine=rung.engine, **dict(rung.options))
     prompt = torch.tensor([prompt_ids], device=model.device)
     with torch.inference_mode():
