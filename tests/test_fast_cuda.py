@@ -44,7 +44,13 @@ needs_kernels = pytest.mark.skipif(
 )
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
 TOL = 1e-5  # x max |logit|
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K")
+# every type of NATIVE and mixes: tests/test_mixed_types.py
+
+
+def sizes(type_name: str) -> dict:
+    """K-quant rows need a multiple of 256 elements: n_embd 256, n_ff 512 (head dim 64)."""
+    return dict(n_embd=256, n_ff=512) if type_name.endswith("_K") else {}
 
 
 def load_pair(path, **kwargs) -> tuple[ModelWeights, CudaFastModel]:
@@ -77,7 +83,8 @@ def run_script(ref, fast) -> None:
 @needs_kernels
 @pytest.mark.parametrize("type_name", TYPES)
 def test_matches_f32_form(tmp_path, type_name):
-    path = write_tiny_llama(tmp_path / "m.gguf", weight_type=type_name, n_kv_head=2)
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type=type_name, n_kv_head=2,
+                            **sizes(type_name))  # fmt: skip
     run_script(*load_pair(path))
 
 
@@ -118,8 +125,9 @@ def test_mixed_types_take_the_unfused_kernels(tmp_path):
 
 
 @needs_cuda  # the tensor-core GEMM's bf16 dots are not emulated faithfully by the interpreter
-def test_packed_prefill_matches_dense(tmp_path):
-    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q5_1")
+@pytest.mark.parametrize("type_name", ["Q5_1", "Q2_K", "Q3_K"])
+def test_packed_prefill_matches_dense(tmp_path, type_name):
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type=type_name, **sizes(type_name))
     ref, fast = load_pair(path, prefill="packed")
     assert fast.layers[0].wqkv.dense is None
     ids = torch.tensor([list(range(3, 40))])

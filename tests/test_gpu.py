@@ -19,6 +19,7 @@ results are float32-accurate whatever the path.
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
@@ -30,6 +31,7 @@ from qlib.quants.cuda import layout
 from qlib.quants.cuda import matmul as gpu
 
 CUDA = torch.cuda.is_available() and gpu.triton_available()
+INTERPRET = os.environ.get("QLIB_TRITON_INTERPRET") == "1" and gpu.triton_available()
 MPS = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
 
@@ -86,9 +88,15 @@ def test_prepare_is_cached_and_keeps_gguf_bytes():
 
 
 def test_repack_rejects_non_native():
-    w = random_blocks(4, 256, "Q3_K")
-    with pytest.raises(NotImplementedError, match="Q3_K"):
-        layout.repack(w.data, "Q3_K", w.shape)
+    w = random_blocks(4, 256, "Q8_1")
+    with pytest.raises(NotImplementedError, match="Q8_1"):
+        layout.repack(w.data, "Q8_1", w.shape)
+
+
+def test_format_ids_stable():
+    """Ids are baked into compiled kernels and caches: new formats are appended."""
+    assert layout.NATIVE[:8] == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+    assert layout.FORMAT_ID["Q2_K"] == 8 and layout.FORMAT_ID["Q3_K"] == 9
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -169,7 +177,7 @@ def test_each_path_cuda(name, dtype, path, m):
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["F32", "F16", "Q2_K", "Q3_K"])
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
 def test_fallback_formats_cuda(name):
     w = random_blocks(64, 512, name, device="cuda")
     W = dequantize_torch(w.data, name, w.shape).double()
@@ -177,6 +185,32 @@ def test_fallback_formats_cuda(name):
     for dtype in DTYPES:
         x = torch.randn(5, 512, device="cuda").to(dtype)
         check(gpu.qmatmul(x, w), x.double() @ W.T, dtype)
+
+
+@pytest.mark.skipif(
+    not (CUDA or INTERPRET), reason="needs CUDA and Triton (or QLIB_TRITON_INTERPRET=1)"
+)
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["gemv", "gemm", "dequant"])
+@pytest.mark.parametrize("name", NAMES)
+def test_each_path_small(name, path):
+    """Every native format and path on a small weight (64 x 512, two super-blocks a row), also
+    on a CPU through Triton's interpreter. Its bf16 is wrong (``tl.dot``; float32 -> bf16
+    truncates): there bf16 x is skipped and the GEMM is checked with f16 x only (float32 x
+    takes three bf16 dots)."""
+    device = "cuda" if CUDA else "cpu"
+    w = random_blocks(64, 512, name, device=device, seed=zlib.crc32(name.encode()))
+    W = dequantize_torch(w.data, name, w.shape).double()
+    dtypes = DTYPES
+    if not CUDA:
+        dtypes = [torch.float16] if path == "gemm" else [torch.float32, torch.float16]
+    for m in (1, 7):
+        for dtype in dtypes:
+            x = torch.randn(m, 512, device=device).to(dtype)
+            out = torch.full((m, 64), float("nan"), device=device, dtype=dtype)
+            y = gpu.qmatmul(x, w, out=out, path=path)
+            rounded = path == "dequant" and dtype != torch.float32
+            check(y, x.double() @ W.T, dtype, rounded_weights=rounded)
 
 
 @needs_cuda

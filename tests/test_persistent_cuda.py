@@ -47,6 +47,21 @@ def test_unsupported_reasons():
     assert "Q4_K" in persistent.unsupported({"w": "Q4_K", "v": "Q6_K"}, 64, 64)
     assert "head_dim" in persistent.unsupported({"w": "Q8_0"}, 16, 16)
     assert "rope_dim" in persistent.unsupported({"w": "Q8_0"}, 64, 32)
+    why = persistent.unsupported({"w": "Q2_K", "v": "Q3_K"}, 64, 64)  # Triton kernels only
+    assert "Q2_K, Q3_K" in why
+
+
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K"])
+def test_kquant_file_refused_before_any_kernel(tmp_path, type_name):
+    """The fast engine keeps Q2_K/Q3_K packed for its Triton kernels, but ``decode="persistent"``
+    refuses the file with the reason (on any device: nothing is compiled)."""
+    from qlib.llama.fast_cuda import CudaFastModel
+
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type=type_name, n_embd=256, n_ff=512)
+    with open(path, "rb") as f:
+        content = Content.read(f)
+        with pytest.raises(ModelError, match=f"no code for {type_name}"):
+            CudaFastModel.from_gguf(content, f, "cpu", decode="persistent")
 
 
 @needs_cuda

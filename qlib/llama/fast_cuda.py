@@ -9,7 +9,7 @@ the kernels, float32 activations and accumulation), so its logits equal the
 * **decode** is five kernels per layer (``qlib.quants.cuda.fused``): RmsNorm +
   stacked q/k/v GEMV + RoPE + KV-cache write; attention over the live length;
   output projection + residual; RmsNorm + stacked gate/up GEMV + SwiGLU; down
-  projection + residual. Weights stay packed (4/8-bit planes). The token id and
+  projection + residual. Weights stay packed (2- to 8-bit planes). The token id and
   the position are read from device tensors, so the whole step (152 kernels for
   SmolLM2) is captured once in a CUDA graph and replayed for every position:
   one launch per token instead of hundreds. On Hopper and later the kernels launch with
@@ -32,7 +32,7 @@ a type (``stack_runs``): a uniform q/k/v or gate/up is one weight and one fused 
 mix (Q4_K_M's Q6_K ``attn_v``, Q5_0 / Q8_0 fallbacks) is one part per run, each a GEMV into
 its slice of the same buffer, then RoPE + cache write (``rope_store``) or the gate epilogue.
 Types with Triton kernels (``qlib.quants.cuda.layout.NATIVE``) keep their packed planes;
-the others (F32, F16, BF16, Q2_K, Q3_K) are a float32 ``DenseWeight`` multiplied by cuBLAS
+the others (F32, F16, BF16) are a float32 ``DenseWeight`` multiplied by cuBLAS
 (the same values and float32 accumulation, so the numerics above hold for every part).
 
 ``index_pos`` must equal the cache length or be 0 (starts over): anything else
@@ -70,8 +70,8 @@ GRAPH_CACHE = 4  # prefill graphs kept (one per prompt length)
 
 @dataclass
 class DenseWeight:
-    """A weight of a type without Triton kernels (not in ``NATIVE``: F32, F16, BF16, Q2_K,
-    Q3_K): its float32 values ``[n, k]`` on the device, multiplied by torch (cuBLAS)."""
+    """A weight of a type without Triton kernels (not in ``NATIVE``: F32, F16, BF16): its
+    float32 values ``[n, k]`` on the device, multiplied by torch (cuBLAS)."""
 
     type_name: str
     n: int

@@ -270,12 +270,12 @@ def _embed_kernel(
     g = tl.minimum(g, G - 1)
     i = tl.arange(0, 16)
     lo, hi = _codes(qs, qh, row, g[:, None], i[None, :], qs_stride, qh_stride, FMT)
-    s_lo, s_hi, off = _scales(d, dm, sc, mn, row, g, d_stride, sc_stride, FMT)
+    s_lo, s_hi, off_lo, off_hi = _scales(d, dm, sc, mn, row, g, d_stride, sc_stride, FMT)
     v_lo = lo.to(tl.float32) * s_lo[:, None]
     v_hi = hi.to(tl.float32) * s_hi[:, None]
     if HAS_OFF:
-        v_lo += off[:, None]
-        v_hi += off[:, None]
+        v_lo += off_lo[:, None]
+        v_hi += off_hi[:, None]
     p = out + t * K + g[:, None] * 32 + i[None, :]
     tl.store(p, v_lo, mask=gmask)
     tl.store(p + 16, v_hi, mask=gmask)

@@ -2,10 +2,14 @@
 
 Every kernel reads a 32-element group as two halves: ``lo`` (elements 0..15)
 and ``hi`` (16..31), the low and high nibbles of the group's 16 ``qs`` bytes,
-so no nibble is ever interleaved. ``_codes`` gives the signed integer codes of
-both halves, ``_scales`` their scales and the group's offset (the min of
-Q4_1/Q5_1, ``-dmin * m`` of Q4_K/Q5_K); the value of element ``e`` is
-``code * scale + offset``, as in ``dequantize_torch``.
+so no nibble is ever interleaved (Q2_K/Q3_K: their 2-bit planes, read as Q6_K's
+``qh``). ``_codes`` gives the signed integer codes of both halves, ``_scales``
+their scales and offsets (the min of Q4_1/Q5_1, ``-dmin * m`` of Q4_K/Q5_K, the
+same for both halves; Q2_K's ``-dmin * m`` of each 16 elements); the value of
+element ``e`` is ``code * scale + offset``, as in ``dequantize_torch``. Formats
+with a scale per 16 elements (Q6_K, Q3_K, Q2_K) scale the halves'
+sums separately; Q2_K (``two offsets``) adds the halves' x-sums times their
+offsets separately.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ Q8_0 = tl.constexpr(FORMAT_ID["Q8_0"])
 Q4_K = tl.constexpr(FORMAT_ID["Q4_K"])
 Q5_K = tl.constexpr(FORMAT_ID["Q5_K"])
 Q6_K = tl.constexpr(FORMAT_ID["Q6_K"])
-_HAS_OFFSET = {FORMAT_ID[n] for n in ("Q4_1", "Q5_1", "Q4_K", "Q5_K")}
+Q2_K = tl.constexpr(FORMAT_ID["Q2_K"])
+Q3_K = tl.constexpr(FORMAT_ID["Q3_K"])
+_HAS_OFFSET = {FORMAT_ID[n] for n in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")}
 
 
 @triton.jit
@@ -38,6 +44,15 @@ def _codes(qs, qh, row, g, i, qs_stride, qh_stride, FMT: tl.constexpr):
         p = qs + row * qs_stride + g * 32 + i
         lo = tl.load(p).to(tl.int32)
         hi = tl.load(p + 16).to(tl.int32)
+    elif FMT == Q2_K or FMT == Q3_K:
+        b = tl.load(qs + row * qs_stride + g * 8 + (i % 8)).to(tl.int32)
+        shift = (i // 8) * 2
+        lo = (b >> shift) & 3
+        hi = (b >> (shift + 4)) & 3
+        if FMT == Q3_K:
+            h = tl.load(qh + row * qh_stride + g)
+            lo = (lo | (((h >> i) & 1) << 2)) - 4
+            hi = (hi | (((h >> (i + 16)) & 1) << 2)) - 4
     else:
         b = tl.load(qs + row * qs_stride + g * 16 + i).to(tl.int32)
         lo = b & 15
@@ -65,26 +80,36 @@ def _codes(qs, qh, row, g, i, qs_stride, qh_stride, FMT: tl.constexpr):
 
 @triton.jit
 def _scales(d, dm, sc, mn, row, g, d_stride, sc_stride, FMT: tl.constexpr):
-    """Float32 scales of group ``g``'s lo and hi halves, and its offset (meaningless if none)."""
+    """Float32 scales of group ``g``'s lo and hi halves, and their offsets (meaningless if none;
+    equal but for Q2_K)."""
     if FMT == Q4_K or FMT == Q5_K:
         sb = row * d_stride + g // 8
         s_lo = tl.load(d + sb).to(tl.float32) * tl.load(sc + row * sc_stride + g).to(tl.float32)
         s_hi = s_lo
         mins = tl.load(mn + row * sc_stride + g).to(tl.float32)
-        off = -(tl.load(dm + sb).to(tl.float32) * mins)
-    elif FMT == Q6_K:
-        dd = tl.load(d + row * d_stride + g // 8).to(tl.float32)
+        off_lo = -(tl.load(dm + sb).to(tl.float32) * mins)
+        off_hi = off_lo
+    elif FMT == Q6_K or FMT == Q3_K or FMT == Q2_K:
+        sb = row * d_stride + g // 8
+        dd = tl.load(d + sb).to(tl.float32)
         s_lo = dd * tl.load(sc + row * sc_stride + 2 * g).to(tl.float32)
         s_hi = dd * tl.load(sc + row * sc_stride + 2 * g + 1).to(tl.float32)
-        off = s_lo
+        if FMT == Q2_K:
+            dmin = tl.load(dm + sb).to(tl.float32)
+            off_lo = -(dmin * tl.load(mn + row * sc_stride + 2 * g).to(tl.float32))
+            off_hi = -(dmin * tl.load(mn + row * sc_stride + 2 * g + 1).to(tl.float32))
+        else:
+            off_lo = s_lo
+            off_hi = s_hi
     else:
         s_lo = tl.load(d + row * d_stride + g).to(tl.float32)
         s_hi = s_lo
         if FMT == Q4_1 or FMT == Q5_1:
-            off = tl.load(dm + row * d_stride + g).to(tl.float32)
+            off_lo = tl.load(dm + row * d_stride + g).to(tl.float32)
         else:
-            off = s_lo
-    return s_lo, s_hi, off
+            off_lo = s_lo
+        off_hi = off_lo
+    return s_lo, s_hi, off_lo, off_hi
 
 
 @triton.jit
@@ -113,15 +138,20 @@ def _dot_rows(
             qs, qh, row[:, None, None], g[None, :, None], i[None, None, :],
             qs_stride, qh_stride, FMT,
         )  # fmt: skip
-        s_lo, s_hi, off = _scales(d, dm, sc, mn, row[:, None], g[None, :], d_stride, sc_stride, FMT)
-        if FMT == Q6_K:
+        s_lo, s_hi, off_lo, off_hi = _scales(
+            d, dm, sc, mn, row[:, None], g[None, :], d_stride, sc_stride, FMT
+        )
+        if FMT == Q6_K or FMT == Q3_K or FMT == Q2_K:  # a scale per 16
             acc += tl.sum(lo.to(tl.float32) * x_lo[None, :, :], 2) * s_lo
             acc += tl.sum(hi.to(tl.float32) * x_hi[None, :, :], 2) * s_hi
         else:
             part = lo.to(tl.float32) * x_lo[None, :, :] + hi.to(tl.float32) * x_hi[None, :, :]
             acc += tl.sum(part, 2) * s_lo
         if HAS_OFF:
-            acc += off * tl.sum(x_lo + x_hi, 1)[None, :]
+            if FMT == Q2_K:
+                acc += off_lo * tl.sum(x_lo, 1)[None, :] + off_hi * tl.sum(x_hi, 1)[None, :]
+            else:
+                acc += off_lo * tl.sum(x_lo + x_hi, 1)[None, :]
     return tl.sum(acc, 1)
 
 
@@ -176,7 +206,7 @@ def _gemm_kernel(
         x_lo = tl.load(xp + g * 32)
         x_hi = tl.load(xp + g * 32 + 16)
         lo, hi = _codes(qs, qh, wrow[None, :], g, i[:, None], qs_stride, qh_stride, FMT)
-        s_lo, s_hi, off = _scales(d, dm, sc, mn, wrow, g, d_stride, sc_stride, FMT)
+        s_lo, s_hi, off_lo, off_hi = _scales(d, dm, sc, mn, wrow, g, d_stride, sc_stride, FMT)
         # codes -> float32 -> 16-bit: exact (|code| <= 128); no direct int -> bf16 cast
         w_lo = lo.to(tl.float32)
         w_hi = hi.to(tl.float32)
@@ -186,7 +216,7 @@ def _gemm_kernel(
         else:
             w_lo = w_lo.to(x_lo.dtype)
             w_hi = w_hi.to(x_lo.dtype)
-        if FMT == Q6_K:
+        if FMT == Q6_K or FMT == Q3_K or FMT == Q2_K:  # a scale per 16
             if SPLIT:
                 p_lo = _dot3(x_lo, w_lo)
                 p_hi = _dot3(x_hi, w_hi)
@@ -201,8 +231,12 @@ def _gemm_kernel(
                 p = tl.dot(x_hi, w_hi, tl.dot(x_lo, w_lo))
             acc += p * s_lo[None, :]
         if HAS_OFF:
-            xs = tl.sum(x_lo.to(tl.float32), 1) + tl.sum(x_hi.to(tl.float32), 1)
-            acc += xs[:, None] * off[None, :]
+            if FMT == Q2_K:
+                acc += tl.sum(x_lo.to(tl.float32), 1)[:, None] * off_lo[None, :]
+                acc += tl.sum(x_hi.to(tl.float32), 1)[:, None] * off_hi[None, :]
+            else:
+                xs = tl.sum(x_lo.to(tl.float32), 1) + tl.sum(x_hi.to(tl.float32), 1)
+                acc += xs[:, None] * off_lo[None, :]
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     yp = y + rm.to(tl.int64)[:, None] * y_stride + rn[None, :]
     tl.store(yp, acc.to(y.dtype.element_ty), mask=mask)
@@ -222,12 +256,14 @@ def _dequant_kernel(
     lo, hi = _codes(
         qs, qh, row[:, None, None], gl[None, :, None], i[None, None, :], qs_stride, qh_stride, FMT
     )
-    s_lo, s_hi, off = _scales(d, dm, sc, mn, row[:, None], gl[None, :], d_stride, sc_stride, FMT)
+    s_lo, s_hi, off_lo, off_hi = _scales(
+        d, dm, sc, mn, row[:, None], gl[None, :], d_stride, sc_stride, FMT
+    )
     v_lo = lo.to(tl.float32) * s_lo[:, :, None]
     v_hi = hi.to(tl.float32) * s_hi[:, :, None]
     if HAS_OFF:
-        v_lo += off[:, :, None]
-        v_hi += off[:, :, None]
+        v_lo += off_lo[:, :, None]
+        v_hi += off_hi[:, :, None]
     mask = (rows < N)[:, None, None] & (g < G)[None, :, None]
     p = out + row[:, None, None] * out_stride + g[None, :, None] * 32 + i[None, None, :]
     tl.store(p, v_lo.to(out.dtype.element_ty), mask=mask)

@@ -1,23 +1,34 @@
 """How a weight's GGUF blocks are laid out for the CUDA kernels.
 
-GGUF blocks are 18, 20, 22, 34, 210 bytes..., not 4-byte aligned, so ``prepare(w)``
+GGUF blocks are 18, 20, 22, 34, 84, 110, 210 bytes..., not 4-byte aligned, so ``prepare(w)``
 repacks them once into planes (row-major, one row per weight row) that keep the GGUF
 values bit for bit:
 
 * ``qs``  uint8 ``[n, k/2]``: the low 4 bits of the codes; for each group of 32
   elements, 16 bytes where byte ``i`` holds element ``i`` (low nibble) and
   ``i + 16`` (high nibble): the GGUF order of Q4_0/Q4_1/Q5_x, and a reorder for
-  the K-quants. Q8_0 instead keeps ``qs`` int8 ``[n, k]``.
+  the K-quants. Q8_0 instead keeps ``qs`` int8 ``[n, k]``; Q2_K and Q3_K keep
+  the low 2 bits in uint8 ``[n, k/4]`` (8 bytes a group, byte ``j`` holding
+  elements ``j, j+8, j+16, j+24`` at bits 0-1, 2-3, 4-5, 6-7: the layout of
+  Q6_K's ``qh``).
 * ``qh``  the high bits: Q5_x int32 ``[n, k/32]`` (bit ``j`` = fifth bit of
-  element ``j`` of the group: GGUF's ``qh``); Q6_K uint8 ``[n, k/4]`` (8 bytes a
-  group, byte ``j`` holding bits 4-5 of elements ``j, j+8, j+16, j+24``).
+  element ``j`` of the group: GGUF's ``qh``), Q3_K the same for its third bit
+  (GGUF's ``hmask``); Q6_K uint8 ``[n, k/4]`` (8 bytes a group, byte ``j``
+  holding bits 4-5 of elements ``j, j+8, j+16, j+24``).
 * ``d``/``dm`` float16: per group of 32 (Q4_0..Q8_0: d, and the min m of
   Q4_1/Q5_1), or per super-block of 256 (K-quants: d, dmin).
 * ``sc``/``mn``: K-quant sub-block scales and mins, uint8 ``[n, k/32]`` (Q4_K,
-  Q5_K, the 6-bit values unpacked), int8 ``[n, k/16]`` for Q6_K's scales.
+  Q5_K, the 6-bit values unpacked), per 16 elements ``[n, k/16]``: int8 for the
+  signed scales of Q6_K and Q3_K (Q3_K's 6-bit ``sc - 32``), uint8 for Q2_K's
+  4-bit scales and mins.
+
+Codes are signed after the format's offset (``_OFFSET``: Q3_K ``q3 - 4``, with
+``q3 = low2 | hmask bit << 2``); a value is ``code * scale + offset`` with
+Q2_K's offset ``-dmin * m`` per 16 elements (two per 32-group).
 
 The planes take about the bytes of the GGUF tensor (Q4_K/Q5_K a little more:
-one byte per scale and min instead of 6 bits). They are kept beside the
+one byte per scale and min instead of 6 bits; Q3_K 4% more, Q2_K 19%: a byte
+per 4-bit scale and min). They are kept beside the
 ``QTensor`` (keyed on its ``data`` tensor, released with it); ``QTensor.data``
 is never changed. ``dequantize_prepared`` is the pure-torch reading of the
 planes that the kernels implement.
@@ -32,12 +43,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..types import ggml_type
 
-NATIVE: tuple[str, ...] = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-FORMAT_ID: dict[str, int] = {name: i for i, name in enumerate(NATIVE)}
+NATIVE: tuple[str, ...] = (
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K",
+)  # fmt: skip
+FORMAT_ID: dict[str, int] = {name: i for i, name in enumerate(NATIVE)}  # ids stable: append
 # the epilogues of ``fused.norm_gemv`` (here, so that callers need not import Triton):
 # store, add into y, SwiGLU of a stacked gate/up, gate (y holds the gate: silu(y) * x @ W.T)
 EPI_STORE, EPI_ADD, EPI_SWIGLU, EPI_GATE = 0, 1, 2, 3
-_OFFSET = {"Q4_0": -8, "Q5_0": -16, "Q6_K": -32}  # symmetric formats: code - offset
+_OFFSET = {"Q4_0": -8, "Q5_0": -16, "Q6_K": -32, "Q3_K": -4}  # symmetric formats: code - offset
 
 
 @dataclass
@@ -82,6 +95,22 @@ def _nibble_plane(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     c = codes.reshape(n, k // 32, 2, 16)
     return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def _crumb_plane(codes: torch.Tensor) -> torch.Tensor:
+    """2-bit values ``[n, k]`` -> ``[n, k/4]``: per 32-group, byte j = values j, j+8, j+16, j+24
+    at bits 0, 2, 4, 6."""
+    n, k = codes.shape
+    c = codes.reshape(n, k // 32, 4, 8)  # [.., group, e // 8, e % 8]
+    out = c[:, :, 0] | (c[:, :, 1] << 2) | (c[:, :, 2] << 4) | (c[:, :, 3] << 6)
+    return out.reshape(n, k // 4).contiguous()
+
+
+def _kquant_2bit(raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q2_K/Q3_K ``qs`` bytes ``[n, nb, 64]`` -> codes ``[n, k]`` (< 4): element
+    ``128c + 32j + l`` is bits ``2j`` of byte ``32c + l``."""
+    shifts = torch.tensor([0, 2, 4, 6], device=raw.device, dtype=torch.uint8).view(1, 1, 1, 4, 1)
+    return ((raw.reshape(n, -1, 2, 1, 32) >> shifts) & 3).reshape(n, k)
 
 
 def _bit_plane(bits: torch.Tensor) -> torch.Tensor:
@@ -137,16 +166,34 @@ def repack(data: torch.Tensor, type_name: str, shape: tuple[int, int]) -> Prepar
             name, n, k, _nibble_plane(codes), qh=qh, d=_field(b, 0, f16), dm=_field(b, 2, f16),
             sc=sc.reshape(n, k // 32).contiguous(), mn=mn.reshape(n, k // 32).contiguous(),
         )  # fmt: skip
+    if name == "Q2_K":  # scales[16] qs[64] d dmin: value d * (sc & 15) * q - dmin * (sc >> 4)
+        scales = b[..., 0:16].reshape(n, k // 16)
+        return Prepared(
+            name, n, k, _crumb_plane(_kquant_2bit(b[..., 16:80], n, k)),
+            d=_field(b, 80, f16), dm=_field(b, 82, f16),
+            sc=(scales & 15).contiguous(), mn=(scales >> 4).contiguous(),
+        )  # fmt: skip
+    if name == "Q3_K":  # hmask[32] qs[64] scales[12] d: value d * (sc - 32) * (q3 - 4)
+        shifts = torch.arange(8, device=b.device, dtype=u8).view(1, 1, 8, 1)
+        high = (b[..., 0:32].reshape(n, -1, 1, 32) >> shifts) & 1  # bit e // 32 of byte e % 32
+        raw = b[..., 96:108]
+        lo4 = torch.cat([raw[..., 0:8] & 15, raw[..., 0:8] >> 4], dim=-1)
+        sh = torch.tensor([0, 2, 4, 6], device=b.device, dtype=u8).view(1, 1, 4, 1)
+        hi2 = ((raw[..., 8:12].reshape(n, -1, 1, 4) >> sh) & 3).reshape(n, -1, 16)
+        sc = ((lo4 | (hi2 << 4)).to(torch.int16) - 32).to(torch.int8)
+        return Prepared(
+            name, n, k, _crumb_plane(_kquant_2bit(b[..., 32:96], n, k)),
+            qh=_bit_plane(high.reshape(n, k)), d=_field(b, 108, f16),
+            sc=sc.reshape(n, k // 16).contiguous(),
+        )  # fmt: skip
     # Q6_K: element 128h + 32j + l; ql byte 64h + 32(j % 2) + l, nibble j // 2; qh byte 32h + l
     ql = b[..., 0:128].reshape(n, -1, 2, 2, 32)
     low = torch.cat([ql & 15, ql >> 4], dim=3)
     shifts = torch.tensor([0, 2, 4, 6], device=b.device, dtype=u8).view(1, 1, 1, 4, 1)
     high = (b[..., 128:192].reshape(n, -1, 2, 1, 32) >> shifts) & 3
     codes = (low | (high << 4)).reshape(n, k)  # 0..63
-    hb = (codes >> 4).reshape(n, k // 32, 4, 8)  # [.., group, e // 8, e % 8]
-    qh = hb[:, :, 0] | (hb[:, :, 1] << 2) | (hb[:, :, 2] << 4) | (hb[:, :, 3] << 6)
     return Prepared(
-        name, n, k, _nibble_plane(codes & 15), qh=qh.reshape(n, k // 4).contiguous(),
+        name, n, k, _nibble_plane(codes & 15), qh=_crumb_plane(codes >> 4),
         d=_field(b, 208, f16), sc=b[..., 192:208].contiguous().view(torch.int8).reshape(n, k // 16),
     )  # fmt: skip
 
@@ -157,6 +204,11 @@ def dequantize_prepared(p: Prepared) -> torch.Tensor:
     j = torch.arange(32, device=dev)
     if p.type_name == "Q8_0":
         q = p.qs.reshape(n, G, 32).to(torch.int32)
+    elif p.type_name in ("Q2_K", "Q3_K"):
+        c = p.qs.reshape(n, G, 8).to(torch.int32)[..., j % 8]
+        q = (c >> (2 * (j // 8))) & 3
+        if p.type_name == "Q3_K":
+            q = q | (((p.qh.unsqueeze(-1) >> j) & 1) << 2)
     else:
         c = p.qs.reshape(n, G, 16).to(torch.int32)
         q = torch.cat([c & 15, c >> 4], dim=-1)
@@ -170,9 +222,12 @@ def dequantize_prepared(p: Prepared) -> torch.Tensor:
         d = p.d.float().repeat_interleave(8, dim=1)
         s, off = d * p.sc.float(), -(p.dm.float().repeat_interleave(8, dim=1) * p.mn.float())
         return (q * s.unsqueeze(-1) + off.unsqueeze(-1)).reshape(n, -1)
-    if p.type_name == "Q6_K":
+    if p.type_name in ("Q6_K", "Q3_K", "Q2_K"):
         s = p.d.float().repeat_interleave(16, dim=1) * p.sc.float()  # per 16 elements
-        return (q.reshape(n, -1, 16) * s.unsqueeze(-1)).reshape(n, -1)
+        y = q.reshape(n, -1, 16) * s.unsqueeze(-1)
+        if p.type_name == "Q2_K":
+            y = y + (-(p.dm.float().repeat_interleave(16, dim=1) * p.mn.float())).unsqueeze(-1)
+        return y.reshape(n, -1)
     y = q * p.d.float().unsqueeze(-1)
     if p.dm is not None:
         y = y + p.dm.float().unsqueeze(-1)
