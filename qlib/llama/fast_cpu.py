@@ -34,6 +34,14 @@ none of candle's sharp edges. What differs from the faithful path:
   stream, the KV cache and all arithmetic outside the matmuls stay float32.
   ``prefill="int8"`` keeps ggml semantics for every row instead (the C kernel
   over all rows; no extra memory, slower);
+* **the decode step in one C call**: the prepared calls of a token (per layer qkv GEMV with
+  RmsNorm, RoPE + KV write + attention, wo GEMV + residual, gate/up GEMV with RmsNorm, down
+  GEMV with SwiGLU + residual; then the logits) are one ``cpu.DecodeChain``: one ctypes call
+  a token, all steps inside ONE OpenMP parallel region with a barrier after each
+  (``decode_mode="region"``, default; ``"c"``: each kernel's entry point called from C;
+  ``"python"``: one ctypes call per step; ``$QLIB_DECODE_MODE`` sets the default). All three
+  are bit-identical. A layer with a torch part (a type without a kernel) keeps the Python
+  loop for the whole step; torch logits (an F16 output) follow the chain;
 * **huge pages**: after load, the large resident anonymous mappings (the
   weights) are advised and collapsed onto 2 MB pages (``hugepages=False`` to
   skip; ``cpu.collapse_hugepages``);
@@ -61,6 +69,7 @@ import ctypes
 import functools
 import math
 import mmap
+import os
 from collections.abc import Callable
 from typing import BinaryIO
 
@@ -87,6 +96,11 @@ KV_TYPES = {"f32": torch.float32, "f16": torch.float16}  # the KV cache's elemen
 DEFAULT_KV_TYPE = "f32"
 _MAP_NORESERVE = 0x4000  # Linux; not in Python's mmap module
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU features that make a bf16 prefill pay
+# How the C decode step runs its prepared calls (``FastModel.decode_mode``; the default from
+# ``$QLIB_DECODE_MODE``): "region" ONE C call, one OpenMP parallel region for all steps;
+# "c" one C call that calls each kernel's entry point; "python" one ctypes call per step
+DECODE_MODES = ("region", "c", "python")
+DEFAULT_DECODE_MODE = "region"
 
 
 def default_prefill() -> str:
@@ -317,6 +331,9 @@ class FastLinear:
             return 0
 
         run.keep = (x, out, norm, calls)
+        # C parts only: their steps run in a cpu.DecodeChain (torch parts: this Python call)
+        c_only = not torch_parts and all(cpu.has_steps(c) for c in calls)
+        run.steps = tuple(s for c in calls for s in c.steps) if c_only else None
         return run
 
     def linear_bf16(self, x: torch.Tensor) -> torch.Tensor:
@@ -416,6 +433,8 @@ class FastModel(StaticKVState):
         )
         self._kv_len = 0
         self._plan = self._decode_plan()
+        self._chains: dict[str, cpu.DecodeChain] = {}
+        self.decode_mode = os.environ.get("QLIB_DECODE_MODE") or DEFAULT_DECODE_MODE
         self._fused_prefill = self._fused_prefill_ok()
         if hugepages:  # the weights on 2 MB pages: fewer TLB misses when they stream
             cpu.collapse_hugepages()
@@ -456,6 +475,36 @@ class FastModel(StaticKVState):
 
             self._logits_plan = logits
         return plan
+
+    @property
+    def decode_mode(self) -> str:
+        """How the C decode step runs (``DECODE_MODES``): "region" (the default) and "c" run
+        all layers' prepared calls and the logits in one C call (``cpu.DecodeChain``); when
+        a part of the step is torch (a type without a kernel), or with "python", each call
+        is its own ctypes call from Python. All are bit-identical."""
+        return self._decode_mode
+
+    @decode_mode.setter
+    def decode_mode(self, mode: str) -> None:
+        if mode not in DECODE_MODES:
+            raise ModelError(f"decode_mode {mode!r}: one of {', '.join(DECODE_MODES)}")
+        self._decode_mode = mode
+        if mode != "python" and mode not in self._chains and self._chainable():
+            calls = [call for layer in self._plan for call in layer]
+            logits = self._logits_plan if cpu.has_steps(self._logits_plan) else None
+            self._chains[mode] = cpu.DecodeChain(calls, mode, output=logits)
+
+    def _chainable(self) -> bool:
+        """Whether the layers of the decode step have C steps only (the logits may be torch:
+        then they follow the chain)."""
+        if self._plan is None:
+            return False
+        return all(cpu.has_steps(call) for layer in self._plan for call in layer)
+
+    @property
+    def decode_chained(self) -> bool:
+        """Whether the decode step runs as one C call (``decode_mode``)."""
+        return self._plan is not None and self._decode_mode in self._chains
 
     def _fused_prefill_ok(self) -> bool:
         """Whether bf16 prefill can run in the C kernels of ``prefill.c``: one call per layer
@@ -539,9 +588,14 @@ class FastModel(StaticKVState):
         return self._logits(h, 0 if all_logits else t - 1)
 
     def _decode_c(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        """One token through the fused C kernels: 5 prepared calls per layer, no torch ops."""
+        """One token through the fused C kernels: 5 prepared calls per layer and the logits,
+        no torch ops; in one C call (``decode_mode``) or one ctypes call each."""
         self._h.copy_(self.embed(token))
         self._pos.at(pos)  # the position and RoPE rows every attention call reads
+        chain = self._chains.get(self._decode_mode)
+        if chain is not None:  # the whole step in one C call
+            logits = chain()
+            return logits if logits is not None else self._logits_plan()
         for qkv, attn, wo, w13, w2 in self._plan:
             if qkv() or attn() or wo() or w13() or w2():
                 raise MemoryError("the C decode step: out of memory")

@@ -3,7 +3,8 @@ Q2_K..Q6_K and Q5_1 on their GGUF blocks).
 
 ``kernels.c`` (the quantized GEMM/GEMV of repacked Q4_0 / Q4_1 / Q8_0 planes),
 ``kquants.c`` (the same for K-quant and Q5_1 blocks as the file has them),
-``attn.c`` (the decode attention step) and
+``attn.c`` (the decode attention step), ``decode.c`` (the decode step's GEMVs and
+attention run in one C call, in one OpenMP region: ``DecodeChain``) and
 ``prefill.c`` (RmsNorm, SwiGLU, RoPE + KV write + causal attention between the
 bf16 prefill matmuls; with AMX, an AMX GEMM and the whole prefill layer), shipped
 as source, are compiled on first use and loaded with ctypes. Semantics are ggml's
@@ -18,7 +19,8 @@ Modules, each importing only those above it:
 * ``layout``: the weight layouts the kernels read (``PackedWeight``, ``AmxWeight``);
 * ``ops``: the C signatures and one typed, checked wrapper per C entry point
   (``qgemm``, ``add_rmsnorm``, ``attn_prefill``, ...), the prepared calls of the
-  decode step (``qgemm_plan``, ``attn_decode_plan``), ``amx_available()``;
+  decode step (``qgemm_plan``, ``attn_decode_plan``) and their one-call chain
+  (``DecodeChain``), ``amx_available()``;
 * ``packing``: QTensors -> ``PackedWeight`` (``pack``; Q5_0 widened to Q8_0 codes, the same
   values: ``WIDENED``, ``packable``), weights -> AMX tiles;
 * ``memory``: ``collapse_hugepages`` (2 MB pages for the weights);
@@ -36,7 +38,9 @@ from .build import available, cache_dir, unavailable_reason
 from .layout import TYPE_CODES, WIDENED, AmxWeight, AmxWeightC, PackedWeight
 from .memory import collapse_hugepages
 from .ops import (
+    DECODE_MODES,
     AmxLayer,
+    DecodeChain,
     DecodePosition,
     KernelCall,
     PrefillScratch,
@@ -48,6 +52,7 @@ from .ops import (
     attn_prefill,
     dequantize_bf16,
     exp,
+    has_steps,
     load,
     prefill_layer,
     qgemm,
@@ -75,7 +80,9 @@ __all__ = [
     "AmxWeightC",
     "PackedWeight",
     "collapse_hugepages",
+    "DECODE_MODES",
     "AmxLayer",
+    "DecodeChain",
     "DecodePosition",
     "KernelCall",
     "PrefillScratch",
@@ -87,6 +94,7 @@ __all__ = [
     "attn_prefill",
     "dequantize_bf16",
     "dequantize_rows",
+    "has_steps",
     "exp",
     "load",
     "prefill_layer",

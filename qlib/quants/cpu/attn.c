@@ -310,81 +310,148 @@ static int pieces(int L, int n_kv, int nth, int split, int *len) {
     return P;
 }
 
-int qlib_attn_decode_kv(float *qkv, void *kc, void *vc, int pos, int n_head, int n_kv, int d,
-                        int max_seq, const float *cos, const float *sin, int neox, float *out,
-                        int kv_f16, int split) {
-    if (d % 16 || d > 128 || n_head % n_kv) return -1;
+/* The geometry of one decode attention step at position pos with nth threads (the
+ * pieces, the buffer): shared by qlib_attn_decode_kv and qlib_attn_decode_region. */
+typedef struct {
+    int L, rep, P, lp, ntask, ld, one_pass;
+    size_t task_floats;
+} attn_geom;
+
+static attn_geom attn_geometry(int pos, int n_head, int n_kv, int d, int nth, int split) {
+    attn_geom g;
+    g.L = pos + 1, g.rep = n_head / n_kv;
+    g.P = pieces(g.L, n_kv, nth, split, &g.lp), g.ntask = n_kv * g.P;
+    /* per task: scores rep x lp (attn_piece only), then m, sum (rep each), o (rep x d) */
+    g.one_pass = one_pass_shape(g.rep, d / 16);
+    g.ld = g.one_pass ? 0 : g.lp;
+    g.task_floats = (size_t)g.rep * g.ld + 2 * (size_t)g.rep + (size_t)g.rep * d;
+    return g;
+}
+
+/* Whether the step's tasks are spread over the threads (else the fork costs more than the
+ * work): the pieces are then cut for omp_get_max_threads() threads, else for one. */
+static int attn_parallel(int pos, int n_head) { return (pos + 1) * n_head >= 256; }
+
+/* RoPE of the token's q and k heads, k and v into row pos of the caches. */
+static void attn_write(float *qkv, void *kc, void *vc, int pos, int n_head, int n_kv, int d,
+                       int max_seq, const float *cos, const float *sin, int neox, int kv_f16) {
     for (int h = 0; h < n_head + n_kv; h++) rope_head(qkv + (size_t)h * d, d, cos, sin, neox);
     for (int g = 0; g < n_kv; g++) {
         const size_t at = ((size_t)g * max_seq + pos) * d;
         store_row(kc, at, qkv + (size_t)(n_head + g) * d, d, kv_f16);
         store_row(vc, at, qkv + (size_t)(n_head + n_kv + g) * d, d, kv_f16);
     }
-    const int L = pos + 1, rep = n_head / n_kv;
-    const int parallel = L * n_head >= 256; /* else the fork costs more than the work */
-    const int nth = parallel ? omp_get_max_threads() : 1;
-    int lp;
-    const int P = pieces(L, n_kv, nth, split, &lp), ntask = n_kv * P;
+}
+
+/* Task t (KV head t / P, piece t % P) into its part of buf; kbuf: 16 d floats. */
+static inline void attn_task(const attn_geom *ge, int t, const float *qkv, const void *kc,
+                             const void *vc, int d, int max_seq, int kv_f16, float *buf,
+                             float *kbuf) {
+    FTZ_BEGIN
+    const int rep = ge->rep, P = ge->P, lp = ge->lp, ld = ge->ld;
+    const int g = t / P, c = t % P;
+    const int l0 = c * lp, l1 = l0 + lp < ge->L ? l0 + lp : ge->L;
+    float *s = buf + ge->task_floats * t, *m = s + (size_t)rep * ld, *sum = m + rep,
+          *o = sum + rep;
+    const size_t head = (size_t)g * max_seq * d;
+    const void *K = kv_f16 ? (const void *)((const uint16_t *)kc + head)
+                           : (const void *)((const float *)kc + head);
+    const void *V = kv_f16 ? (const void *)((const uint16_t *)vc + head)
+                           : (const void *)((const float *)vc + head);
+    const float *q = qkv + (size_t)g * rep * d;
     const float scale = 1.0f / sqrtf((float)d);
-    /* per task: scores rep x lp (attn_piece only), then m, sum (rep each), o (rep x d);
-     * per thread: kbuf */
-    const int one_pass = one_pass_shape(rep, d / 16);
-    const int ld = one_pass ? 0 : lp;
-    const size_t task_floats = (size_t)rep * ld + 2 * (size_t)rep + (size_t)rep * d;
-    float *buf = malloc(sizeof(float) * (task_floats * ntask + (size_t)16 * d * nth));
+    if (ge->one_pass)
+        piece_any(rep, d, q, K, V, kv_f16, l0, l1, scale, kbuf, m, sum, o);
+    else
+        attn_piece(q, rep, d, K, V, kv_f16, l0, l1, scale, s, lp, kbuf, m, sum, o);
+    FTZ_END
+}
+
+/* Query head h's output from the pieces of its KV head. */
+static inline void attn_combine(const attn_geom *ge, int h, int d, const float *buf,
+                                float *out) {
+    const int rep = ge->rep, P = ge->P, ld = ge->ld;
+    const size_t task_floats = ge->task_floats;
+    const int g = h / rep, r = h % rep;
+    float *dst = out + (size_t)h * d;
+    if (P == 1) {
+        const float *pt = buf + task_floats * g, *o = pt + (size_t)rep * ld + 2 * rep;
+        const __m512 inv = _mm512_set1_ps(1.0f / pt[(size_t)rep * ld + rep + r]);
+        for (int i = 0; i < d; i += 16)
+            _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)r * d + i), inv));
+        return;
+    }
+    float mx = -INFINITY, total = 0.0f;
+    for (int c = 0; c < P; c++) {
+        const float mc = buf[task_floats * (g * P + c) + (size_t)rep * ld + r];
+        mx = mc > mx ? mc : mx;
+    }
+    __m512 acc[8];
+    for (int i = 0; i < d / 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int c = 0; c < P; c++) {
+        const float *pt = buf + task_floats * (g * P + c);
+        const float *o = pt + (size_t)rep * ld + 2 * rep;
+        const float w = expf(pt[(size_t)rep * ld + r] - mx);
+        total += w * pt[(size_t)rep * ld + rep + r];
+        const __m512 vw = _mm512_set1_ps(w);
+        for (int i = 0; i < d / 16; i++)
+            acc[i] = _mm512_fmadd_ps(vw, _mm512_loadu_ps(o + (size_t)r * d + 16 * i), acc[i]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / total);
+    for (int i = 0; i < d / 16; i++) _mm512_storeu_ps(dst + 16 * i, _mm512_mul_ps(acc[i], inv));
+}
+
+int qlib_attn_decode_kv(float *qkv, void *kc, void *vc, int pos, int n_head, int n_kv, int d,
+                        int max_seq, const float *cos, const float *sin, int neox, float *out,
+                        int kv_f16, int split) {
+    if (d % 16 || d > 128 || n_head % n_kv) return -1;
+    attn_write(qkv, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox, kv_f16);
+    const int parallel = attn_parallel(pos, n_head);
+    const int nth = parallel ? omp_get_max_threads() : 1;
+    const attn_geom ge = attn_geometry(pos, n_head, n_kv, d, nth, split);
+    /* per task: see attn_geometry; per thread: kbuf */
+    float *buf = malloc(sizeof(float) * (ge.task_floats * ge.ntask + (size_t)16 * d * nth));
     if (!buf) return -1;
-    float *kbufs = buf + task_floats * ntask;
+    float *kbufs = buf + ge.task_floats * ge.ntask;
 #pragma omp parallel for schedule(static) num_threads(nth) if (parallel)
-    for (int t = 0; t < ntask; t++) {
-        FTZ_BEGIN
-        const int g = t / P, c = t % P;
-        const int l0 = c * lp, l1 = l0 + lp < L ? l0 + lp : L;
-        float *s = buf + task_floats * t, *m = s + (size_t)rep * ld, *sum = m + rep,
-              *o = sum + rep;
-        const size_t head = (size_t)g * max_seq * d;
-        const void *K = kv_f16 ? (const void *)((const uint16_t *)kc + head)
-                               : (const void *)((const float *)kc + head);
-        const void *V = kv_f16 ? (const void *)((const uint16_t *)vc + head)
-                               : (const void *)((const float *)vc + head);
-        float *kbuf = kbufs + (size_t)16 * d * omp_get_thread_num();
-        const float *q = qkv + (size_t)g * rep * d;
-        if (one_pass)
-            piece_any(rep, d, q, K, V, kv_f16, l0, l1, scale, kbuf, m, sum, o);
-        else
-            attn_piece(q, rep, d, K, V, kv_f16, l0, l1, scale, s, lp, kbuf, m, sum, o);
-        FTZ_END
-    }
-    for (int h = 0; h < n_head; h++) { /* combine the pieces of each query head */
-        const int g = h / rep, r = h % rep;
-        float *dst = out + (size_t)h * d;
-        if (P == 1) {
-            const float *pt = buf + task_floats * g, *o = pt + (size_t)rep * ld + 2 * rep;
-            const __m512 inv = _mm512_set1_ps(1.0f / pt[(size_t)rep * ld + rep + r]);
-            for (int i = 0; i < d; i += 16)
-                _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)r * d + i), inv));
-            continue;
-        }
-        float mx = -INFINITY, total = 0.0f;
-        for (int c = 0; c < P; c++) {
-            const float mc = buf[task_floats * (g * P + c) + (size_t)rep * ld + r];
-            mx = mc > mx ? mc : mx;
-        }
-        __m512 acc[8];
-        for (int i = 0; i < d / 16; i++) acc[i] = _mm512_setzero_ps();
-        for (int c = 0; c < P; c++) {
-            const float *pt = buf + task_floats * (g * P + c);
-            const float *o = pt + (size_t)rep * ld + 2 * rep;
-            const float w = expf(pt[(size_t)rep * ld + r] - mx);
-            total += w * pt[(size_t)rep * ld + rep + r];
-            const __m512 vw = _mm512_set1_ps(w);
-            for (int i = 0; i < d / 16; i++)
-                acc[i] = _mm512_fmadd_ps(vw, _mm512_loadu_ps(o + (size_t)r * d + 16 * i), acc[i]);
-        }
-        const __m512 inv = _mm512_set1_ps(1.0f / total);
-        for (int i = 0; i < d / 16; i++) _mm512_storeu_ps(dst + 16 * i, _mm512_mul_ps(acc[i], inv));
-    }
+    for (int t = 0; t < ge.ntask; t++)
+        attn_task(&ge, t, qkv, kc, vc, d, max_seq, kv_f16, buf,
+                  kbufs + (size_t)16 * d * omp_get_thread_num());
+    for (int h = 0; h < n_head; h++) attn_combine(&ge, h, d, buf, out); /* combine the pieces */
     free(buf);
     return 0;
+}
+
+/* -- the decode step in one parallel region (decode.c) ------------------------------------ */
+
+/* Floats of the shared buffer qlib_attn_decode_region needs at position pos, for a region
+ * of nth threads (max_threads: omp_get_max_threads() outside it). */
+size_t qlib_attn_region_floats(int pos, int n_head, int n_kv, int d, int split, int nth,
+                               int max_threads) {
+    const attn_geom ge = attn_geometry(pos, n_head, n_kv, d,
+                                       attn_parallel(pos, n_head) ? max_threads : 1, split);
+    return ge.task_floats * ge.ntask + (size_t)16 * d * nth;
+}
+
+/* qlib_attn_decode_kv (arguments already checked), called by every thread of an enclosing
+ * parallel region (decode.c), bit for bit the same: one thread does RoPE and the KV write,
+ * then the tasks (the same pieces, cut for max_threads threads as qlib_attn_decode_kv does)
+ * and the heads' combine are shared out; ends with a barrier. buf: the region's shared
+ * buffer of qlib_attn_region_floats(...) floats. */
+void qlib_attn_decode_region(float *qkv, void *kc, void *vc, int pos, int n_head, int n_kv,
+                             int d, int max_seq, const float *cos, const float *sin, int neox,
+                             float *out, int kv_f16, int split, int max_threads, float *buf) {
+#pragma omp single
+    attn_write(qkv, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox, kv_f16);
+    const attn_geom ge = attn_geometry(pos, n_head, n_kv, d,
+                                       attn_parallel(pos, n_head) ? max_threads : 1, split);
+    float *kbufs = buf + ge.task_floats * ge.ntask;
+#pragma omp for schedule(static)
+    for (int t = 0; t < ge.ntask; t++)
+        attn_task(&ge, t, qkv, kc, vc, d, max_seq, kv_f16, buf,
+                  kbufs + (size_t)16 * d * omp_get_thread_num());
+#pragma omp for schedule(static)
+    for (int h = 0; h < n_head; h++) attn_combine(&ge, h, d, buf, out);
 }
 
 /* The float32 cache entry point of the earlier kernel (same arguments). */

@@ -1,7 +1,7 @@
 """Building and loading the C kernels: compile on first use, cache, load with ctypes.
 
-``kernels.c``, ``kquants.c``, ``prefill.c`` and ``attn.c`` (with ``simd.h``), shipped as
-source, are compiled with the system C compiler (``$CC`` or ``cc``) into a cache
+``kernels.c``, ``kquants.c``, ``prefill.c``, ``attn.c`` and ``decode.c`` (with ``simd.h``),
+shipped as source, are compiled with the system C compiler (``$CC`` or ``cc``) into a cache
 directory (``$QLIB_CACHE_DIR`` or ``~/.cache/qlib``), keyed by a hash of the sources and
 the flags, and loaded with ctypes. ``load_library()`` returns the bare ``CDLL`` (the
 C signatures are declared by ``ops.load()``, the only loader the rest of qlib uses).
@@ -25,7 +25,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name(n) for n in ("kernels.c", "kquants.c", "prefill.c", "attn.c")]
+SOURCES = [Path(__file__).with_name(n)
+           for n in ("kernels.c", "kquants.c", "prefill.c", "attn.c", "decode.c")]
 HEADERS = [Path(__file__).with_name("simd.h")]  # included by all: part of the build's hash
 CFLAGS = [
     "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",

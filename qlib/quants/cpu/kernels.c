@@ -37,7 +37,7 @@ enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q8_0 = 8 }; /* Q5_0: re
 static inline __attribute__((always_inline)) void dot_rows(
     const int R, int type, const uint8_t *codes, size_t row_bytes, const uint16_t *dw,
     const uint16_t *mw, int k, const int8_t *aq, const float *ad, const float *as,
-    const int32_t *corr, float *y) {
+    const int32_t *corr, const char *pf, float *y) {
     const int G = k / 32;
     const __m512i base = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -58,6 +58,10 @@ static inline __attribute__((always_inline)) void dot_rows(
         }
         for (int p = 0; p < nb; p += 2) {
             const int e = (c + p) * 32; /* first element of this pair of blocks */
+            if (pf && (type == QLIB_Q8_0 || p % 4 == 0)) { /* the lines of R rows ahead */
+                const size_t off = type == QLIB_Q8_0 ? (size_t)e : (size_t)e / 2;
+                for (int r = 0; r < R; r++) _mm_prefetch(pf + r * row_bytes + off, _MM_HINT_T1);
+            }
             const __m512i a = _mm512_loadu_si512(aq + e);
             const __m512i init = type == QLIB_Q4_1 ? _mm512_setzero_si512()
                                                    : _mm512_loadu_si512(corr + e / 4);
@@ -236,6 +240,51 @@ static void act_row(int type, const float *x, int k, int i, const float *norm_w,
     }
 }
 
+/* The GEMV's prefetch of the codes two groups ahead (an A/B hook, qlib_gemv_set_prefetch):
+ * 0 one burst per group; 1 spread over the block steps for rows of k >= qlib_gemv_spread_k */
+int qlib_gemv_prefetch = 0, qlib_gemv_spread_k = 0;
+void qlib_gemv_set_prefetch(int mode, int spread_k) {
+    qlib_gemv_prefetch = mode, qlib_gemv_spread_k = spread_k;
+}
+
+/* The GEMV path of qlib_qgemm_ex: group jb of 4 weight rows (of nblk) times the m quantized
+ * activation rows (one thread computes the group's outputs, in a fixed order). */
+static inline __attribute__((always_inline)) void gemv_group(
+    int jb, int nblk, int type, const uint8_t *codes, size_t row_bytes, const uint16_t *dw,
+    const uint16_t *mw, int n, int k, const int8_t *aq, const float *ad, const float *as,
+    const int32_t *corr, int m, float *y, int accumulate) {
+    const int G = k / 32;
+    const int j = jb * 4, rows = n - j < 4 ? n - j : 4;
+    const uint8_t *cj = codes + (size_t)j * row_bytes;
+    const uint16_t *dj = dw + (size_t)j * G;
+    const uint16_t *mj = mw ? mw + (size_t)j * G : NULL;
+    const char *pf = NULL;
+    if (jb + 2 < nblk) { /* codes two groups ahead into L2 (rows are short: 288 bytes for
+                          * Q4_1 at k = 576; the hardware prefetcher alone left decode
+                          * ~17% slower): in one burst, or spread over the block steps */
+        const char *ahead = (const char *)(cj + 8 * row_bytes);
+        if (qlib_gemv_prefetch == 0 || (size_t)k < (size_t)qlib_gemv_spread_k)
+            for (size_t off = 0; off < 4 * row_bytes; off += 64)
+                _mm_prefetch(ahead + off, _MM_HINT_T1);
+        else
+            pf = ahead;
+    }
+    for (int i = 0; i < m; i++) {
+        float out[4];
+        const int8_t *qi = aq + (size_t)i * k;
+        const float *di = ad + (size_t)i * G, *si = as + (size_t)i * G;
+        const int32_t *ci = corr + (size_t)i * (k / 4);
+        if (rows == 4)
+            dot_rows(4, type, cj, row_bytes, dj, mj, k, qi, di, si, ci, i ? NULL : pf, out);
+        else
+            for (int r = 0; r < rows; r++)
+                dot_rows(1, type, cj + r * row_bytes, row_bytes, dj + (size_t)r * G,
+                         mj ? mj + (size_t)r * G : NULL, k, qi, di, si, ci, NULL, out + r);
+        float *yi = y + (size_t)i * n + j;
+        for (int r = 0; r < rows; r++) yi[r] = accumulate ? yi[r] + out[r] : out[r];
+    }
+}
+
 /* y[m, n] (+)= f(x)[m, k] @ W[n, k].T, where f is RmsNorm with weight norm_w (when not
  * NULL) or, with swiglu, silu(x[:, :k]) * x[:, k:] (x rows then hold 2k floats);
  * accumulate adds into y (a residual). Returns 0, or -1 (k % 64 != 0, out of memory). */
@@ -280,35 +329,50 @@ int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint
     }
     const int nblk = (n + 3) / 4; /* groups of 4 weight rows */
 #pragma omp parallel for schedule(static)
-    for (int jb = 0; jb < nblk; jb++) {
-        const int j = jb * 4, rows = n - j < 4 ? n - j : 4;
-        const uint8_t *cj = codes + (size_t)j * row_bytes;
-        const uint16_t *dj = dw + (size_t)j * G;
-        const uint16_t *mj = mw ? mw + (size_t)j * G : NULL;
-        if (jb + 2 < nblk) { /* codes two groups ahead into L2 (rows are short: 288 bytes for
-                              * Q4_1 at k = 576; the hardware prefetcher alone left decode
-                              * ~17% slower) */
-            const char *ahead = (const char *)(cj + 8 * row_bytes);
-            for (size_t off = 0; off < 4 * row_bytes; off += 64)
-                _mm_prefetch(ahead + off, _MM_HINT_T1);
-        }
-        for (int i = 0; i < m; i++) {
-            float out[4];
-            const int8_t *qi = aq + (size_t)i * k;
-            const float *di = ad + (size_t)i * G, *si = as + (size_t)i * G;
-            const int32_t *ci = corr + (size_t)i * (k / 4);
-            if (rows == 4)
-                dot_rows(4, type, cj, row_bytes, dj, mj, k, qi, di, si, ci, out);
-            else
-                for (int r = 0; r < rows; r++)
-                    dot_rows(1, type, cj + r * row_bytes, row_bytes, dj + (size_t)r * G,
-                             mj ? mj + (size_t)r * G : NULL, k, qi, di, si, ci, out + r);
-            float *yi = y + (size_t)i * n + j;
-            for (int r = 0; r < rows; r++) yi[r] = accumulate ? yi[r] + out[r] : out[r];
-        }
-    }
+    for (int jb = 0; jb < nblk; jb++)
+        gemv_group(jb, nblk, type, codes, row_bytes, dw, mw, n, k, aq, ad, as, corr, m, y,
+                   accumulate);
     free(aq), free(ad), free(as), free(corr), free(row);
     return 0;
+}
+
+/* -- the decode step in one parallel region (decode.c) ------------------------------------ */
+
+static inline size_t up64(size_t b) { return (b + 63) / 64 * 64; }
+
+/* Bytes of scratch qlib_qgemv_region needs per thread for rows of k. */
+size_t qlib_qgemv_scratch(int k) {
+    const size_t G = (size_t)k / 32;
+    return up64((size_t)k) + 2 * up64(sizeof(float) * G) + up64(sizeof(int32_t) * (size_t)k / 4) +
+           up64(sizeof(float) * (size_t)k);
+}
+
+/* qlib_qgemm_ex's GEMV for one row (m = 1), called by every thread of an enclosing parallel
+ * region (decode.c): each thread quantizes the row into its own scratch (the same bytes as
+ * the one serial quantization of qlib_qgemm_ex: no barrier before the loop), then the groups
+ * of 4 weight rows are shared out by the same static schedule; ends with the loop's barrier.
+ * Same arguments as qlib_qgemm_ex (already checked); scratch: qlib_qgemv_scratch(k) bytes
+ * of this thread, 64-byte aligned. */
+void qlib_qgemv_region(int type, const uint8_t *codes, const uint16_t *dw, const uint16_t *mw,
+                       int n, int k, const float *x, float *y, const float *norm_w, float eps,
+                       int swiglu, int accumulate, uint8_t *scratch, float *shared) {
+    const int G = k / 32;
+    const size_t row_bytes = type == QLIB_Q8_0 ? (size_t)k : (size_t)k / 2;
+    int8_t *aq = (int8_t *)scratch;
+    float *ad = (float *)(scratch + up64((size_t)k));
+    float *as = (float *)((uint8_t *)ad + up64(sizeof(float) * G));
+    int32_t *corr = (int32_t *)((uint8_t *)as + up64(sizeof(float) * G));
+    float *row = (float *)((uint8_t *)corr + up64(sizeof(int32_t) * (size_t)k / 4));
+    if (swiglu) { /* silu(gate) * up (scalar expf: ~8 us for k = 1536) split over the team */
+        swiglu_shared(x, k, shared);
+        x = shared;
+    }
+    act_row(type, x, k, 0, norm_w, eps, 0, row, aq, ad, as, corr);
+    const int nblk = (n + 3) / 4;
+#pragma omp for schedule(static)
+    for (int jb = 0; jb < nblk; jb++)
+        gemv_group(jb, nblk, type, codes, row_bytes, dw, mw, n, k, aq, ad, as, corr, 1, y,
+                   accumulate);
 }
 
 /* The decode attention step (qlib_attn_decode, qlib_attn_decode_kv) is in attn.c. */

@@ -639,6 +639,29 @@ static void kact_row(int type, int kq, const float *x, int k, int i, const float
         quantize_row_q8(ri, k, aq + (size_t)i * k, ad + (size_t)i * G, as + (size_t)i * G);
 }
 
+/* The GEMV path of qlib_kgemm for one group of rows (<= 4) weight rows from row j (wj) times
+ * the m quantized activation rows; pf: qlib_kgemm's prefetch (or NULL). */
+static inline __attribute__((always_inline)) void kgemv_rows(
+    int type, const uint8_t *wj, size_t row_bytes, int rows, int n, int j, int k,
+    const int8_t *aq, const float *ad, const float *as, const int16_t *abs_, int dstride,
+    const __m512i idx[4], const char *pf, int m, float *y, int accumulate) {
+    const int G = k / 32, NB = k / 256;
+    for (int i = 0; i < m; i++) {
+        float out[4];
+        const int8_t *qi = aq + (size_t)i * k;
+        const float *di = ad + (size_t)i * dstride, *si = as + (size_t)i * G;
+        const int16_t *bi = abs_ + (size_t)i * 16 * NB;
+        if (rows == 4)
+            dot_rows_k(4, type, wj, row_bytes, k, qi, di, si, bi, idx, i ? NULL : pf, out);
+        else
+            for (int r = 0; r < rows; r++)
+                dot_rows_k(1, type, wj + r * row_bytes, row_bytes, k, qi, di, si, bi, idx, NULL,
+                           out + r);
+        float *yi = y + (size_t)i * n + j;
+        for (int r = 0; r < rows; r++) yi[r] = accumulate ? yi[r] + out[r] : out[r];
+    }
+}
+
 /* y[m, n] (+)= f(x)[m, k] @ W[n, k].T for W given as GGUF blocks ([n, k / 256] K-quant
  * blocks or [n, k / 32] Q5_1 blocks), f and the flags as in kernels.c's qlib_qgemm_ex.
  * Returns 0, or -1 (type, k % 256 (Q5_1: 64) != 0, out of memory). */
@@ -710,21 +733,57 @@ int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
             }
             continue;
         }
-        for (int i = 0; i < m; i++) {
-            float out[4];
-            const int8_t *qi = aq + (size_t)i * k;
-            const float *di = ad + (size_t)i * dstride, *si = as + (size_t)i * G;
-            const int16_t *bi = abs_ + (size_t)i * 16 * NB;
-            if (rows == 4)
-                dot_rows_k(4, type, wj, row_bytes, k, qi, di, si, bi, idx, i ? NULL : pf, out);
-            else
-                for (int r = 0; r < rows; r++)
-                    dot_rows_k(1, type, wj + r * row_bytes, row_bytes, k, qi, di, si, bi, idx, NULL,
-                               out + r);
-            float *yi = y + (size_t)i * n + j;
-            for (int r = 0; r < rows; r++) yi[r] = accumulate ? yi[r] + out[r] : out[r];
-        }
+        kgemv_rows(type, wj, row_bytes, rows, n, j, k, aq, ad, as, abs_, dstride, idx, pf, m, y,
+                   accumulate);
     }
     free(aq), free(ad), free(as), free(abs_), free(row);
     return 0;
+}
+
+/* -- the decode step in one parallel region (decode.c) ------------------------------------ */
+
+static inline size_t kup64(size_t b) { return (b + 63) / 64 * 64; }
+
+/* Bytes of scratch qlib_kgemv_region needs per thread for rows of k. */
+size_t qlib_kgemv_scratch(int k) {
+    const size_t G = (size_t)k / 32, NB = (size_t)k / 256;
+    return kup64((size_t)k) + 2 * kup64(sizeof(float) * G) +
+           kup64(sizeof(int16_t) * 16 * (NB ? NB : 1)) + kup64(sizeof(float) * (size_t)k);
+}
+
+/* qlib_kgemm's GEMV for one row (m = 1), called by every thread of an enclosing parallel
+ * region (decode.c): each thread quantizes the row into its own scratch (the bytes of
+ * qlib_kgemm's one serial quantization), then the groups of 4 weight rows are shared out by
+ * the same static schedule; ends with the loop's barrier. Arguments as qlib_kgemm's (already
+ * checked); scratch: qlib_kgemv_scratch(k) bytes of this thread, 64-byte aligned; shared: k
+ * floats of the team (swiglu). */
+void qlib_kgemv_region(int type, const uint8_t *w, int n, int k, const float *x, float *y,
+                       const float *norm_w, float eps, int swiglu, int accumulate,
+                       uint8_t *scratch, float *shared) {
+    const int kq = type != QLIB_Q5_1, G = k / 32, NB = k / 256;
+    const size_t row_bytes = (size_t)(k / (kq ? 256 : 32)) * block_bytes(type);
+    int8_t *aq = (int8_t *)scratch;
+    float *ad = (float *)(scratch + kup64((size_t)k));
+    float *as = (float *)((uint8_t *)ad + kup64(sizeof(float) * G));
+    int16_t *abs_ = (int16_t *)((uint8_t *)as + kup64(sizeof(float) * G));
+    float *row = (float *)((uint8_t *)abs_ + kup64(sizeof(int16_t) * 16 * (NB ? NB : 1)));
+    if (swiglu) { /* split over the team, as qlib_qgemv_region */
+        swiglu_shared(x, k, shared);
+        x = shared;
+    }
+    kact_row(type, kq, x, k, 0, norm_w, eps, 0, row, aq, ad, as, abs_);
+    int16_t idx_tab[4][32];
+    scale_index(type, idx_tab);
+    __m512i idx[4];
+    for (int i = 0; i < 4; i++) idx[i] = _mm512_loadu_si512(idx_tab[i]);
+    const int nblk = (n + 3) / 4, dstride = kq ? NB : G;
+#pragma omp for schedule(static)
+    for (int jb = 0; jb < nblk; jb++) {
+        const int j = jb * 4, rows = n - j < 4 ? n - j : 4;
+        const uint8_t *wj = w + (size_t)j * row_bytes;
+        const char *pf = jb + QLIB_PF_GROUPS < nblk
+                             ? (const char *)(wj + 4 * QLIB_PF_GROUPS * row_bytes) : NULL;
+        kgemv_rows(type, wj, row_bytes, rows, n, j, k, aq, ad, as, abs_, dstride, idx, pf, 1, y,
+                   accumulate);
+    }
 }

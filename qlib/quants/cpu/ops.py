@@ -62,6 +62,7 @@ _SIGNATURES = {
     "qlib_swiglu_bf16": ([_p, _i, _i, _p], None),
     "qlib_attn_prefill_ex": ([_p, _i, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _i, _p, _i], _i),
     "qlib_exp": ([_p, _i, _p], None),
+    "qlib_decode_run": ([_p, _i, _i], _i),
     "qlib_amx_init": ([], _i),
     "qlib_amx_gemm": ([_p, _i, _i, _i, _p, _p, _p, _i, _i, _p, _i], _i),
     "qlib_prefill_layer": ([_p, _i, _i, _p, _p, _f, _p, _i, _i, _p, _p, _p, _p, _p, _p, _i,
@@ -178,11 +179,87 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
-def _prepared(fn, *args, keep: tuple) -> KernelCall:
-    """``fn`` with ``args`` bound, holding ``keep`` (the tensors the pointers point into)."""
+def _prepared(fn, *args, keep: tuple, step: DecodeStepC | None = None) -> KernelCall:
+    """``fn`` with ``args`` bound, holding ``keep`` (the tensors the pointers point into);
+    ``steps``: the call as ``decode_chain`` steps (None: it has none)."""
     call = partial(fn, *args)
     call.keep = keep
+    call.steps = (step,) if step is not None else None
     return call
+
+
+# -- decode.c: the whole decode step in one C call -----------------------------------------
+
+STEP_QGEMV, STEP_KGEMV, STEP_ATTN = 1, 2, 3  # qlib_step.kind of decode.c
+DECODE_MODES = {"c": 0, "region": 1}  # qlib_decode_run's modes (see decode_chain)
+
+
+class DecodeStepC(ctypes.Structure):
+    """``qlib_step`` of decode.c: one prepared GEMV or attention step (raw pointers: the plan
+    that made it keeps its tensors)."""
+
+    _fields_ = [
+        ("kind", _i), ("type", _i), ("w", _p), ("d", _p), ("m", _p), ("n", _i), ("k", _i),
+        ("x", _p), ("y", _p), ("norm", _p), ("eps", _f), ("swiglu", _i), ("accumulate", _i),
+        ("kc", _p), ("vc", _p), ("pos", _p), ("cos_row", _p), ("sin_row", _p),
+        ("n_head", _i), ("n_kv", _i), ("head_dim", _i), ("max_seq", _i), ("neox", _i),
+        ("kv_f16", _i), ("split", _i),
+    ]  # fmt: skip
+
+
+class DecodeChain:
+    """Prepared calls with steps (``call.steps``: ``qgemm_plan``, ``attn_decode_plan``,
+    ``FastLinear.plan`` of C parts), then optionally a ``qgemm_alloc_plan`` (``output``: the
+    logits), run in order by ONE C call (``qlib_decode_run``):
+
+    * ``mode="c"``: each step is its kernel's own entry point, called from C (the Python
+      loop of the same calls without its ctypes cost, ~4 us a call);
+    * ``mode="region"``: one OpenMP parallel region for all steps, each kernel's loop shared
+      out over the team with a barrier after it (no fork/join per call), the scratch
+      allocated once per run.
+
+    Both are bit-identical to calling the plans one by one. Calling it runs the steps and
+    returns the new ``[m, n]`` output of ``output`` (None without one); MemoryError when a
+    kernel could not allocate its scratch."""
+
+    def __init__(self, calls: list[KernelCall], mode: str = "region",
+                 output: Callable[[], torch.Tensor] | None = None):  # fmt: skip
+        if mode not in DECODE_MODES:
+            raise ValueError(f"DecodeChain: mode {mode!r} ({', '.join(DECODE_MODES)})")
+        steps = [s for c in [*calls, *([output] if output is not None else [])]
+                 for s in chain_steps(c)]  # fmt: skip
+        self.mode = mode
+        self.keep = (tuple(calls), output)
+        self._array = (DecodeStepC * len(steps))(*steps)
+        self._shape = output.shape if output is not None else None
+        self._last = self._array[len(steps) - 1] if steps else None  # a view into _array
+        self._call = partial(_lib().qlib_decode_run, self._array, len(steps), DECODE_MODES[mode])
+
+    def __len__(self) -> int:
+        return len(self._array)
+
+    def __call__(self) -> torch.Tensor | None:
+        y = None
+        if self._shape is not None:
+            y = torch.empty(self._shape)
+            self._last.y = y.data_ptr()
+        if self._call():
+            raise MemoryError("the C decode step: out of memory")
+        return y
+
+
+def chain_steps(call: KernelCall) -> tuple[DecodeStepC, ...]:
+    """The ``DecodeChain`` steps of a prepared call (ValueError: it has torch parts or no C
+    steps)."""
+    steps = getattr(call, "steps", None)
+    if steps is None:
+        raise ValueError("a prepared call without C steps (torch parts)")
+    return steps
+
+
+def has_steps(call: KernelCall) -> bool:
+    """Whether a prepared call can run in a ``DecodeChain``."""
+    return getattr(call, "steps", None) is not None
 
 
 # -- kernels.c: repacking, the quantized GEMM/GEMV, decode attention -----------------------
@@ -290,8 +367,27 @@ def qgemm_plan(
     kernel could not allocate its scratch."""
     if out is None:
         raise ValueError("qgemm_plan: out is required (see qgemm_alloc_plan)")
-    _, (fn, head, tail) = _qgemm_args(w, x, out, norm, eps, swiglu, accumulate)
-    return _prepared(fn, *head, out.data_ptr(), *tail, keep=(w, x, out, norm))
+    m, (fn, head, tail) = _qgemm_args(w, x, out, norm, eps, swiglu, accumulate)
+    return _prepared(fn, *head, out.data_ptr(), *tail, keep=(w, x, out, norm),
+                     step=_gemv_step(w, x, out, norm, eps, swiglu, accumulate) if m == 1 else None)
+
+
+def _gemv_step(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None,
+               norm: torch.Tensor | None, eps: float, swiglu: bool,
+               accumulate: bool) -> DecodeStepC | None:  # fmt: skip
+    """The checked one-row GEMV as a ``DecodeChain`` step (``out`` None: set per call), or
+    None when ``x`` and ``out`` overlap (the chain's threads each read ``x`` while others
+    write ``out``)."""
+    xs, xe = x.data_ptr(), x.data_ptr() + x.numel() * 4
+    ys, ye = (out.data_ptr(), out.data_ptr() + out.numel() * 4) if out is not None else (0, 0)
+    if xs < ye and ys < xe:
+        return None
+    kind = STEP_KGEMV if w.blocks else STEP_QGEMV
+    return DecodeStepC(
+        kind=kind, type=w.type_code, w=w.codes.data_ptr(), d=_ptr(w.d), m=_ptr(w.m), n=w.n,
+        k=w.k, x=xs, y=ys or None, norm=_ptr(norm), eps=float(eps), swiglu=int(swiglu),
+        accumulate=int(accumulate),
+    )  # fmt: skip
 
 
 def qgemm_alloc_plan(
@@ -303,6 +399,8 @@ def qgemm_alloc_plan(
     y_ptr = ctypes.c_void_p()  # the one argument that changes: read by ctypes at each call
     call = partial(fn, *head, y_ptr, *tail)
     n, keep = w.n, (w, x, norm)
+    # as a DecodeChain's last step (its output set per call): a one-row input only
+    step = _gemv_step(w, x, None, norm, eps, False, False) if m == 1 else None
 
     def run() -> torch.Tensor:
         y = torch.empty(m, n)
@@ -312,6 +410,8 @@ def qgemm_alloc_plan(
         return y
 
     run.keep = keep
+    run.steps = (step,) if step is not None else None
+    run.shape = (m, n)
     return run
 
 
@@ -381,11 +481,18 @@ def attn_decode_plan(
             or qkv.numel() != (n_head + 2 * n_kv) * d or out.numel() != n_head * d
             or position.half * 2 != d or position.max_pos < max_seq or split < 0):  # fmt: skip
         raise ValueError("attn_decode_plan: shapes (d % 16 == 0, d <= 128, tables [., d/2])")
+    step = DecodeStepC(
+        kind=STEP_ATTN, x=qkv.data_ptr(), y=out.data_ptr(), kc=k_cache.data_ptr(),
+        vc=v_cache.data_ptr(), pos=ctypes.addressof(position.pos),
+        cos_row=ctypes.addressof(position.cos_row), sin_row=ctypes.addressof(position.sin_row),
+        n_head=n_head, n_kv=n_kv, head_dim=d, max_seq=max_seq, neox=int(neox),
+        kv_f16=int(kv_dtype == torch.float16), split=split,
+    )  # fmt: skip
     return _prepared(
         lib.qlib_attn_decode_kv, qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         position.pos, n_head, n_kv, d, max_seq, position.cos_row, position.sin_row, int(neox),
         out.data_ptr(), int(kv_dtype == torch.float16), split,
-        keep=(qkv, k_cache, v_cache, out, position),
+        keep=(qkv, k_cache, v_cache, out, position), step=step,
     )  # fmt: skip
 
 

@@ -5,6 +5,7 @@
 #define QLIB_SIMD_H
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -132,6 +133,15 @@ static inline void input_row(const float *x, int k, const float *norm_w, float e
     } else if (!swiglu) {
         memcpy(a, x, sizeof(float) * (size_t)k);
     }
+}
+
+/* Inside a parallel region (decode.c): out[0..k) = silu_mul of x = [gate | up], each thread
+ * of the team a slice, then a barrier (the same values as input_row's loop). */
+static inline void swiglu_shared(const float *x, int k, float *out) {
+    const int nth = omp_get_num_threads(), t = omp_get_thread_num();
+    const int per = (k + nth - 1) / nth, i0 = t * per, i1 = i0 + per < k ? i0 + per : k;
+    for (int i = i0; i < i1; i++) out[i] = x[i] / (1.0f + expf(-x[i])) * x[k + i];
+#pragma omp barrier
 }
 
 #endif

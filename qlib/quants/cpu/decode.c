@@ -1,0 +1,147 @@
+/* qlib CPU decode step in one C call: a list of prepared steps (the GEMVs of kernels.c and
+ * kquants.c, the decode attention of attn.c), built once by ops.decode_steps, run in order.
+ *
+ * mode 0: each step is its kernel's entry point (qlib_qgemm_ex with m = 1, qlib_kgemm,
+ *         qlib_attn_decode_kv), one after the other: what the Python loop of prepared calls
+ *         does, without its ~4 us of ctypes per call.
+ * mode 1: ONE OpenMP parallel region for the whole list; each step is its kernel's in-region
+ *         twin (qlib_qgemv_region, qlib_kgemv_region, qlib_attn_decode_region), which shares
+ *         its loop out over the team and ends with a barrier, instead of a fork and a join
+ *         per call; each thread quantizes a GEMV's input row itself (no barrier before the
+ *         loop), the SwiGLU of the down GEMV's input is split over the team (scalar expf,
+ *         ~8 us a layer alone); the scratch is allocated once per call of the list.
+ * Both compute every output element with the same code in the same order as the separate
+ * calls (the same row groups, the same attention pieces), so the results are bit-identical.
+ * The position and the RoPE rows are read through pointers at each run (ops.DecodePosition).
+ * Returns 0, or -1 (a step's arguments, out of memory: nothing is run then in mode 1). */
+#include <omp.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+enum { STEP_QGEMV = 1, STEP_KGEMV = 2, STEP_ATTN = 3 };
+
+/* one step; ops.DecodeStepC mirrors it field for field */
+typedef struct {
+    int kind, type;
+    const void *w;                  /* codes (planes) or GGUF blocks */
+    const void *d, *m;              /* planes: f16 scales, Q4_1 minimums */
+    int n, k;                       /* GEMV: rows, row length */
+    const float *x;                 /* GEMV input, or the attention's qkv */
+    float *y;                       /* GEMV output, or the attention's output */
+    const float *norm;              /* RmsNorm weight or NULL */
+    float eps;
+    int swiglu, accumulate;
+    void *kc, *vc;                  /* attention: the caches of the layer */
+    const int *pos;                 /* attention: the position (read at each run) */
+    const float *const *cos_row;    /* attention: the RoPE rows of the position */
+    const float *const *sin_row;
+    int n_head, n_kv, head_dim, max_seq, neox, kv_f16, split;
+} qlib_step;
+
+int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint16_t *mw,
+                  int n, int k, const float *x, int m, float *y, const float *norm_w,
+                  float eps, int swiglu, int accumulate);
+int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, float *y,
+               const float *norm_w, float eps, int swiglu, int accumulate);
+int qlib_attn_decode_kv(float *qkv, void *kc, void *vc, int pos, int n_head, int n_kv, int d,
+                        int max_seq, const float *cos, const float *sin, int neox, float *out,
+                        int kv_f16, int split);
+size_t qlib_qgemv_scratch(int k);
+size_t qlib_kgemv_scratch(int k);
+size_t qlib_attn_region_floats(int pos, int n_head, int n_kv, int d, int split, int nth,
+                               int max_threads);
+void qlib_qgemv_region(int type, const uint8_t *codes, const uint16_t *dw, const uint16_t *mw,
+                       int n, int k, const float *x, float *y, const float *norm_w, float eps,
+                       int swiglu, int accumulate, uint8_t *scratch, float *shared);
+void qlib_kgemv_region(int type, const uint8_t *w, int n, int k, const float *x, float *y,
+                       const float *norm_w, float eps, int swiglu, int accumulate,
+                       uint8_t *scratch, float *shared);
+void qlib_attn_decode_region(float *qkv, void *kc, void *vc, int pos, int n_head, int n_kv,
+                             int d, int max_seq, const float *cos, const float *sin, int neox,
+                             float *out, int kv_f16, int split, int max_threads, float *buf);
+
+/* the checks of the kernels' entry points (ops checked the shapes at plan time) */
+static int step_ok(const qlib_step *s) {
+    switch (s->kind) {
+    case STEP_QGEMV:
+        return s->k % 64 == 0 && (s->type == 2 || s->type == 3 || s->type == 8);
+    case STEP_KGEMV:
+        return s->type == 7 ? s->k % 64 == 0 : s->type >= 10 && s->type <= 14 && s->k % 256 == 0;
+    case STEP_ATTN:
+        return s->head_dim % 16 == 0 && s->head_dim <= 128 && s->n_head % s->n_kv == 0;
+    }
+    return 0;
+}
+
+static int run_one(const qlib_step *s) {
+    switch (s->kind) {
+    case STEP_QGEMV:
+        return qlib_qgemm_ex(s->type, s->w, s->d, s->m, s->n, s->k, s->x, 1, s->y, s->norm,
+                             s->eps, s->swiglu, s->accumulate);
+    case STEP_KGEMV:
+        return qlib_kgemm(s->type, s->w, s->n, s->k, s->x, 1, s->y, s->norm, s->eps, s->swiglu,
+                          s->accumulate);
+    case STEP_ATTN:
+        return qlib_attn_decode_kv((float *)s->x, s->kc, s->vc, *s->pos, s->n_head, s->n_kv,
+                                   s->head_dim, s->max_seq, *s->cos_row, *s->sin_row, s->neox,
+                                   s->y, s->kv_f16, s->split);
+    }
+    return -1;
+}
+
+int qlib_decode_run(const qlib_step *steps, int count, int mode) {
+    for (int i = 0; i < count; i++)
+        if (!step_ok(&steps[i])) return -1;
+    if (mode == 0) {
+        for (int i = 0; i < count; i++)
+            if (run_one(&steps[i])) return -1;
+        return 0;
+    }
+    const int nth = omp_get_max_threads();
+    size_t per_thread = 64, shared = 16; /* bytes: each thread's GEMV scratch, the team's buffer */
+    for (int i = 0; i < count; i++) {
+        const qlib_step *s = &steps[i];
+        if (s->kind == STEP_QGEMV && qlib_qgemv_scratch(s->k) > per_thread)
+            per_thread = qlib_qgemv_scratch(s->k);
+        if (s->kind == STEP_KGEMV && qlib_kgemv_scratch(s->k) > per_thread)
+            per_thread = qlib_kgemv_scratch(s->k);
+        if (s->kind != STEP_ATTN && s->swiglu && sizeof(float) * (size_t)s->k > shared)
+            shared = sizeof(float) * (size_t)s->k; /* silu(gate) * up, shared by the team */
+        if (s->kind == STEP_ATTN) {
+            const size_t b = sizeof(float) * qlib_attn_region_floats(
+                *s->pos, s->n_head, s->n_kv, s->head_dim, s->split, nth, nth);
+            shared = b > shared ? b : shared;
+        }
+    }
+    per_thread = (per_thread + 63) / 64 * 64, shared = (shared + 63) / 64 * 64;
+    uint8_t *scratch = aligned_alloc(64, per_thread * nth + shared);
+    if (!scratch) return -1;
+    float *buf = (float *)(scratch + per_thread * nth);
+#pragma omp parallel num_threads(nth)
+    {
+        /* a team smaller than asked (OMP_DYNAMIC) only shares the same loops out differently */
+        uint8_t *mine = scratch + per_thread * omp_get_thread_num();
+        for (int i = 0; i < count; i++) {
+            const qlib_step *s = &steps[i];
+            switch (s->kind) {
+            case STEP_QGEMV:
+                qlib_qgemv_region(s->type, s->w, s->d, s->m, s->n, s->k, s->x, s->y, s->norm,
+                                  s->eps, s->swiglu, s->accumulate, mine, buf);
+                break;
+            case STEP_KGEMV:
+                qlib_kgemv_region(s->type, s->w, s->n, s->k, s->x, s->y, s->norm, s->eps,
+                                  s->swiglu, s->accumulate, mine, buf);
+                break;
+            case STEP_ATTN:
+                qlib_attn_decode_region((float *)s->x, s->kc, s->vc, *s->pos, s->n_head,
+                                        s->n_kv, s->head_dim, s->max_seq, *s->cos_row,
+                                        *s->sin_row, s->neox, s->y, s->kv_f16, s->split, nth,
+                                        buf);
+                break;
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
