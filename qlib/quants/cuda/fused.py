@@ -49,6 +49,13 @@ def _pdl_start(PDL: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask for the 128-byte lines at ``ptrs`` in L2 (``prefetch.global.L2``: no result)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@triton.jit
 def _rstd(x, K, eps, KB: tl.constexpr):
     """1 / sqrt(mean(x[:K]^2) + eps) of one float32 row."""
     k = tl.arange(0, KB)
@@ -60,17 +67,26 @@ def _rstd(x, K, eps, KB: tl.constexpr):
 def _norm_gemv_kernel(
     x, nw, y, qs, qh, d, dm, sc, mn, N, K, G, eps, qs_stride, qh_stride, d_stride, sc_stride,
     FMT: tl.constexpr, HAS_OFF: tl.constexpr, NORM: tl.constexpr, EPI: tl.constexpr,
-    BN: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr,
+    BN: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, QL: tl.constexpr,
 ):  # fmt: skip
     """One row of x; BN output rows a program (SwiGLU: BN gate rows and their up rows)."""
-    _pdl_start(PDL)
-    rstd = 1.0
-    if NORM:
-        rstd = _rstd(x, K, eps, KB)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     n_out = N // 2 if EPI == 2 else N
     mask = rows < n_out
     row = tl.minimum(rows, n_out - 1).to(tl.int64)
+    if PDL:  # launch the next kernel; fetch this program's weight rows while the last one ends
+        gdc_launch_dependents()
+        if QL > 0:
+            lines = tl.minimum(tl.arange(0, QL) * 128, qs_stride - 1)
+            _prefetch_l2(qs + row[:, None] * qs_stride + lines[None, :])
+            _prefetch_l2(d + row * d_stride)
+            if EPI == 2:
+                _prefetch_l2(qs + (row + n_out)[:, None] * qs_stride + lines[None, :])
+                _prefetch_l2(d + (row + n_out) * d_stride)
+        gdc_wait()
+    rstd = 1.0
+    if NORM:
+        rstd = _rstd(x, K, eps, KB)
     a = _dot_rows(x, nw, rstd, row, qs, qh, d, dm, sc, mn, G, qs_stride, qh_stride, d_stride,
                   sc_stride, FMT, HAS_OFF, NORM, BN, NG)  # fmt: skip
     if EPI == 2:
@@ -289,6 +305,7 @@ def _np2(n: int) -> int:
 
 
 _PDL = [False]  # programmatic dependent launch of the decode kernels (``launch_mode``)
+_PREFETCH = [True]  # with it, the GEMVs prefetch their weight rows into L2 before the wait
 
 
 @functools.cache
@@ -345,6 +362,7 @@ def norm_gemv(
         x, norm if norm is not None else x, y, *planes, w.n, w.k, w.groups, eps, *strides,
         FMT=fmt, HAS_OFF=fmt in _HAS_OFFSET, NORM=norm is not None, EPI=epilogue,
         BN=bn, NG=min(ng, _np2(w.groups)), KB=_np2(w.k), num_warps=num_warps, **_pdl(),
+        QL=_np2(triton.cdiv(w.qs.stride(0) * w.qs.element_size(), 128)) if _PREFETCH[0] else 0,
     )  # fmt: skip
 
 
