@@ -241,8 +241,11 @@ static void act_row(int type, const float *x, int k, int i, const float *norm_w,
 }
 
 /* The GEMV's prefetch of the codes two groups ahead (an A/B hook, qlib_gemv_set_prefetch):
- * 0 one burst per group; 1 spread over the block steps for rows of k >= qlib_gemv_spread_k */
-int qlib_gemv_prefetch = 0, qlib_gemv_spread_k = 0;
+ * 1 (default) spread over the block steps, R lines per 64 bytes of a row, for rows of
+ * k >= qlib_gemv_spread_k; 0 one burst of 4 rows per group (the earlier kernel). A/B in one
+ * process, region decode, 2 threads: synthetic-1b Q8_0 (rows of 2-8 KB) 71.0 -> 52.3
+ * ms/token, SmolLM2 Q4_1 5.97 -> 5.60, Q8_0 8.31 -> 7.65 (as kquants.c found for its rows) */
+int qlib_gemv_prefetch = 1, qlib_gemv_spread_k = 0;
 void qlib_gemv_set_prefetch(int mode, int spread_k) {
     qlib_gemv_prefetch = mode, qlib_gemv_spread_k = spread_k;
 }
@@ -261,7 +264,7 @@ static inline __attribute__((always_inline)) void gemv_group(
     const char *pf = NULL;
     if (jb + 2 < nblk) { /* codes two groups ahead into L2 (rows are short: 288 bytes for
                           * Q4_1 at k = 576; the hardware prefetcher alone left decode
-                          * ~17% slower): in one burst, or spread over the block steps */
+                          * ~17% slower): spread over the block steps, or in one burst */
         const char *ahead = (const char *)(cj + 8 * row_bytes);
         if (qlib_gemv_prefetch == 0 || (size_t)k < (size_t)qlib_gemv_spread_k)
             for (size_t off = 0; off < 4 * row_bytes; off += 64)

@@ -54,6 +54,7 @@ _SIGNATURES = {
     "qlib_qgemm_ex": ([_i, _p, _p, _p, _i, _i, _p, _i, _p, _p, _f, _i, _i], _i),
     "qlib_kgemm": ([_i, _p, _i, _i, _p, _i, _p, _p, _f, _i, _i], _i),
     "qlib_qgemm_set_min_rows": ([_i], None),
+    "qlib_gemv_set_prefetch": ([_i, _i], None),
     "qlib_attn_decode": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p], _i),
     "qlib_attn_decode_kv": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p, _i, _i], _i),
     "qlib_repack": ([_i, _p, _i, _i, _p, _p, _p], None),
@@ -109,6 +110,13 @@ def set_gemm_min_rows(rows: int) -> None:
     a huge value forces the GEMV loops); ``GEMM_MIN_ROWS`` is the default."""
     lib = _lib()
     lib.qlib_qgemm_set_min_rows(int(rows))
+
+
+def set_gemv_prefetch(spread: bool = True, spread_k: int = 0) -> None:
+    """How the Q4_0 / Q4_1 / Q8_0 GEMV prefetches the codes two groups of rows ahead (an A/B
+    hook; results are the same): ``spread`` (the default) a few lines per block step for rows
+    of ``k >= spread_k``, else one burst per group (the earlier kernel)."""
+    _lib().qlib_gemv_set_prefetch(int(spread), int(spread_k))
 
 
 def amx_available() -> bool:
