@@ -25,8 +25,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name(n)
-           for n in ("kernels.c", "kquants.c", "prefill.c", "attn.c", "decode.c")]
+SOURCES = [
+    Path(__file__).with_name(n)
+    for n in ("kernels.c", "kquants.c", "prefill.c", "attn.c", "decode.c")
+]
 HEADERS = [Path(__file__).with_name("simd.h")]  # included by all: part of the build's hash
 CFLAGS = [
     "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",

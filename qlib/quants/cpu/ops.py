@@ -376,8 +376,14 @@ def qgemm_plan(
     if out is None:
         raise ValueError("qgemm_plan: out is required (see qgemm_alloc_plan)")
     m, (fn, head, tail) = _qgemm_args(w, x, out, norm, eps, swiglu, accumulate)
-    return _prepared(fn, *head, out.data_ptr(), *tail, keep=(w, x, out, norm),
-                     step=_gemv_step(w, x, out, norm, eps, swiglu, accumulate) if m == 1 else None)
+    return _prepared(
+        fn,
+        *head,
+        out.data_ptr(),
+        *tail,
+        keep=(w, x, out, norm),
+        step=_gemv_step(w, x, out, norm, eps, swiglu, accumulate) if m == 1 else None,
+    )
 
 
 def _gemv_step(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None,
