@@ -54,6 +54,32 @@ static inline __m512 load_kv(const void *base, size_t at, int f16) {
     return _mm512_loadu_ps((const float *)base + at);
 }
 
+/* Rows b..b+nb-1 of K (one KV head, rows of d) as 16 float32 rows: the cache itself for a
+ * whole float32 block, else converted into kbuf (16 d floats; missing rows zero). */
+static inline __attribute__((always_inline)) const float *k_block(
+        const void *K, int f16, int b, int nb, int d, int nd, float *kbuf) {
+    if (!f16 && nb == 16) return (const float *)K + (size_t)b * d;
+    for (int j = 0; j < 16; j++)
+        for (int i = 0; i < nd; i++)
+            _mm512_storeu_ps(kbuf + j * d + 16 * i,
+                             j < nb ? load_kv(K, (size_t)(b + j) * d + 16 * i, f16)
+                                    : _mm512_setzero_ps());
+    return kbuf;
+}
+
+/* The 16 scores q_r . k_j * scale of one query head against a block from k_block. */
+static inline __attribute__((always_inline)) __m512 block_scores(
+        const float *qr, const float *kb, int d, int nd, __m512 vscale) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int i = 0; i < nd; i++) {
+        const __m512 qv = _mm512_loadu_ps(qr + 16 * i);
+        for (int j = 0; j < 16; j++)
+            acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + j * d + 16 * i), acc[j]);
+    }
+    return _mm512_mul_ps(hsum16x16(acc), vscale);
+}
+
 /* Scores of the rep query heads q [rep, d] against positions l0..l1-1 of K (one KV head,
  * rows of d): s[r * ld + l - l0] = q_r . k_l * scale. kbuf: 16 d floats. */
 static void scores(const float *q, int rep, int d, const void *K, int f16, int l0, int l1,
@@ -62,28 +88,10 @@ static void scores(const float *q, int rep, int d, const void *K, int f16, int l
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int b = l0; b < l1; b += 16) {
         const int nb = l1 - b < 16 ? l1 - b : 16;
-        const float *kb;
-        if (!f16 && nb == 16) {
-            kb = (const float *)K + (size_t)b * d;
-        } else { /* f16 rows (or a tail) -> float32 rows in kbuf, missing rows zero */
-            for (int j = 0; j < 16; j++)
-                for (int i = 0; i < nd; i++)
-                    _mm512_storeu_ps(kbuf + j * d + 16 * i,
-                                     j < nb ? load_kv(K, (size_t)(b + j) * d + 16 * i, f16)
-                                            : _mm512_setzero_ps());
-            kb = kbuf;
-        }
-        for (int r = 0; r < rep; r++) {
-            const float *qr = q + (size_t)r * d;
-            __m512 acc[16];
-            for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-            for (int i = 0; i < nd; i++) {
-                const __m512 qv = _mm512_loadu_ps(qr + 16 * i);
-                for (int j = 0; j < 16; j++)
-                    acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + j * d + 16 * i), acc[j]);
-            }
-            _mm512_storeu_ps(s + (size_t)r * ld + (b - l0), _mm512_mul_ps(hsum16x16(acc), vscale));
-        }
+        const float *kb = k_block(K, f16, b, nb, d, nd, kbuf);
+        for (int r = 0; r < rep; r++)
+            _mm512_storeu_ps(s + (size_t)r * ld + (b - l0),
+                             block_scores(q + (size_t)r * d, kb, d, nd, vscale));
     }
 }
 
@@ -199,26 +207,9 @@ static inline __attribute__((always_inline)) void piece_1pass(
                 _mm_prefetch(pv + off, _MM_HINT_T0);
             }
         }
-        if (!f16 && nb == 16) {
-            kb = (const float *)K + (size_t)b * d;
-        } else { /* f16 rows (or a tail) -> float32 rows in kbuf, missing rows zero */
-            for (int j = 0; j < 16; j++)
-                for (int i = 0; i < ND; i++)
-                    _mm512_storeu_ps(kbuf + j * d + 16 * i,
-                                     j < nb ? load_kv(K, (size_t)(b + j) * d + 16 * i, f16)
-                                            : _mm512_setzero_ps());
-            kb = kbuf;
-        }
+        kb = k_block(K, f16, b, nb, d, ND, kbuf);
         for (int r = 0; r < REP; r++) {
-            const float *qr = q + (size_t)r * d;
-            __m512 sa[16];
-            for (int j = 0; j < 16; j++) sa[j] = _mm512_setzero_ps();
-            for (int i = 0; i < ND; i++) {
-                const __m512 qv = _mm512_loadu_ps(qr + 16 * i);
-                for (int j = 0; j < 16; j++)
-                    sa[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + j * d + 16 * i), sa[j]);
-            }
-            const __m512 sv = _mm512_mul_ps(hsum16x16(sa), vscale);
+            const __m512 sv = block_scores(q + (size_t)r * d, kb, d, ND, vscale);
             const float mb = _mm512_mask_reduce_max_ps(live, sv);
             if (mb > m[r]) { /* a new running max: rescale what was accumulated */
                 const float w = m[r] == -INFINITY ? 0.0f : expf(m[r] - mb);
