@@ -21,7 +21,8 @@
 # step) runs on each rung of a ladder: (a) the faithful engine, one torch op after another;
 # (b) the fast CUDA engine's fused Triton kernels launched one by one from Python; (c) the same
 # kernels captured once in a CUDA graph and replayed, without and with programmatic dependent
-# launch (PDL: Hopper and later); (d) one persistent kernel that walks all
+# launch (PDL: Hopper and later), and with the attention's combine merged into the output
+# projection's kernel (five kernels a layer instead of six); (d) one persistent kernel that walks all
 # the layers with grid-wide barriers between its stages (`qlib.quants.cuda.persistent`), also
 # replayed from a graph; a rung that cannot run this model says why. Per rung: kernels per token, host launches per token, host time per step,
 # GPU busy time per step, ms/token and the share of the bandwidth floor (the bytes a step reads
@@ -115,6 +116,13 @@ if runs_here:
                         "previous kernel: they overlap.",
                         table="ladder", b=pdl["ms_per_token"],
                         x=pdl["ms_per_token"] / graph["ms_per_token"], busy=pdl["gpu_busy_ms"]))
+    if "merged, CUDA graph + PDL" in r and "fused, CUDA graph + PDL" in r:
+        mg, pdl = r["merged, CUDA graph + PDL"], r["fused, CUDA graph + PDL"]
+        print(w.finding("merged", "Merging the attention's combine into the output "
+                        "projection's kernel ({k:.0f} kernels per token instead of {k0:.0f}) "
+                        "takes the PDL graph from {a:.3f} to {b:.3f} ms/token ({x:.2f}x).", table="ladder", k=mg["kernels_per_token"],
+                        k0=pdl["kernels_per_token"], a=pdl["ms_per_token"],
+                        b=mg["ms_per_token"], x=mg["ms_per_token"] / pdl["ms_per_token"]))
     if "persistent" in r:
         pk = r["persistent"]
         print(w.finding("persistent", "One persistent kernel per step: {b:.3f} ms/token "

@@ -124,6 +124,37 @@ def test_mixed_types_take_the_unfused_kernels(tmp_path):
     run_script(ref, fast)
 
 
+def merged_sizes(type_name: str) -> dict:
+    """Shapes whose layers ``decode="merged"`` merges (head dim a multiple of 32): head dim 32,
+    or 64 with the K-quants' 256-element rows."""
+    return dict(n_embd=256, n_ff=512) if type_name.endswith("_K") else dict(n_embd=128)
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", TYPES)
+def test_merged_decode_matches_f32_form(tmp_path, type_name):
+    """``decode="merged"``: the attention's combine in the output projection's kernel, float
+    atomics summing the heads' shares: the f32 form's logits to TOL."""
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type=type_name, n_kv_head=2,
+                            tie_output=type_name != "Q8_0", **merged_sizes(type_name))  # fmt: skip
+    ref, fast = load_pair(path, decode="merged")
+    assert fast.decode == "merged" and all(fast._mergeable(ly) for ly in fast.layers)
+    run_script(ref, fast)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n_kv_head", [1, 4])
+def test_merged_decode_with_a_mixed_layer(tmp_path, n_kv_head):
+    """A dense ``attn_output`` (F16) keeps its layer's combine and projection apart between
+    merged layers; mixed q/k/v and gate/up types beside a merged combine."""
+    mixed = {"blk.1.attn_output.*": "F16", "blk.0.ffn_up.*": "Q8_0", "blk.2.attn_v.*": "Q8_0"}
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_0", n_layer=3, n_embd=128,
+                            n_kv_head=n_kv_head, weight_types=mixed)  # fmt: skip
+    ref, fast = load_pair(path, decode="merged")
+    assert [fast._mergeable(ly) for ly in fast.layers] == [True, False, True]
+    run_script(ref, fast)
+
+
 @needs_cuda  # the tensor-core GEMM's bf16 dots are not emulated faithfully by the interpreter
 @pytest.mark.parametrize("type_name", ["Q5_1", "Q2_K", "Q3_K"])
 def test_packed_prefill_matches_dense(tmp_path, type_name):
@@ -261,3 +292,17 @@ def test_smollm2_greedy_equals_f32_form(smollm2):
         b = ref.forward(tf, 0, all_logits=True)[0]
     np.testing.assert_array_equal(a.argmax(-1).cpu(), b.argmax(-1).cpu())
     assert (a - b).abs().max().item() <= 1e-3  # float32 order over 30 layers (as test_smollm2)
+
+
+@needs_cuda
+def test_smollm2_merged_decode_greedy_equals_f32_form(smollm2):
+    """``decode="merged"`` on the real model: its greedy ids are the f32 form's for 32 tokens."""
+    from qlib.suite.bench import prompt_ids
+    from qlib.tokenizer import Tokenizer
+
+    ref, fast = load_pair(smollm2, decode="merged")
+    with open(smollm2, "rb") as f:
+        tokenizer = Tokenizer.from_metadata(Content.read(f).metadata)
+    ids = prompt_ids(tokenizer.encode, 203, models.data_file("passage.txt"))
+    with torch.inference_mode():
+        assert greedy(fast, ids) == greedy(ref, ids)

@@ -140,10 +140,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--decode",
-        choices=("fused", "persistent"),
+        choices=("fused", "merged", "persistent"),
         default=None,
-        help="--engine fast on CUDA: five fused kernels per layer (default) or the whole decode "
-        "step in one persistent kernel",
+        help="--engine fast on CUDA: six fused kernels per layer (default), five (merged: the "
+        "attention's combine in the output projection's kernel, the heads' shares summed with "
+        "float atomics) or the whole decode step in one persistent kernel",
     )
 
 

@@ -64,7 +64,9 @@ from .fused import FUSED_STACKS
 PREFILL_MODES = ("f32", "tf32", "bf16", "packed")
 PREFILL_DTYPES = {"f32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
 ATTENTION_MODES = ("split", "single")  # decode attention: blocks in parallel, or one loop
-DECODE_MODES = ("fused", "persistent")  # five fused kernels per layer, or one persistent kernel
+# six fused kernels per layer; five, the attention's combine merged into the output
+# projection (the heads' shares summed with float atomics); or one persistent kernel
+DECODE_MODES = ("fused", "merged", "persistent")
 GRAPH_CACHE = 4  # prefill graphs kept (one per prompt length)
 
 
@@ -304,6 +306,7 @@ class CudaFastModel(StaticKVState):
         self._q = torch.empty(c.head_count * c.head_dim, device=device)
         self._att = torch.empty(c.head_count * c.head_dim, device=device)
         self._g = torch.empty(n_ff, device=device)
+        self.merged = False  # decode="merged": the combine in the output projection's kernel
         self._logits = torch.empty(1, output.n, device=device)
         self._decode_graph: torch.cuda.CUDAGraph | None = None
         self._decode_runs = 0
@@ -333,8 +336,10 @@ class CudaFastModel(StaticKVState):
         ``prefill``: ``f32``, ``tf32``, ``bf16`` or ``packed`` (the module docstring);
         ``max_seq_len``: positions the KV cache holds (None: the file's ``llama.context_length``,
         else 4096); ``kv_type``: ``f32`` only (the CPU engine also has ``f16``); ``decode``:
-        ``fused`` (five fused kernels per layer) or ``persistent`` (the whole step in one
-        kernel, ``qlib.quants.cuda.persistent``: a device copy of the GGUF blocks as well;
+        ``fused`` (six fused kernels per layer), ``merged`` (five: the attention's combine in
+        the output projection's kernel, float atomics summing the heads' shares, so the last
+        bits vary run to run) or ``persistent`` (the whole step in one kernel,
+        ``qlib.quants.cuda.persistent``: a device copy of the GGUF blocks as well;
         ``decode_options`` go to its ``PersistentDecoder``: ``threads``, ``stage_times``);
         ``pdl``: programmatic dependent launch of the fused kernels (None: on where the device
         and Triton have it, ``fused.pdl_available()``)."""
@@ -366,6 +371,7 @@ class CudaFastModel(StaticKVState):
         model = cls(config, tok_p, layers, norm, out_p, dev, prefill=prefill, graphs=graphs,
                     attention=attention, max_seq_len=max_seq_len,
                     rope_freqs=rope_freqs, pdl=pdl)  # fmt: skip
+        model.merged = decode == "merged"
         if decode == "persistent":
             model._persistent = _persistent_decoder(model, content, get, tok, out,
                                                     **(decode_options or {}))  # fmt: skip
@@ -381,8 +387,18 @@ class CudaFastModel(StaticKVState):
 
     @property
     def decode(self) -> str:
-        """``fused`` (five kernels per layer) or ``persistent`` (one kernel a step)."""
-        return "fused" if self._persistent is None else "persistent"
+        """``fused`` (six kernels per layer), ``merged`` (five) or ``persistent`` (one kernel a
+        step)."""
+        if self._persistent is not None:
+            return "persistent"
+        return "merged" if self.merged else "fused"
+
+    def _mergeable(self, ly: CudaLayer) -> bool:
+        """Whether ``decode="merged"`` merges this layer's attention combine into its output
+        projection: split attention, a packed ``attn_output`` (not a dense part), head dim a
+        multiple of 32 (each head's columns whole groups)."""
+        return (self.merged and self.attention == "split" and self.config.head_dim % 32 == 0
+                and isinstance(ly.wo.parts[0], Prepared))  # fmt: skip
 
     # -- decode: five fused kernels per layer ----------------------------------------------
 
@@ -418,8 +434,12 @@ class CudaFastModel(StaticKVState):
                     row += p.n
                 fused.rope_store(self._qkv[None], self._q[None], kc, vc, self._pos, self.cos,
                                  self.sin, heads=self.heads, neox=c.rope_is_neox)  # fmt: skip
-            attend(self._q, kc, vc, self._att, self._pos)
-            gemv(self._att, ly.wo.parts[0], h, epilogue=EPI_ADD)
+            if self._mergeable(ly):  # h is read by no kernel while the heads' shares land
+                attend.split(self._q, kc, vc, self._pos)
+                attend.combine_wo(ly.wo.parts[0], h, self._att, self._pos)
+            else:
+                attend(self._q, kc, vc, self._att, self._pos)
+                gemv(self._att, ly.wo.parts[0], h, epilogue=EPI_ADD)
             if len(ly.w13.parts) == 1:
                 gemv(h, ly.w13.parts[0], self._g, norm=ly.ffn_norm, eps=eps, epilogue=EPI_SWIGLU)
             else:

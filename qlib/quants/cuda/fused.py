@@ -56,6 +56,14 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def _prefetch_rows(qs, d, row, qs_stride, d_stride, QL: tl.constexpr):
+    """Prefetch the first ``QL`` 128-byte lines of weight rows ``row`` and their scales."""
+    lines = tl.minimum(tl.arange(0, QL) * 128, qs_stride - 1)
+    _prefetch_l2(qs + row[:, None] * qs_stride + lines[None, :])
+    _prefetch_l2(d + row * d_stride)
+
+
+@triton.jit
 def _rstd(x, K, eps, KB: tl.constexpr):
     """1 / sqrt(mean(x[:K]^2) + eps) of one float32 row."""
     k = tl.arange(0, KB)
@@ -77,12 +85,9 @@ def _norm_gemv_kernel(
     if PDL:  # launch the next kernel; fetch this program's weight rows while the last one ends
         gdc_launch_dependents()
         if QL > 0:
-            lines = tl.minimum(tl.arange(0, QL) * 128, qs_stride - 1)
-            _prefetch_l2(qs + row[:, None] * qs_stride + lines[None, :])
-            _prefetch_l2(d + row * d_stride)
+            _prefetch_rows(qs, d, row, qs_stride, d_stride, QL)
             if EPI == 2:
-                _prefetch_l2(qs + (row + n_out)[:, None] * qs_stride + lines[None, :])
-                _prefetch_l2(d + (row + n_out) * d_stride)
+                _prefetch_rows(qs, d, row + n_out, qs_stride, d_stride, QL)
         gdc_wait()
     rstd = 1.0
     if NORM:
@@ -244,15 +249,10 @@ def _attn_split_kernel(
         tl.store(pacc + slot * D + dd, tl.sum(w[:, None] * v, 0))
 
 
-@triton.jit(do_not_specialize=["NS"])
-def _attn_combine_kernel(
-    out, pm, pl, pacc, pos_ptr, NS, D: tl.constexpr, BL: tl.constexpr, NSB: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    """``out[h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s`` over the live blocks."""
-    _pdl_start(PDL)
-    h = tl.program_id(0)
-    n = tl.load(pos_ptr).to(tl.int64) + 1
+@triton.jit
+def _combine_head(pm, pl, pacc, h, n, NS, D: tl.constexpr, BL: tl.constexpr, NSB: tl.constexpr):
+    """Head ``h``'s output over ``n`` positions: ``sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M)
+    l_s`` over its live blocks (``[D]``)."""
     dd = tl.arange(0, D)
     acc = tl.zeros([D], tl.float32)
     den = tl.sum(tl.zeros([NSB], tl.float32), 0)
@@ -269,7 +269,46 @@ def _attn_combine_kernel(
         a = tl.load(pacc + slot[:, None] * D + dd[None, :], mask=live[:, None], other=0.0)
         acc = acc * alpha + tl.sum(w[:, None] * a, 0)
         big = big_new
-    tl.store(out + h * D + dd, acc / den)
+    return acc / den
+
+
+@triton.jit(do_not_specialize=["NS"])
+def _attn_combine_kernel(
+    out, pm, pl, pacc, pos_ptr, NS, D: tl.constexpr, BL: tl.constexpr, NSB: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """The blocks of head ``h`` merged into ``out[h]`` (``_combine_head``)."""
+    _pdl_start(PDL)
+    h = tl.program_id(0)
+    n = tl.load(pos_ptr).to(tl.int64) + 1
+    tl.store(out + h * D + tl.arange(0, D), _combine_head(pm, pl, pacc, h, n, NS, D, BL, NSB))
+
+
+@triton.jit(do_not_specialize=["NS"])
+def _combine_wo_kernel(
+    res, att, pm, pl, pacc, pos_ptr, NS,
+    qs, qh, d, dm, sc, mn, N, GW, qs_stride, qh_stride, d_stride, sc_stride,
+    FMT: tl.constexpr, HAS_OFF: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
+    NSB: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (h, r): head h's blocks merged, then its share of the output projection,
+    ``W[rows, h D : h D + D] @ out[h]`` for BN rows, added into the residual ``res`` with
+    float atomics (the heads' shares meet there, in an order that varies run to run)."""
+    h = tl.program_id(0)
+    rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = rows < N
+    row = tl.minimum(rows, N - 1).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        _prefetch_l2(qs + row * qs_stride + (h * (D // 32) * qs_stride) // GW)
+        gdc_wait()
+    n = tl.load(pos_ptr).to(tl.int64) + 1
+    dd = tl.arange(0, D)
+    tl.store(att + h * D + dd, _combine_head(pm, pl, pacc, h, n, NS, D, BL, NSB))
+    tl.debug_barrier()  # the head's output, stored by every thread, read back by every thread
+    a = _dot_rows(att, att, 1.0, row, qs, qh, d, dm, sc, mn, D // 32, qs_stride, qh_stride,
+                  d_stride, sc_stride, FMT, HAS_OFF, False, BN, D // 32, h * (D // 32))  # fmt: skip
+    tl.atomic_add(res + rows, a, mask=mask, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["K", "G"])
@@ -461,14 +500,31 @@ class SplitAttention:
         self.acc = torch.empty(nq, self.ns, hd, device=device)
 
     def __call__(self, q, kc, vc, out, pos, *, num_warps: int = 4, nsb: int = 64) -> None:
+        self.split(q, kc, vc, pos, num_warps=num_warps)
+        _attn_combine_kernel[(self.heads[0],)](
+            out, self.m, self.l, self.acc, pos, self.ns, D=self.heads[2], BL=self.bl, NSB=nsb,
+            num_warps=2, **_pdl(),
+        )  # fmt: skip
+
+    def split(self, q, kc, vc, pos, *, num_warps: int = 4) -> None:
+        """The blocks' partial results (the first kernel of ``__call__``)."""
         nq, nkv, hd = self.heads
         _attn_split_kernel[(nq, self.ns)](
             q, kc, vc, self.m, self.l, self.acc, pos, kc.shape[1], self.ns, hd**-0.5,
             GROUP=nq // nkv, D=hd, BL=self.bl, num_warps=num_warps, **_pdl(),
         )  # fmt: skip
-        _attn_combine_kernel[(nq,)](
-            out, self.m, self.l, self.acc, pos, self.ns, D=hd, BL=self.bl, NSB=nsb, num_warps=2,
-            **_pdl(),
+
+    def combine_wo(self, wo: Prepared, res, out, pos, *, bn: int = 32, nsb: int = 64,
+                   num_warps: int = 1) -> None:  # fmt: skip
+        """After ``split``: ``res += wo @ attention`` in one kernel (``_combine_wo_kernel``;
+        bn = 32 rows, 1 warp: the best of an H200 sweep); ``out`` receives the attention."""
+        nq, _, hd = self.heads
+        planes, strides = _args(wo)
+        fmt = wo.format_id
+        _combine_wo_kernel[(nq, triton.cdiv(wo.n, bn))](
+            res, out, self.m, self.l, self.acc, pos, self.ns, *planes, wo.n, wo.groups,
+            *strides, FMT=fmt, HAS_OFF=fmt in _HAS_OFFSET, D=hd, BL=self.bl, NSB=nsb, BN=bn,
+            num_warps=num_warps, **_pdl(),
         )  # fmt: skip
 
 

@@ -116,10 +116,11 @@ def _scales(d, dm, sc, mn, row, g, d_stride, sc_stride, FMT: tl.constexpr):
 def _dot_rows(
     x, nw, rstd, row, qs, qh, d, dm, sc, mn, G, qs_stride, qh_stride, d_stride, sc_stride,
     FMT: tl.constexpr, HAS_OFF: tl.constexpr, NORM: tl.constexpr, BN: tl.constexpr,
-    NG: tl.constexpr,
+    NG: tl.constexpr, G0=0,
 ):  # fmt: skip
     """``x @ W[row].T`` for one row of x and the int64 weight rows ``row`` ``[BN]``, float32 FMAs,
     NG groups a step; ``NORM``: x is RmsNorm'ed on the fly (``x * rstd * nw``, float32 ``nw``).
+    Groups ``G0 .. G0 + G - 1`` of the rows only (x indexed by element, as the whole row).
     """
     gi = tl.arange(0, NG)
     i = tl.arange(0, 16)
@@ -127,7 +128,7 @@ def _dot_rows(
     for g0 in range(0, G, NG):
         g = g0 + gi
         gmask = (g < G)[:, None]
-        g = tl.minimum(g, G - 1)  # out-of-range groups read group G-1 and meet x = 0
+        g = G0 + tl.minimum(g, G - 1)  # out-of-range groups read the last one and meet x = 0
         xo = g[:, None] * 32 + i[None, :]
         x_lo = tl.load(x + xo, mask=gmask, other=0.0).to(tl.float32)
         x_hi = tl.load(x + xo + 16, mask=gmask, other=0.0).to(tl.float32)

@@ -10,6 +10,9 @@ token read back to the host every step) on a different way of driving the GPU:
 * ``fused, CUDA graph + PDL``: the same graph with programmatic dependent launch (Hopper+:
   each kernel's blocks are resident and wait on the device while the previous one finishes);
   where the device or Triton lacks it the rung says so;
+* ``merged, CUDA graph + PDL``: five kernels a layer instead of six (the attention's combine
+  in the output projection's kernel, the heads' shares summed with float atomics:
+  ``decode="merged"``), in the same PDL graph;
 * ``persistent``: one resident kernel walking the layers with grid-wide barriers between the
   stages (``qlib.quants.cuda.persistent``), in a CUDA graph too; where it cannot run (a type
   it has no code for, no NVRTC) the rung reports why instead of a time.
@@ -43,6 +46,9 @@ LADDER = (
     Rung("fused, one by one", "fast", (("graphs", False),)),
     Rung("fused, CUDA graph", "fast", (("graphs", True), ("pdl", False))),
     Rung("fused, CUDA graph + PDL", "fast", (("graphs", True), ("pdl", True))),
+    Rung(
+        "merged, CUDA graph + PDL", "fast", (("decode", "merged"), ("graphs", True), ("pdl", True))
+    ),  # fmt: skip
     Rung("persistent", "fast", (("decode", "persistent"), ("graphs", True))),
 )
 
