@@ -17,7 +17,11 @@
  * when it grows) and the block's v rows, so K and V stream side by side; with a float32
  * cache the rows ~1 KB ahead of each stream are prefetched (A/B, 30 layers, 2 threads:
  * 8.3 -> 6.5 ms at 2800 positions, 11.6 -> 8.8 at 4096; f16 6.0 -> 5.4 and 8.7 -> 7.3 with
- * the single pass, where prefetching gained nothing). Wider groups (`attn_piece`): three
+ * the single pass, where prefetching gained nothing). With a float16 cache a block's scores
+ * run keys outer (`block_scores_ko`): each k vector converted once in registers for all
+ * the group's heads, instead of the block converted into kbuf and re-read per head (A/B,
+ * same setting: 5.35 -> 4.52 ms at 2800, 7.21 -> 6.20 at 4096, 2.02 -> 1.61 at 1024;
+ * bit-identical). Wider groups (`attn_piece`): three
  * passes, scores of the piece into a buffer, softmax, then p v. e^x is the vector exp16
  * (~1 ulp).
  * d % 16 == 0, d <= 128. Returns 0, or -1 (out of memory). */
@@ -31,22 +35,27 @@
 #include "simd.h"
 
 
+/* The levels of hsum16x16's tree: level 1 pairs rows (2i, 2i + 1), level 2 the results of
+ * rows 4i..4i+3, level 3 those of 8i..8i+7, level 4 all 16. Each node depends only on its
+ * rows, so a block can be reduced 4 or 8 rows at a time with the same operations. */
+static inline __m512 hs_l1(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+static inline __m512 hs_l2(__m512 a, __m512 b) {
+    const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+static inline __m512 hs_l34(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+
 /* v[0..15] -> one vector whose element j is the sum of the 16 elements of v[j] */
 static inline __m512 hsum16x16(const __m512 *v) {
-    __m512 t[8], u[4], w[2];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    for (int i = 0; i < 2; i++)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
-                         _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+    __m512 u[4];
+    for (int g = 0; g < 4; g++)
+        u[g] = hs_l2(hs_l1(v[4 * g], v[4 * g + 1]), hs_l1(v[4 * g + 2], v[4 * g + 3]));
+    return hs_l34(hs_l34(u[0], u[1]), hs_l34(u[2], u[3]));
 }
 
 static inline __m512 load_kv(const void *base, size_t at, int f16) {
@@ -78,6 +87,42 @@ static inline __attribute__((always_inline)) __m512 block_scores(
             acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + j * d + 16 * i), acc[j]);
     }
     return _mm512_mul_ps(hsum16x16(acc), vscale);
+}
+
+/* The 16 scores of each of REP query heads q [REP, d] against the 16 rows of K (float32,
+ * or IEEE half with F16) from row b, keys outer: each k vector is loaded (and converted)
+ * once, for all the heads, in sub-blocks of KB rows (REP * KB <= 24 accumulators, q's REP
+ * vectors of the chunk in registers), each reduced by its levels of hsum16x16's tree as it
+ * ends. The same products and sums in the same order as k_block + block_scores, so the
+ * same scores bit for bit. */
+static inline __attribute__((always_inline)) void block_scores_ko(
+        const int REP, const int ND, const int F16, const float *q, const void *K, int b,
+        __m512 vscale, __m512 *sv) {
+    const int d = 16 * ND;
+    enum { KB_MAX = 16 };
+    const int KB = REP == 1 ? 16 : REP <= 3 ? 8 : 4;
+    __m512 u[4][4]; /* per head: the level-2 nodes of rows 0-3, 4-7, 8-11, 12-15 */
+    __m512 w[4][2]; /* per head: the level-3 nodes of rows 0-7, 8-15 */
+    for (int s0 = 0; s0 < 16; s0 += KB) {
+        __m512 acc[4][KB_MAX];
+        for (int r = 0; r < REP; r++)
+            for (int j = 0; j < KB; j++) acc[r][j] = _mm512_setzero_ps();
+        for (int i = 0; i < ND; i++) {
+            __m512 qv[4];
+            for (int r = 0; r < REP; r++) qv[r] = _mm512_loadu_ps(q + (size_t)r * d + 16 * i);
+            for (int j = 0; j < KB; j++) {
+                const __m512 kv = load_kv(K, (size_t)(b + s0 + j) * d + 16 * i, F16);
+                for (int r = 0; r < REP; r++) acc[r][j] = _mm512_fmadd_ps(qv[r], kv, acc[r][j]);
+            }
+        }
+        for (int r = 0; r < REP; r++)
+            for (int g = 0; g < KB / 4; g++)
+                u[r][s0 / 4 + g] = hs_l2(hs_l1(acc[r][4 * g], acc[r][4 * g + 1]),
+                                         hs_l1(acc[r][4 * g + 2], acc[r][4 * g + 3]));
+        for (int h = s0 / 8; h < (s0 + KB) / 8; h++) /* rows 8h..8h+7 complete */
+            for (int r = 0; r < REP; r++) w[r][h] = hs_l34(u[r][2 * h], u[r][2 * h + 1]);
+    }
+    for (int r = 0; r < REP; r++) sv[r] = _mm512_mul_ps(hs_l34(w[r][0], w[r][1]), vscale);
 }
 
 /* Scores of the rep query heads q [rep, d] against positions l0..l1-1 of K (one KV head,
@@ -184,8 +229,9 @@ enum { PREFETCH_AHEAD = 1024 };
 /* One task in a single pass (compile-time REP query heads, ND = d / 16, REP * ND <= 16): as
  * attn_piece, over blocks of 16 positions with an online softmax. kbuf: 16 d floats. */
 static inline __attribute__((always_inline)) void piece_1pass(
-    const int REP, const int ND, const float *q, const void *K, const void *V, int f16,
-    int l0, int l1, float scale, float *kbuf, float *m_out, float *sum_out, float *o) {
+    const int REP, const int ND, const int f16, const int KO, const float *q, const void *K,
+    const void *V, int l0, int l1, float scale, float *kbuf, float *m_out, float *sum_out,
+    float *o) {
     const int d = 16 * ND;
     __m512 acc[4][8];
     float m[4], sum[4];
@@ -207,9 +253,16 @@ static inline __attribute__((always_inline)) void piece_1pass(
                 _mm_prefetch(pv + off, _MM_HINT_T0);
             }
         }
-        kb = k_block(K, f16, b, nb, d, ND, kbuf);
+        __m512 svs[4];
+        if (KO && nb == 16) {
+            block_scores_ko(REP, ND, f16, q, K, b, vscale, svs);
+        } else {
+            kb = k_block(K, f16, b, nb, d, ND, kbuf);
+            for (int r = 0; r < REP; r++)
+                svs[r] = block_scores(q + (size_t)r * d, kb, d, ND, vscale);
+        }
         for (int r = 0; r < REP; r++) {
-            const __m512 sv = block_scores(q + (size_t)r * d, kb, d, ND, vscale);
+            const __m512 sv = svs[r];
             const float mb = _mm512_mask_reduce_max_ps(live, sv);
             if (mb > m[r]) { /* a new running max: rescale what was accumulated */
                 const float w = m[r] == -INFINITY ? 0.0f : expf(m[r] - mb);
@@ -243,9 +296,26 @@ static int one_pass_shape(int rep, int nd) {
 }
 
 /* piece_1pass for a shape of one_pass_shape (returns 1; 0 for others, never called so). */
+static int keys_outer = 1;
+
+/* A/B hook for float16 caches: 1 (default): a block's scores keys outer (block_scores_ko);
+ * 0: the block converted into kbuf, then block_scores per query head (the earlier kernel;
+ * float32 caches always run it: keys outer measured the same or slower there, the pass
+ * being bound by memory). Bit-identical either way. */
+void qlib_attn_set_keys_outer(int on) { keys_outer = on; }
+
 static int piece_any(int rep, int d, const float *q, const void *K, const void *V, int f16,
                      int l0, int l1, float scale, float *kbuf, float *m, float *sum, float *o) {
-#define P1(R, N) piece_1pass(R, N, q, K, V, f16, l0, l1, scale, kbuf, m, sum, o); return 1
+#define P1(R, N)                                                                             \
+    do {                                                                                     \
+        if (f16 && keys_outer)                                                               \
+            piece_1pass(R, N, 1, 1, q, K, V, l0, l1, scale, kbuf, m, sum, o);                \
+        else if (f16)                                                                        \
+            piece_1pass(R, N, 1, 0, q, K, V, l0, l1, scale, kbuf, m, sum, o);                \
+        else                                                                                 \
+            piece_1pass(R, N, 0, 0, q, K, V, l0, l1, scale, kbuf, m, sum, o);                \
+        return 1;                                                                            \
+    } while (0)
     switch ((d / 16) * 8 + rep) {
     case 2 * 8 + 1: P1(1, 2);
     case 2 * 8 + 2: P1(2, 2);
