@@ -6,13 +6,14 @@ are those of the faithful CUDA path (weights dequantized exactly to float32 insi
 the kernels, float32 activations and accumulation), so its logits equal the
 ``f32`` form's to float rounding. What differs is the shape of the work:
 
-* **decode** is five kernels per layer (``qlib.quants.cuda.fused``): RmsNorm +
-  stacked q/k/v GEMV + RoPE + KV-cache write; attention over the live length;
-  output projection + residual; RmsNorm + stacked gate/up GEMV + SwiGLU; down
-  projection + residual. Weights stay packed (2- to 8-bit planes). The token id and
-  the position are read from device tensors, so the whole step (152 kernels for
-  SmolLM2) is captured once in a CUDA graph and replayed for every position:
-  one launch per token instead of hundreds. On Hopper and later the kernels launch with
+* **decode** is six kernels per layer (``qlib.quants.cuda.fused``): RmsNorm +
+  stacked q/k/v GEMV + RoPE + KV-cache write; attention over the live length (blocks of
+  positions in parallel, then their combine); output projection + residual (with
+  ``decode="merged"`` the combine runs inside this kernel, five a layer); RmsNorm +
+  stacked gate/up GEMV + SwiGLU; down projection + residual. Weights stay packed (2- to
+  8-bit planes). The token id and the position are read from device tensors, so the whole
+  step (183 kernels for SmolLM2) is captured once in a CUDA graph and replayed for every
+  position: one launch per token instead of hundreds. On Hopper and later the kernels launch with
   programmatic dependent launch (``pdl=True``, the default where available: each kernel's
   blocks wait on the device for the previous one instead of launching after it);
 * **prefill** (``t > 1``) uses dense copies of the layer weights made at load, multiplied by
@@ -400,7 +401,7 @@ class CudaFastModel(StaticKVState):
         return (self.merged and self.attention == "split" and self.config.head_dim % 32 == 0
                 and isinstance(ly.wo.parts[0], Prepared))  # fmt: skip
 
-    # -- decode: five fused kernels per layer ----------------------------------------------
+    # -- decode: six fused kernels per layer -----------------------------------------------
 
     def _decode_kernels(self) -> None:
         """One token: ``self._tok`` at ``self._pos`` -> ``self._logits`` (device state only)."""

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for ``qlib.llama.fast_cuda``: a decode step in five kernels per layer.
+"""Fused Triton kernels for ``qlib.llama.fast_cuda``: a decode step in six kernels per layer.
 
 Each kernel reads the packed planes of ``qlib.quants.cuda.layout.Prepared`` through the
 ``_codes``/``_scales`` helpers of ``kernels.py`` (so every format of ``NATIVE``
