@@ -201,6 +201,42 @@ w.save_plot(fig, "drift_by_position", caption="max |logit difference| from the r
             "each teacher-forced position", model=model_files)
 
 # %% [markdown]
+# ## Position 0 against llama.cpp
+#
+# At position 0 no attention has mixed positions yet, so two engines that follow ggml's semantics
+# should agree there; teacher-forced, qlib's CPU quantized form and llama.cpp still part on some
+# tokens. docs/design.md ("Position 0 against llama.cpp") settles why, with `tools/position0.py`:
+# neither engine departs from ggml's semantics. llama.cpp runs ggml's x86 `vec_dot` for every
+# weight matmul (bit for bit, the tied Q8_0 output included); qlib sums the same per-block terms
+# in another float32 order, so its outputs differ by ulps, and where an activation block's
+# `amax / 127` lands on an f16 rounding midpoint the two round that block's scale to neighbouring
+# f16 values; large activations carry the step to the logits. With ggml's own dots in qlib's
+# place the position-0 logits are equal (`tests/test_position0.py` holds it). The table gives the
+# size of the split in this run beside each engine's distance from the dequantized f32 form.
+
+# %%
+p0 = []
+for t, r in runs.items():
+    p0 += drift.at_position(r, [("qlib cpu quantized", "llama.cpp cpu"),
+                                ("qlib cpu quantized", "qlib cpu f32"),
+                                ("llama.cpp cpu", "qlib cpu f32"),
+                                ("qlib cpu f32", reference[t])], 0, variant=t)  # fmt: skip
+p0 = w.save_table(p0, "position0", key=True, caption="|logit diff| at teacher-forced position 0 "
+                  "(the passage's first token) between pairs of sources")
+for t in runs:
+    pick = {(x.a, x.b): x for x in p0[p0.variant == t].itertuples()} if len(p0) else {}
+    split = pick.get(("qlib cpu quantized", "llama.cpp cpu"))
+    q, lc = pick.get(("qlib cpu quantized", "qlib cpu f32")), pick.get(("llama.cpp cpu",
+                                                                        "qlib cpu f32"))
+    if split is not None and q is not None and lc is not None:
+        print(w.finding(
+            f"position0_{t}", "{t}: at position 0 qlib's CPU quantized form and llama.cpp differ "
+            "by max {d:.3g} (mean {m:.2g}); they are {q:.3g} and {lc:.3g} from the dequantized "
+            "f32 form there.", table="position0", t=t, d=split.max_abs_diff,
+            m=split.mean_abs_diff, q=q.max_abs_diff, lc=lc.max_abs_diff))
+p0
+
+# %% [markdown]
 # ## Sensitivity: one ulp before the CPU quantization
 #
 # Every QMatMul input `x` becomes `nextafter(x, +inf)` (the next float32 up), in both forms. In the

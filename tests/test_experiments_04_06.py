@@ -227,6 +227,11 @@ def test_versus_reference_and_ulp_rows():
     assert ulp["qlib cpu quantized: nudged by 1 ulp vs not"]["max_abs_diff"] == pytest.approx(0.25)
     assert "qlib cpu quantized vs qlib cpu f32" in ulp
     assert drift.position_drift(runs, drift.REFERENCE).shape == (6, 2)
+    pairs = [("qlib cpu quantized", drift.REFERENCE), ("qlib cpu f32", "qlib cpu f32"),
+             ("llama.cpp cpu", drift.REFERENCE)]  # fmt: skip
+    (p0,) = drift.at_position(runs, pairs, 0, variant="Q4_1")  # same-source and absent: left out
+    assert (p0["a"], p0["variant"], p0["position"]) == ("qlib cpu quantized", "Q4_1", 0)
+    assert p0["max_abs_diff"] == pytest.approx(float(np.abs(q[0] - ref[0]).max()))
 
 
 def test_variant_path_derives_once(tiny_path, tmp_path):

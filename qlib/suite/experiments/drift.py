@@ -461,6 +461,20 @@ def position_drift(runs: dict[str, Run], reference: str) -> pd.DataFrame:
     ).rename_axis("position")
 
 
+def at_position(
+    runs: dict[str, Run], pairs: list[tuple[str, str]], position: int = 0, **extra: Any
+) -> list[dict]:
+    """max and mean |logit diff| of each pair of sources (both run, not the same) at one
+    teacher-forced position."""
+    rows = []
+    for a, b in pairs:
+        if a != b and a in runs and b in runs:
+            mx, mean = _diff_stats(runs[a].logits[position], runs[b].logits[position])
+            rows.append({**extra, "a": a, "b": b, "position": position, "max_abs_diff": mx,
+                         "mean_abs_diff": mean})  # fmt: skip
+    return rows
+
+
 def ulp_sensitivity(runs: dict[str, Run], **extra: Any) -> list[dict]:
     """The drift a one-ulp nudge alone causes, beside the quantized-vs-f32 drift on one device."""
     rows = []
