@@ -9,7 +9,8 @@ Prefill kernels (``prefill.c``): ``add_rmsnorm`` and ``swiglu_bf16`` equal
 ``F.rms_norm`` / ``F.silu(g) * u`` in float32 rounded to bf16 (at most one bf16
 ulp apart: another summation order, another exp); ``attn_prefill`` writes the
 cache rows exactly as torch's RoPE (1e-6) and its output equals SDPA in
-float32 to the bf16 rounding of the output (2 bf16 ulps of the largest value), with
+float32 to the bf16 rounding of the output (2 bf16 ulps of the largest value; the tiled
+float32 kernel of the int8 prefill, float32 in and out: 1e-5 x the largest value), with
 AMX tiles too (scores as three bf16 products of hi/lo splits, ~16 bits; the softmax
 weights and v in bf16: same bound). ``amx_gemm`` equals the float32 product of its bf16
 inputs to float32 summation order (1e-5 relative) before its epilogue: bf16 output
@@ -197,6 +198,66 @@ def test_attn_prefill_matches_sdpa(t, pos, n_head, n_kv, d, neox):
     assert part.shape == (t - q_from, n_head * d)
     assert torch.equal(part, out[q_from:])
     assert torch.equal(kc2[:, : pos + t], kc[:, : pos + t])
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "t,pos,n_head,n_kv,d,neox",
+    [(203, 0, 9, 3, 64, False), (5, 40, 9, 3, 64, False), (1, 0, 4, 4, 32, True),
+     (70, 3, 8, 1, 128, True), (33, 0, 10, 2, 48, False), (17, 2, 6, 2, 48, True),
+     (150, 100, 32, 8, 64, False), (129, 0, 16, 1, 16, False), (40, 1000, 9, 3, 64, False)],
+)  # fmt: skip
+def test_attn_prefill_flash_matches_sdpa(t, pos, n_head, n_kv, d, neox):
+    """The tiled float32 kernel (the int8 prefill's: float32 qkv and out; key blocks of 64,
+    online softmax): the cache rows as torch's RoPE, the output equal to SDPA in float32 to
+    float rounding (observed <= 1.9e-6 x the largest value); each row's output independent of
+    the task split (8 or 16 query rows, q_from); bf16 in and out: the bf16 kernel's bound."""
+    from qlib.llama.config import precompute_freqs_cis
+
+    g = torch.Generator().manual_seed(13)
+    max_seq = pos + t + 70  # rows past pos + t stay unread (garbage there must not matter)
+    cos, sin = (x[:max_seq].contiguous() for x in precompute_freqs_cis(d, 10000.0, "cpu"))
+    kc = torch.randn(n_kv, max_seq, d, generator=g)
+    vc = torch.randn(n_kv, max_seq, d, generator=g)
+    kc[:, pos + t :], vc[:, pos + t :] = float("nan"), float("nan")
+    qkv = torch.randn(t, (n_head + 2 * n_kv) * d, generator=g) * 2
+    ref, kref, vref = _attn_reference(qkv, kc, vc, pos, n_head, n_kv, cos, sin, neox)
+    k0, v0 = kc.clone(), vc.clone()
+    out = cpu.attn_prefill(qkv, kc, vc, pos, n_head, n_kv, cos, sin, neox)
+    assert out.dtype == torch.float32 and out.shape == (t, n_head * d)
+    torch.testing.assert_close(kc[:, : pos + t], kref[:, : pos + t], rtol=1e-6, atol=1e-6)
+    assert torch.equal(vc[:, : pos + t], vref[:, : pos + t])
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    lib = cpu.load()
+    try:
+        for rows in (8, 16, 5):
+            lib.qlib_attn_set_rows(rows)
+            k2, v2 = k0.clone(), v0.clone()
+            assert torch.equal(cpu.attn_prefill(qkv, k2, v2, pos, n_head, n_kv, cos, sin, neox),
+                               out)  # fmt: skip
+    finally:
+        lib.qlib_attn_set_rows(0)
+    q_from = t // 2
+    k2, v2 = k0.clone(), v0.clone()
+    part = cpu.attn_prefill(qkv, k2, v2, pos, n_head, n_kv, cos, sin, neox, q_from=q_from)
+    assert torch.equal(part, out[q_from:])
+    qb = qkv.to(torch.bfloat16)
+    refb = _attn_reference(qb, k0, v0, pos, n_head, n_kv, cos, sin, neox)[0]
+    outb = cpu.attn_prefill(qb, k0.clone(), v0.clone(), pos, n_head, n_kv, cos, sin, neox,
+                            flash=True)  # fmt: skip
+    assert outb.dtype == torch.bfloat16
+    assert (outb.float() - refb).abs().max() <= 2 * 2**-8 * refb.abs().max()
+
+
+@needs_kernels
+def test_swiglu_f32_matches_torch():
+    g = torch.Generator().manual_seed(6)
+    gu = torch.randn(33, 2 * 1536, generator=g) * 4
+    gu[0, :16] = torch.tensor([-200.0, 200.0, 0.0, -0.0] * 4)
+    out = cpu.swiglu(gu)
+    ref = torch.nn.functional.silu(gu[:, :1536]) * gu[:, 1536:]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-30)
 
 
 @needs_amx

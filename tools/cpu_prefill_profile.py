@@ -1,6 +1,12 @@
 """Where the CPU fast prefill's time goes (docs/performance.md, "Where the remaining time goes").
 
-    python tools/cpu_prefill_profile.py [--model F] [--tokens 203] [--threads 2]
+    python tools/cpu_prefill_profile.py [--model F] [--tokens 203] [--threads 2] [--int8]
+
+``--int8`` (the default where the CPU has no AMX): the int8 prefill's parts, each over the
+30 layers' real weights and buffers as ``FastModel._prefill_int8`` runs them (each GEMM's C
+call, the RmsNorms, the attention with its RoPE + KV write, SwiGLU, the embedding rows, the
+output GEMV of the last row), min of 5, and the whole prefill; the GEMMs' GOP/s are
+2 x m x k x n x layers integer ops.
 
 1. The AMX layer kernel's parts alone, over the model's real weights: each GEMM
    (``cpu.amx_gemm``'s C entry on the weights of all layers, as the model holds them:
@@ -80,6 +86,67 @@ def parts(m, t: int) -> None:
     print(f"  whole prefill: {best_ms(prefill):.2f} ms")
 
 
+def int8_parts(m, t: int, reps: int = 5) -> None:
+    c, layers = m.config, m.layers
+    k, l0 = c.embedding_length, layers[0]
+    n_ff, nd = l0.w13.out_features // 2, c.head_count * c.head_dim
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(t, k, generator=g)
+    a = torch.empty(t, k)
+    bufs = {"wqkv": (torch.randn(t, k, generator=g), torch.empty(t, l0.wqkv.out_features)),
+            "wo": (torch.randn(t, nd, generator=g), torch.zeros(t, k)),
+            "w13": (torch.randn(t, k, generator=g), torch.empty(t, 2 * n_ff)),
+            "w2": (torch.randn(t, n_ff, generator=g), torch.zeros(t, k))}  # fmt: skip
+    rows: list[tuple[str, float, str]] = []
+    for name, (x, out) in bufs.items():
+        lins = [getattr(ly, name) for ly in layers]
+        acc = name in ("wo", "w2")
+
+        def run(x=x, out=out, lins=lins, acc=acc):
+            for lin in lins:
+                lin.quantized_into(x, out, accumulate=acc)
+
+        ms = best_ms(run, reps)
+        ops = 2 * t * lins[0].in_features * lins[0].out_features * len(layers)
+        rows.append((f"{name} GEMM {lins[0].in_features}->{lins[0].out_features}", ms,
+                     f"{ops / ms / 1e6:.0f} GOP/s"))  # fmt: skip
+    eps = c.rms_norm_eps
+
+    def norms():
+        for ly in layers:
+            cpu.add_rmsnorm(h, None, ly.attn_norm, eps, a)
+            cpu.add_rmsnorm(h, None, ly.ffn_norm, eps, a)
+
+    rows.append(("RmsNorm x2", best_ms(norms, reps), ""))
+    qkv = torch.randn(t, l0.wqkv.out_features, generator=g)
+    y = torch.empty(t, nd)
+
+    def attention():
+        for i in range(len(layers)):
+            cpu.attn_prefill(qkv, m.cache[i, 0], m.cache[i, 1], 0, c.head_count, c.head_count_kv,
+                             m.cos, m.sin, c.rope_is_neox, out=y)  # fmt: skip
+
+    ms = best_ms(attention, reps)
+    flops = 4 * c.head_count * c.head_dim * t * t / 2 * len(layers)
+    rows.append(("RoPE + KV + attention", ms, f"{flops / ms / 1e6:.0f} GFLOP/s (causal)"))
+    gu, gg = torch.randn(t, 2 * n_ff, generator=g), torch.empty(t, n_ff)
+    rows.append(("SwiGLU", best_ms(lambda: [cpu.swiglu(gu, out=gg) for _ in layers], reps), ""))
+    ids = torch.randint(0, m.tok_embd.shape[0], (1, t), generator=g)
+    rows.append(("embedding rows", best_ms(lambda: m.embed(ids.reshape(-1)), reps), ""))
+    x1 = torch.randn(1, k, generator=g)
+    rows.append(("output GEMV (last row)", best_ms(lambda: m.output.quantized(x1), reps), ""))
+    total = sum(ms for _, ms, _ in rows)
+    for name, ms, rate in rows:
+        print(f"  {name:28s} {ms:8.2f} ms  {100 * ms / total:5.1f}%  {rate}")
+    print(f"  {'sum of the parts':28s} {total:8.2f} ms")
+
+    def prefill():
+        m.clear_kv_cache()
+        m.forward(ids, 0)
+
+    print(f"  {'whole prefill':28s} {best_ms(prefill, reps):8.2f} ms")
+
+
 def alternating(path: str, t: int, reps: int = 8) -> None:
     ms = {"amx": engines.load(path, "cpu", engine="fast")[0],
           "oneDNN": engines.load(path, "cpu", engine="fast", amx=False)[0]}  # fmt: skip
@@ -106,9 +173,16 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
     ap.add_argument("--tokens", type=int, default=203)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--int8", action="store_true", help="the int8 prefill's parts (no AMX)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = args.model or str(models.path())
+    if args.int8 or not cpu.amx_available():
+        m = engines.load(path, "cpu", engine="fast", prefill="int8")[0]
+        print(f"{path}, {args.tokens} tokens, {args.threads} threads, int8 prefill")
+        with torch.inference_mode():
+            int8_parts(m, args.tokens, 5 if args.tokens < 1000 else 2)
+        return
     if not cpu.amx_available():
         raise SystemExit(f"AMX unavailable: {cpu.amx_unavailable_reason()}")
     m = engines.load(path, "cpu", engine="fast")[0]

@@ -32,8 +32,11 @@ none of candle's sharp edges. What differs from the faithful path:
   blocked layout and oneDNN bf16 matmuls run with one C call between each pair
   (add + RmsNorm, RoPE + KV write + float32 attention, SwiGLU). The residual
   stream, the KV cache and all arithmetic outside the matmuls stay float32.
-  ``prefill="int8"`` keeps ggml semantics for every row instead (the C kernel
-  over all rows; no extra memory, slower);
+  ``prefill="int8"`` (the default without bf16 hardware) keeps ggml semantics for every
+  row instead: the C GEMMs over all rows with C RmsNorm, SwiGLU and RoPE + KV write + a
+  tiled float32 causal attention (key blocks of 64, online softmax) between them
+  (``_prefill_int8``, float32 caches; an f16 cache or a CPU without the kernels: torch ops
+  and SDPA); no extra memory;
 * **the decode step in one C call**: the prepared calls of a token (per layer qkv GEMV with
   RmsNorm, RoPE + KV write + attention, wo GEMV + residual, gate/up GEMV with RmsNorm, down
   GEMV with SwiGLU + residual; then the logits) are one ``cpu.DecodeChain``: one ctypes call
@@ -293,6 +296,16 @@ class FastLinear:
             return qmatmul_prepared(x.float(), self.prepared)
         return torch.cat([p.matmul(x) for p in self.parts], dim=1)
 
+    def quantized_into(self, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
+        """``out (+)= x @ W.T`` with ggml semantics (``quantized``), written into ``out``
+        (``[m, n]`` float32, contiguous): one C call for a single C part, no new tensor."""
+        if self.packed is not None:
+            cpu.qgemm(x, self.packed, out, accumulate=accumulate)
+        elif accumulate:
+            out.add_(self.quantized(x))
+        else:
+            out.copy_(self.quantized(x))
+
     def plan(self, x: torch.Tensor, out: torch.Tensor, *, norm: torch.Tensor | None = None,
              eps: float = 0.0, swiglu: bool = False,
              accumulate: bool = False) -> cpu.KernelCall:  # fmt: skip
@@ -436,6 +449,7 @@ class FastModel(StaticKVState):
         self._chains: dict[str, cpu.DecodeChain] = {}
         self.decode_mode = os.environ.get("QLIB_DECODE_MODE") or DEFAULT_DECODE_MODE
         self._fused_prefill = self._fused_prefill_ok()
+        self._c_int8_prefill = self._int8_prefill_ok()
         if hugepages:  # the weights on 2 MB pages: fewer TLB misses when they stream
             cpu.collapse_hugepages()
 
@@ -568,6 +582,51 @@ class FastModel(StaticKVState):
             cpu.swiglu_bf16(gu, out=g[:m])
             d = ly.w2.bf16_io(g[:m], rows)
         return self._logits(h, r0, d)
+
+    def _int8_prefill_ok(self) -> bool:
+        """Whether the int8 prefill can run in the C kernels: RmsNorm, SwiGLU and the tiled
+        float32 attention of ``prefill.c`` between the int8 GEMMs (``_prefill_int8``)."""
+        c = self.config
+        if self.prefill != "int8" or not cpu.available() or not self.layers:
+            return False
+        if self.cache.dtype != torch.float32:  # the C prefill attention writes float32 caches
+            return False
+        if c.head_dim % 16 or c.head_dim > 128 or c.rope_dim != c.head_dim:
+            return False
+        n_ff = self.layers[0].w13.out_features // 2
+        return c.embedding_length % 16 == 0 and n_ff % 16 == 0
+
+    def _prefill_int8(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
+        """Prefill of ``t`` tokens with ggml semantics in every matmul: per layer C RmsNorm
+        (float32) -> int8 qkv GEMM -> RoPE, KV write and the tiled float32 attention
+        (``cpu.attn_prefill``) -> int8 wo GEMM added into ``h`` -> RmsNorm -> int8 gate/up
+        GEMM -> SwiGLU -> int8 down GEMM added into ``h``; all buffers allocated once.
+        Unless ``all_logits``, the last layer computes attention, wo and the FFN for the
+        last row only."""
+        c, t = self.config, ids.numel()
+        l0 = self.layers[0]
+        n_ff = l0.w13.out_features // 2
+        h = self.embed(ids).contiguous()
+        a = torch.empty(t, c.embedding_length)
+        qkv = torch.empty(t, l0.wqkv.out_features)
+        y = torch.empty(t, c.head_count * c.head_dim)
+        gu, g = torch.empty(t, 2 * n_ff), torch.empty(t, n_ff)
+        eps, heads = c.rms_norm_eps, (c.head_count, c.head_count_kv)
+        r0, last = 0, len(self.layers) - 1
+        for i, ly in enumerate(self.layers):
+            cpu.add_rmsnorm(h, None, ly.attn_norm, eps, a)
+            ly.wqkv.quantized_into(a, qkv)
+            if i == last and not all_logits:
+                r0 = t - 1  # every row's k, v go to the cache; the last row feeds the logits
+            m = t - r0
+            cpu.attn_prefill(qkv, self.cache[i, 0], self.cache[i, 1], pos, *heads, self.cos,
+                             self.sin, c.rope_is_neox, out=y[:m], q_from=r0)  # fmt: skip
+            ly.wo.quantized_into(y[:m], h[r0:], accumulate=True)
+            cpu.add_rmsnorm(h[r0:], None, ly.ffn_norm, eps, a[:m])
+            ly.w13.quantized_into(a[:m], gu[:m])
+            cpu.swiglu(gu[:m], out=g[:m])
+            ly.w2.quantized_into(g[:m], h[r0:], accumulate=True)
+        return self._logits(h, r0)
 
     def _prefill_amx(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         """Prefill of ``t`` tokens with one C call per layer (``cpu.prefill_layer``): AMX bf16
@@ -754,6 +813,11 @@ class FastModel(StaticKVState):
             prefill = self._prefill_amx if self.amx_layers else self._prefill_fused
             with span("model"):
                 logits = prefill(x.reshape(-1).cpu(), index_pos, all_logits)
+            self._kv_len = end
+            return logits[None] if all_logits else logits
+        if self._c_int8_prefill and t > 1:
+            with span("model"):
+                logits = self._prefill_int8(x.reshape(-1).cpu(), index_pos, all_logits)
             self._kv_len = end
             return logits[None] if all_logits else logits
         with span("model"):

@@ -58,6 +58,7 @@ from .ops import (
     qgemm,
     qgemm_alloc_plan,
     qgemm_plan,
+    swiglu,
     swiglu_bf16,
 )
 from .packing import (
@@ -101,6 +102,7 @@ __all__ = [
     "qgemm",
     "qgemm_alloc_plan",
     "qgemm_plan",
+    "swiglu",
     "swiglu_bf16",
     "pack",
     "pack_amx",

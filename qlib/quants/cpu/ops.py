@@ -62,6 +62,10 @@ _SIGNATURES = {
     "qlib_add_rmsnorm": ([_p, _p, _i, _i, _p, _f, _p, _i], None),
     "qlib_swiglu_bf16": ([_p, _i, _i, _p], None),
     "qlib_attn_prefill_ex": ([_p, _i, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _i, _p, _i], _i),
+    "qlib_attn_prefill_flash": ([_p, _i, _i, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _i, _p, _i],
+                                _i),
+    "qlib_swiglu_f32": ([_p, _i, _i, _p], None),
+    "qlib_attn_set_rows": ([_i], None),
     "qlib_exp": ([_p, _i, _p], None),
     "qlib_decode_run": ([_p, _i, _i], _i),
     "qlib_amx_init": ([], _i),
@@ -577,19 +581,26 @@ def attn_prefill(
     out: torch.Tensor | None = None,
     q_from: int = 0,
     amx: bool = False,
+    flash: bool | None = None,
 ) -> torch.Tensor:
     """RoPE + KV-cache write + causal GQA attention of one layer's prefill chunk.
 
-    ``qkv``: ``[t, (n_head + 2 n_kv) d]`` bfloat16 (positions ``pos..pos+t-1``);
+    ``qkv``: ``[t, (n_head + 2 n_kv) d]`` bfloat16 or float32 (positions ``pos..pos+t-1``);
     ``kc``, ``vc``: float32 caches ``[n_kv, max_seq, d]`` (rows ``pos..pos+t-1``
     are written, rows before ``pos`` are read); ``cos``, ``sin``: ``[max_seq, d/2]``
-    tables from position 0. Returns ``[t - q_from, n_head d]`` bfloat16: the
-    attention output of rows ``q_from..t-1`` (all rows go to the cache).
+    tables from position 0. Returns ``[t - q_from, n_head d]`` of ``qkv``'s dtype (or
+    ``out``'s: bfloat16 or float32): the attention output of rows ``q_from..t-1`` (all rows
+    go to the cache).
+    ``flash``: the tiled float32 kernel (key blocks of 64, online softmax;
+    ``qlib_attn_prefill_flash``); None: for float32 ``qkv`` or ``out``. Else
     ``amx``: the two attention matmuls on AMX tiles (q, k, v and the softmax weights
-    rounded to bf16) when ``amx_available()`` and ``d % 32 == 0``; else float32.
+    rounded to bf16) when ``amx_available()`` and ``d % 32 == 0``; else the float32 kernel
+    over whole score rows (``qlib_attn_prefill``, bf16 in and out only).
     """
     lib = _lib()
-    _check(qkv, torch.bfloat16, "qkv")
+    if qkv.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError("attn_prefill: qkv is bfloat16 or float32")
+    _check(qkv, qkv.dtype, "qkv")
     _check_attn_tables(kc, vc, cos, sin)
     t = qkv.shape[0]
     n_kv_c, max_seq, d = kc.shape
@@ -597,15 +608,44 @@ def attn_prefill(
             or pos + t > max_seq or cos.shape[0] < pos + t or cos.shape[1] != d // 2
             or sin.shape != cos.shape or not 0 <= q_from < t):  # fmt: skip
         raise ValueError("attn_prefill: shapes")
-    out = out if out is not None else torch.empty(t - q_from, n_head * d, dtype=torch.bfloat16)
-    _check(out, torch.bfloat16, "out")
+    out = out if out is not None else torch.empty(t - q_from, n_head * d, dtype=qkv.dtype)
+    if out.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError("attn_prefill: out is bfloat16 or float32")
+    _check(out, out.dtype, "out")
     if out.shape != (t - q_from, n_head * d):
         raise ValueError("attn_prefill: out shape")
-    rc = lib.qlib_attn_prefill_ex(qkv.data_ptr(), t, kc.data_ptr(), vc.data_ptr(), pos, n_head,
-                                  n_kv, d, max_seq, cos.data_ptr(), sin.data_ptr(), int(neox),
-                                  q_from, out.data_ptr(), int(amx and amx_available()))  # fmt: skip
+    f32 = torch.float32 in (qkv.dtype, out.dtype)
+    if flash is None:
+        flash = f32
+    if flash or f32:
+        rc = lib.qlib_attn_prefill_flash(qkv.data_ptr(), int(qkv.dtype == torch.bfloat16), t,
+                                         kc.data_ptr(), vc.data_ptr(), pos, n_head, n_kv, d,
+                                         max_seq, cos.data_ptr(), sin.data_ptr(), int(neox),
+                                         q_from, out.data_ptr(),
+                                         int(out.dtype == torch.bfloat16))  # fmt: skip
+    else:
+        rc = lib.qlib_attn_prefill_ex(qkv.data_ptr(), t, kc.data_ptr(), vc.data_ptr(), pos,
+                                      n_head, n_kv, d, max_seq, cos.data_ptr(), sin.data_ptr(),
+                                      int(neox), q_from, out.data_ptr(),
+                                      int(amx and amx_available()))  # fmt: skip
     if rc:
         raise RuntimeError("qlib_attn_prefill failed (d % 16, d > 128, heads, memory)")
+    return out
+
+
+def swiglu(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gu``: ``[t, 2 n_ff]`` float32 (gate | up) -> ``silu(gate) * up`` ``[t, n_ff]``
+    float32 (the vector e^x of ``swiglu_bf16``, no rounding to bf16)."""
+    lib = _lib()
+    _check(gu, torch.float32, "gu")
+    t, n2 = gu.shape
+    if n2 % 32:
+        raise ValueError("swiglu: n_ff % 16 == 0 needed")
+    out = out if out is not None else torch.empty(t, n2 // 2)
+    _check(out, torch.float32, "out")
+    if out.shape != (t, n2 // 2):
+        raise ValueError("swiglu: out [t, n_ff]")
+    lib.qlib_swiglu_f32(gu.data_ptr(), t, n2 // 2, out.data_ptr())
     return out
 
 

@@ -90,6 +90,29 @@ void qlib_swiglu_bf16(const uint16_t *gu, int t, int n_ff, uint16_t *out) {
     }
 }
 
+/* gu [t, 2 n_ff] float32 (gate | up) -> out [t, n_ff] float32 = silu(gate) * up (the
+ * int8 prefill's; the same arithmetic as qlib_swiglu_bf16, without the bf16 roundings). */
+void qlib_swiglu_f32(const float *gu, int t, int n_ff, float *out) {
+#pragma omp parallel
+    {
+    FTZ_BEGIN
+#pragma omp for schedule(static)
+    for (int i = 0; i < t; i++) {
+        const float *g = gu + (size_t)i * 2 * n_ff, *u = g + n_ff;
+        for (int e = 0; e < n_ff; e += 16) {
+            const __m512 x = _mm512_loadu_ps(g + e);
+            const __m512 y = _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                           exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+            __m512 r = _mm512_rcp14_ps(y);
+            r = _mm512_mul_ps(r, _mm512_fnmadd_ps(y, r, _mm512_set1_ps(2.0f)));
+            _mm512_storeu_ps(out + (size_t)i * n_ff + e,
+                             _mm512_mul_ps(_mm512_mul_ps(x, r), _mm512_loadu_ps(u + e)));
+        }
+    }
+    FTZ_END
+    }
+}
+
 /* Keep a loaded vector in a register (GCC otherwise folds the load into every FMA that
  * uses it, and the loop becomes load-bound). */
 #define IN_REG(v) __asm__("" : "+v"(v))
@@ -295,6 +318,243 @@ int qlib_attn_prefill(const uint16_t *qkv, int t, float *kc, float *vc, int pos,
         FTZ_END
     }
     free(qf), free(Kt), free(sbuf);
+    return 0;
+}
+
+/* ---- Flash-style float32 prefill attention (the int8 prefill's, float32 or bf16 io) -----
+ *
+ * Same contract as qlib_attn_prefill (RoPE of q and k, k and v into the float32 caches,
+ * causal GQA attention over positions 0..pos+i for row i, rows q_from..t-1 out), but qkv and
+ * out are float32 or bf16 (in_bf16, out_bf16), and the attention is tiled for the caches:
+ * a task is one KV head x 8 or 16 query rows (their rep query heads: rows x rep query
+ * vectors, roped and scaled once); it walks the keys in blocks of FA_BK = 64 (K transposed
+ * per block, [d][64], and V as the cache holds them: 32 KB for d = 64, L1), and for each
+ * group of up to 6 query vectors computes the 6 x 64 scores in registers (24 accumulators),
+ * an online softmax (running max m, sum l; the group's outputs o in an L1 buffer rescaled by
+ * e^(m - m') when the max grows) and o += p v. Every query vector is computed alone in a
+ * fixed order (its key blocks in order; blocks past its own last key add exact zeros), so a
+ * row's output does not depend on the other rows, the task split or q_from. Equal to the
+ * exact softmax (SDPA) to float rounding. Work: 4 x heads x d x t^2 / 2 flops. */
+enum { FA_BK = 64, FA_NQ = 6 };
+/* Query rows of a task: 8, or 16 past 1024 positions (SmolLM2's layer, min of 2-5, 2 threads:
+ * 8 / 16 rows 12.9 / 12.8 ms at 203 tokens, 219 / 229 at 1024, 1566 / 1356 at 2800; 4 and 32
+ * rows slower). qlib_attn_set_rows(r > 0) fixes it (an A/B hook), 0 restores the rule. */
+int qlib_fa_bq = 0;
+void qlib_attn_set_rows(int rows) { qlib_fa_bq = rows > 0 ? rows : 0; }
+
+/* One head of d floats (float32 or bf16 at x) -> dst, rotated (when c) and scaled. */
+static inline void head_in_any(const void *x, int bf16, int d, const float *c, const float *s,
+                               int neox, float scale, float *dst) {
+    if (bf16) {
+        head_in((const uint16_t *)x, d, c, s, neox, scale, dst);
+        return;
+    }
+    const float *xf = (const float *)x;
+    float partner[128];
+    if (c && neox)
+        for (int e = 0; e < d; e++) partner[e] = xf[e < d / 2 ? e + d / 2 : e - d / 2];
+    for (int e = 0; e < d; e += 16) {
+        __m512 v = _mm512_loadu_ps(xf + e);
+        if (c) {
+            const __m512 pv = neox ? _mm512_loadu_ps(partner + e) : _mm512_permute_ps(v, 0xB1);
+            v = _mm512_add_ps(_mm512_mul_ps(v, _mm512_loadu_ps(c + e)),
+                              _mm512_mul_ps(pv, _mm512_loadu_ps(s + e)));
+        }
+        if (scale != 1.0f) v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
+        _mm512_storeu_ps(dst + e, v);
+    }
+}
+
+/* Scores of NQ query vectors with the 64 keys of a block (kt: [d][64]) -> s[NQ][4]. */
+static inline __attribute__((always_inline)) void fa_scores(const int NQ, const float *const *q,
+                                                            int d, const float *kt,
+                                                            __m512 s[FA_NQ][4]) {
+    for (int j = 0; j < NQ; j++)
+        for (int c = 0; c < 4; c++) s[j][c] = _mm512_setzero_ps();
+    for (int e = 0; e < d; e++) {
+        __m512 k[4];
+        for (int c = 0; c < 4; c++) {
+            k[c] = _mm512_loadu_ps(kt + 64 * e + 16 * c);
+            IN_REG(k[c]);
+        }
+        for (int j = 0; j < NQ; j++) {
+            const __m512 qe = _mm512_set1_ps(q[j][e]);
+            for (int c = 0; c < 4; c++) s[j][c] = _mm512_fmadd_ps(qe, k[c], s[j][c]);
+        }
+    }
+}
+
+/* o[j] = o[j] * alpha[j] + sum over keys c < nk of p[j][c] v_c (v rows of d = 16 DV floats at
+ * V, o rows of d at o[j]). */
+static inline __attribute__((always_inline)) void fa_values(const int NQ, const int DV,
+                                                            const float *p, const float *alpha,
+                                                            const float *V, int nk,
+                                                            float *const *o) {
+    const int d = 16 * DV;
+    __m512 acc[FA_NQ][8];
+    for (int j = 0; j < NQ; j++) {
+        const __m512 a = _mm512_set1_ps(alpha[j]);
+        for (int v = 0; v < DV; v++) acc[j][v] = _mm512_mul_ps(_mm512_loadu_ps(o[j] + 16 * v), a);
+    }
+    for (int c = 0; c < nk; c++) {
+        const float *vr = V + (size_t)c * d;
+        __m512 vv[8];
+        for (int v = 0; v < DV; v++) {
+            vv[v] = _mm512_loadu_ps(vr + 16 * v);
+            IN_REG(vv[v]);
+        }
+        for (int j = 0; j < NQ; j++) {
+            const __m512 w = _mm512_set1_ps(p[j * FA_BK + c]);
+            for (int v = 0; v < DV; v++) acc[j][v] = _mm512_fmadd_ps(w, vv[v], acc[j][v]);
+        }
+    }
+    for (int j = 0; j < NQ; j++)
+        for (int v = 0; v < DV; v++) _mm512_storeu_ps(o[j] + 16 * v, acc[j][v]);
+}
+
+/* One group of NQ query vectors (limits lim[j]: the last key each sees) and one key block
+ * (keys l0..l0+63): scores, online softmax update of m, l, and o. */
+static inline __attribute__((always_inline)) void fa_group(
+    const int NQ, const float *const *q, const int *lim, int d, const float *kt,
+    const float *V, int l0, float *m, float *lsum, float *const *o, float *pbuf) {
+    __m512 s[FA_NQ][4];
+    fa_scores(NQ, q, d, kt, s);
+    float alpha[FA_NQ];
+    int nk = 0; /* keys of the block any vector of the group sees */
+    for (int j = 0; j < NQ; j++) {
+        const int valid = lim[j] - l0 + 1; /* keys of this block vector j sees (may be <= 0) */
+        nk = valid > nk ? valid : nk;
+        __mmask16 km[4];
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int c = 0; c < 4; c++) {
+            const int vc = valid - 16 * c;
+            km[c] = vc >= 16 ? (__mmask16)0xFFFF : vc <= 0 ? 0 : (__mmask16)((1u << vc) - 1);
+            mx = _mm512_mask_max_ps(mx, km[c], mx, s[j][c]);
+        }
+        const float mb = _mm512_reduce_max_ps(mx), mn = mb > m[j] ? mb : m[j];
+        alpha[j] = mn > m[j] ? expf(m[j] - mn) : 1.0f; /* m = -inf at the first block: 0 */
+        m[j] = mn;
+        const __m512 mv = _mm512_set1_ps(mn);
+        __m512 sum = _mm512_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            const __m512 z = _mm512_sub_ps(s[j][c], mv);
+            const __mmask16 keep = km[c] & _mm512_cmp_ps_mask(z, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+            const __m512 pz = _mm512_maskz_mov_ps(keep, exp16(z));
+            _mm512_storeu_ps(pbuf + j * FA_BK + 16 * c, pz);
+            sum = _mm512_add_ps(sum, pz);
+        }
+        lsum[j] = lsum[j] * alpha[j] + _mm512_reduce_add_ps(sum);
+    }
+    if (nk > FA_BK) nk = FA_BK;
+    switch (d / 16) {
+#define QLIB_FV(DV_) case DV_: fa_values(NQ, DV_, pbuf, alpha, V, nk, o); break;
+    QLIB_FV(1) QLIB_FV(2) QLIB_FV(3) QLIB_FV(4) QLIB_FV(5) QLIB_FV(6) QLIB_FV(7) QLIB_FV(8)
+#undef QLIB_FV
+    }
+}
+
+int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, float *kc, float *vc, int pos,
+                            int n_head, int n_kv, int d, int max_seq, const float *cos,
+                            const float *sin, int neox, int q_from, void *out, int out_bf16) {
+    if (d % 16 || d > 128 || n_head % n_kv || q_from < 0 || q_from >= t) return -1;
+    const int rep = n_head / n_kv, L = pos + t, nkb = (L + FA_BK - 1) / FA_BK;
+    const size_t row = (size_t)(n_head + 2 * n_kv) * d, esz = in_bf16 ? 2 : 4;
+    const float scale = 1.0f / sqrtf((float)d);
+    /* groups of query vectors: 6 (d <= 64), 3 (d <= 128): o accumulators NQ x d/16 <= 24 */
+    const int nq_max = d <= 64 ? FA_NQ : 3;
+    const int FA_BQ = qlib_fa_bq ? qlib_fa_bq : L > 1024 ? 16 : 8;
+    const int nqv = FA_BQ * rep; /* query vectors of a task */
+    float *qf = malloc(sizeof(float) * (size_t)(t - q_from) * n_head * d);
+    float *Kt = malloc(sizeof(float) * (size_t)n_kv * nkb * FA_BK * d);
+    const int nth = omp_get_max_threads();
+    const size_t per_thread = (size_t)nqv * d + (size_t)FA_NQ * FA_BK + 2 * (size_t)nqv;
+    float *scratch = malloc(sizeof(float) * per_thread * nth);
+    if (!qf || !Kt || !scratch) {
+        free(qf), free(Kt), free(scratch);
+        return -1;
+    }
+    const int nblk = (t - q_from + FA_BQ - 1) / FA_BQ; /* row blocks, from the last row up */
+#pragma omp parallel
+    {
+        FTZ_BEGIN
+#pragma omp for schedule(static)
+        for (int i = 0; i < t; i++) {
+            const char *x = (const char *)qkv + esz * (size_t)i * row;
+            float c[128], s[128];
+            rope_tables(cos + (size_t)(pos + i) * (d / 2), sin + (size_t)(pos + i) * (d / 2), d,
+                        neox, c, s);
+            for (int g = 0; g < n_kv; g++) {
+                const size_t at = ((size_t)g * max_seq + pos + i) * d;
+                head_in_any(x + esz * (size_t)(n_head + g) * d, in_bf16, d, c, s, neox, 1.0f,
+                            kc + at);
+                head_in_any(x + esz * (size_t)(n_head + n_kv + g) * d, in_bf16, d, NULL, NULL, 0,
+                            1.0f, vc + at);
+            }
+            for (int h = 0; h < n_head && i >= q_from; h++)
+                head_in_any(x + esz * (size_t)h * d, in_bf16, d, c, s, neox, scale,
+                            qf + ((size_t)(i - q_from) * n_head + h) * d);
+        }
+        /* keys transposed per KV head in blocks of 64: Kt[g][b][e][l % 64], zero past L */
+#pragma omp for schedule(static)
+        for (int gb = 0; gb < n_kv * nkb; gb++) {
+            const int g = gb / nkb, l0 = gb % nkb * FA_BK;
+            float *kt = Kt + (size_t)gb * FA_BK * d;
+            const float *k = kc + (size_t)g * max_seq * d;
+            for (int l = l0; l < l0 + FA_BK; l++)
+                for (int e = 0; e < d; e++)
+                    kt[(size_t)e * FA_BK + l - l0] = l < L ? k[(size_t)l * d + e] : 0.0f;
+        }
+        float *obuf = scratch + per_thread * omp_get_thread_num();
+        float *pbuf = obuf + (size_t)nqv * d, *mv = pbuf + FA_NQ * FA_BK, *lv = mv + nqv;
+        /* longest tasks (the last rows) first */
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < n_kv * nblk; task++) {
+            const int g = task % n_kv, b = task / n_kv;
+            const int i1 = t - b * FA_BQ, i0 = i1 - FA_BQ > q_from ? i1 - FA_BQ : q_from;
+            const int nv = (i1 - i0) * rep;
+            const float *qp[nqv]; /* VLAs: FA_BQ * rep entries */
+            float *op[nqv];
+            int lim[nqv];
+            for (int r = 0; r < i1 - i0; r++)
+                for (int hh = 0; hh < rep; hh++) {
+                    const int j = r * rep + hh;
+                    qp[j] = qf + ((size_t)(i0 + r - q_from) * n_head + g * rep + hh) * d;
+                    op[j] = obuf + (size_t)j * d;
+                    lim[j] = pos + i0 + r;
+                }
+            for (int j = 0; j < nv; j++) mv[j] = -INFINITY, lv[j] = 0.0f;
+            memset(obuf, 0, sizeof(float) * (size_t)nv * d);
+            const int last_b = (pos + i1 - 1) / FA_BK;
+            const float *V = vc + (size_t)g * max_seq * d;
+            for (int kb = 0; kb <= last_b; kb++) {
+                const float *kt = Kt + ((size_t)g * nkb + kb) * FA_BK * d;
+                const float *Vb = V + (size_t)kb * FA_BK * d;
+                for (int j = 0; j < nv; j += nq_max) {
+                    const int nq = nv - j < nq_max ? nv - j : nq_max;
+                    switch (nq) {
+#define QLIB_FG(n) case n: fa_group(n, qp + j, lim + j, d, kt, Vb, kb * FA_BK, mv + j, lv + j, \
+                                    op + j, pbuf); break;
+                    QLIB_FG(1) QLIB_FG(2) QLIB_FG(3) QLIB_FG(4) QLIB_FG(5) QLIB_FG(6)
+#undef QLIB_FG
+                    }
+                }
+            }
+            for (int j = 0; j < nv; j++) {
+                const int r = j / rep, hh = j % rep;
+                const size_t at = ((size_t)(i0 + r - q_from) * n_head + g * rep + hh) * d;
+                const __m512 inv = _mm512_set1_ps(1.0f / lv[j]);
+                for (int e = 0; e < d; e += 16) {
+                    const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(op[j] + e), inv);
+                    if (out_bf16)
+                        bf16x16_store((uint16_t *)out + at + e, y);
+                    else
+                        _mm512_storeu_ps((float *)out + at + e, y);
+                }
+            }
+        }
+        FTZ_END
+    }
+    free(qf), free(Kt), free(scratch);
     return 0;
 }
 
