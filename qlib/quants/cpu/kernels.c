@@ -194,21 +194,73 @@ static inline __attribute__((always_inline)) void gemm_rows(
 }
 
 
-/* The tiled path of qlib_qgemm_ex, on the quantized activations. Returns 0 or -1 (memory). */
+/* Activation row i of the tiled path: the input row (x itself, or RmsNorm / SwiGLU of it into
+ * the scratch ri), its Q8_0 / Q8_1 codes, d (and s), and the block corrections
+ * cb = -offset * (sum of the block's codes) (Q4_0, Q8_0; Q4_1 has no offset). The same codes,
+ * scales and (exact integer) corrections as act_row's. */
+static void act_row_gemm(int type, const float *x, int k, int i, const float *norm_w, float eps,
+                         int swiglu, float *ri, int8_t *aq, float *ad, float *as, int32_t *cb) {
+    const int G = k / 32, offset = type == QLIB_Q8_0 ? 128 : type == QLIB_Q4_0 ? 8 : 0;
+    int8_t *q = aq + (size_t)i * k;
+    const float *src = x + (size_t)i * k * (swiglu ? 2 : 1);
+    if (norm_w || swiglu) {
+        input_row(src, k, norm_w, eps, swiglu, ri);
+        src = ri;
+    }
+    quantize_row_q8(src, k, q, ad + (size_t)i * G, type == QLIB_Q4_1 ? as + (size_t)i * G : NULL);
+    if (!offset) return;
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int e = 0; e < k; e += 64) { /* two blocks: lanes 0-7 and 8-15 hold their 4-sums */
+        const __m512i lane =
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(q + e));
+        cb[(size_t)i * G + e / 32] = -offset * _mm512_mask_reduce_add_epi32(0x00FF, lane);
+        cb[(size_t)i * G + e / 32 + 1] = -offset * _mm512_mask_reduce_add_epi32(0xFF00, lane);
+    }
+}
+
+/* Scratch of the tiled path (activation codes, scales, corrections), kept by the calling
+ * thread between calls and grown as needed: a fresh allocation of a few MB per call was
+ * mapped anew (page faults) by every call (~1 us a row of 576 at 2800 rows). */
+static __thread void *gemm_scratch;
+static __thread size_t gemm_scratch_bytes;
+
+static void *scratch_get(size_t bytes) {
+    if (bytes > gemm_scratch_bytes) {
+        free(gemm_scratch);
+        bytes = (bytes + 4095) / 4096 * 4096;
+        gemm_scratch = aligned_alloc(64, bytes);
+        gemm_scratch_bytes = gemm_scratch ? bytes : 0;
+    }
+    return gemm_scratch;
+}
+
+/* The tiled path of qlib_qgemm_ex (m >= qlib_gemm_min_rows): one parallel region that
+ * quantizes the m rows of f(x) (split over the threads) and then multiplies them with the
+ * weight tiles. Returns 0 or -1 (memory). */
 static int qgemm_tiled(int type, const uint8_t *codes, size_t row_bytes, const uint16_t *dw,
-                       const uint16_t *mw, int n, int k, const int8_t *aq, const float *ad,
-                       const float *as, const int32_t *cb, int m, float *y, int accumulate) {
+                       const uint16_t *mw, int n, int k, const float *x, int m, float *y,
+                       const float *norm_w, float eps, int swiglu, int accumulate) {
     const int G = k / 32, ntiles = (n + GT - 1) / GT;
+    const size_t aq_bytes = ((size_t)m * k + 63) / 64 * 64, g_bytes = sizeof(float) * m * G;
+    char *buf = scratch_get(aq_bytes + 3 * ((g_bytes + 63) / 64 * 64));
+    if (!buf) return -1;
+    int8_t *aq = (int8_t *)buf;
+    float *ad = (float *)(buf + aq_bytes);
+    float *as = ad + ((g_bytes + 63) / 64 * 64) / sizeof(float);
+    int32_t *cb = (int32_t *)(as + ((g_bytes + 63) / 64 * 64) / sizeof(float));
     int failed = 0;
 #pragma omp parallel
     {
         uint8_t *wt = aligned_alloc(64, (size_t)GT * k);
         float *dt = aligned_alloc(64, sizeof(float) * GT * (size_t)G * 2);
-        if (!wt || !dt) {
+        float *ri = aligned_alloc(64, sizeof(float) * (size_t)k);
+        if (!wt || !dt || !ri) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int i = 0; i < m; i++)
+            if (ri) act_row_gemm(type, x, k, i, norm_w, eps, swiglu, ri, aq, ad, as, cb);
         /* passes over rows r0 .. r1 (a multiple of GEMM_MR rows, their codes fit L2): the same
          * static split of the tiles in each pass, so no barrier between passes */
         const int mc = (GEMM_ROWS_BYTES / k) / GEMM_MR * GEMM_MR > GEMM_MR
@@ -231,7 +283,7 @@ static int qgemm_tiled(int type, const uint8_t *codes, size_t row_bytes, const u
                               cols, accumulate);
             }
         }
-        free(wt), free(dt);
+        free(wt), free(dt), free(ri);
     }
     return failed ? -1 : 0;
 }
@@ -309,39 +361,19 @@ int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint
     if (k % 64 || (type != QLIB_Q4_0 && type != QLIB_Q4_1 && type != QLIB_Q8_0)) return -1;
     const int G = k / 32;
     const size_t row_bytes = type == QLIB_Q8_0 ? (size_t)k : (size_t)k / 2;
+    if (m >= qlib_gemm_min_rows) /* many rows: the tiled path, on exact block corrections */
+        return qgemm_tiled(type, codes, row_bytes, dw, mw, n, k, x, m, y, norm_w, eps, swiglu,
+                           accumulate);
     int8_t *aq = malloc((size_t)m * k);
     float *ad = malloc(sizeof(float) * (size_t)m * G);
     float *as = malloc(sizeof(float) * (size_t)m * G);
     int32_t *corr = malloc(sizeof(int32_t) * (size_t)m * (k / 4));
-    const int par = m >= qlib_gemm_min_rows && omp_get_max_threads() > 1;
-    float *row = malloc(sizeof(float) * (size_t)k * (par ? omp_get_max_threads() : 1));
+    float *row = malloc(sizeof(float) * (size_t)k); /* few rows (decode): no parallel region */
     if (!aq || !ad || !as || !corr || !row) {
         free(aq), free(ad), free(as), free(corr), free(row);
         return -1;
     }
-    if (par) { /* many rows: the rows' quantization split over the threads too */
-#pragma omp parallel for schedule(static)
-        for (int i = 0; i < m; i++)
-            act_row(type, x, k, i, norm_w, eps, swiglu, row + (size_t)omp_get_thread_num() * k,
-                    aq, ad, as, corr);
-    } else { /* decode: no parallel region */
-        for (int i = 0; i < m; i++) act_row(type, x, k, i, norm_w, eps, swiglu, row, aq, ad, as, corr);
-    }
-    if (m >= qlib_gemm_min_rows) { /* many rows: the tiled path, on exact block corrections */
-        int32_t *cb = malloc(sizeof(int32_t) * (size_t)m * G);
-        int rc = -1;
-        if (cb) {
-            for (size_t t = 0; t < (size_t)m * G; t++) {
-                int32_t sum = 0;
-                for (int l = 0; l < 8; l++) sum += corr[t * 8 + l];
-                cb[t] = sum;
-            }
-            rc = qgemm_tiled(type, codes, row_bytes, dw, mw, n, k, aq, ad, as, cb, m, y,
-                             accumulate);
-        }
-        free(cb), free(aq), free(ad), free(as), free(corr), free(row);
-        return rc;
-    }
+    for (int i = 0; i < m; i++) act_row(type, x, k, i, norm_w, eps, swiglu, row, aq, ad, as, corr);
     const int nblk = (n + 3) / 4; /* groups of 4 weight rows */
 #pragma omp parallel for schedule(static)
     for (int jb = 0; jb < nblk; jb++)
