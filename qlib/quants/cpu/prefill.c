@@ -419,26 +419,35 @@ static inline __attribute__((always_inline)) void fa_group(
     const float *V, int l0, float *m, float *lsum, float *const *o, float *pbuf) {
     __m512 s[FA_NQ][4];
     fa_scores(NQ, q, d, kt, s);
-    float alpha[FA_NQ];
+    float alpha[16], mnew[16];
     int nk = 0; /* keys of the block any vector of the group sees */
-    for (int j = 0; j < NQ; j++) {
+    __mmask16 km[FA_NQ][4];
+    for (int j = 0; j < NQ; j++) { /* the block's max of each vector's visible scores */
         const int valid = lim[j] - l0 + 1; /* keys of this block vector j sees (may be <= 0) */
         nk = valid > nk ? valid : nk;
-        __mmask16 km[4];
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int c = 0; c < 4; c++) {
             const int vc = valid - 16 * c;
-            km[c] = vc >= 16 ? (__mmask16)0xFFFF : vc <= 0 ? 0 : (__mmask16)((1u << vc) - 1);
-            mx = _mm512_mask_max_ps(mx, km[c], mx, s[j][c]);
+            km[j][c] = vc >= 16 ? (__mmask16)0xFFFF : vc <= 0 ? 0 : (__mmask16)((1u << vc) - 1);
+            mx = _mm512_mask_max_ps(mx, km[j][c], mx, s[j][c]);
         }
-        const float mb = _mm512_reduce_max_ps(mx), mn = mb > m[j] ? mb : m[j];
-        alpha[j] = mn > m[j] ? expf(m[j] - mn) : 1.0f; /* m = -inf at the first block: 0 */
-        m[j] = mn;
-        const __m512 mv = _mm512_set1_ps(mn);
+        mnew[j] = _mm512_reduce_max_ps(mx);
+    }
+    { /* new maxima and the rescale factors of all vectors at once: e^(m - m'), exactly 1 when
+       * the max did not grow (a block past a vector's last key), ~0 at the first block */
+        const __mmask16 all = (__mmask16)((1u << NQ) - 1);
+        const __m512 mo = _mm512_maskz_loadu_ps(all, m);
+        const __m512 mn = _mm512_max_ps(mo, _mm512_maskz_loadu_ps(all, mnew));
+        _mm512_mask_storeu_ps(m, all, mn);
+        _mm512_storeu_ps(mnew, mn);
+        _mm512_storeu_ps(alpha, exp16(_mm512_sub_ps(mo, mn)));
+    }
+    for (int j = 0; j < NQ; j++) {
+        const __m512 mv = _mm512_set1_ps(mnew[j]);
         __m512 sum = _mm512_setzero_ps();
         for (int c = 0; c < 4; c++) {
             const __m512 z = _mm512_sub_ps(s[j][c], mv);
-            const __mmask16 keep = km[c] & _mm512_cmp_ps_mask(z, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+            const __mmask16 keep = km[j][c] & _mm512_cmp_ps_mask(z, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
             const __m512 pz = _mm512_maskz_mov_ps(keep, exp16(z));
             _mm512_storeu_ps(pbuf + j * FA_BK + 16 * c, pz);
             sum = _mm512_add_ps(sum, pz);
@@ -453,6 +462,22 @@ static inline __attribute__((always_inline)) void fa_group(
     }
 }
 
+/* The flash kernel's buffers (roped queries, transposed keys, per-thread o / p / m / l), kept
+ * by the calling thread between calls and grown as needed: fresh allocations of a few MB a
+ * layer were mapped anew each call (page faults). */
+static __thread float *fa_scratch;
+static __thread size_t fa_scratch_bytes;
+
+static float *fa_scratch_get(size_t bytes) {
+    if (bytes > fa_scratch_bytes) {
+        free(fa_scratch);
+        bytes = (bytes + 4095) / 4096 * 4096;
+        fa_scratch = aligned_alloc(64, bytes);
+        fa_scratch_bytes = fa_scratch ? bytes : 0;
+    }
+    return fa_scratch;
+}
+
 int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, float *kc, float *vc, int pos,
                             int n_head, int n_kv, int d, int max_seq, const float *cos,
                             const float *sin, int neox, int q_from, void *out, int out_bf16) {
@@ -464,15 +489,13 @@ int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, float *kc, floa
     const int nq_max = d <= 64 ? FA_NQ : 3;
     const int FA_BQ = qlib_fa_bq ? qlib_fa_bq : L > 1024 ? 16 : 8;
     const int nqv = FA_BQ * rep; /* query vectors of a task */
-    float *qf = malloc(sizeof(float) * (size_t)(t - q_from) * n_head * d);
-    float *Kt = malloc(sizeof(float) * (size_t)n_kv * nkb * FA_BK * d);
     const int nth = omp_get_max_threads();
-    const size_t per_thread = (size_t)nqv * d + (size_t)FA_NQ * FA_BK + 2 * (size_t)nqv;
-    float *scratch = malloc(sizeof(float) * per_thread * nth);
-    if (!qf || !Kt || !scratch) {
-        free(qf), free(Kt), free(scratch);
-        return -1;
-    }
+    const size_t per_thread = ((size_t)nqv * d + (size_t)FA_NQ * FA_BK + 2 * (size_t)nqv + 15) / 16 * 16;
+    const size_t nqf = ((size_t)(t - q_from) * n_head * d + 15) / 16 * 16;
+    const size_t nkt = (size_t)n_kv * nkb * FA_BK * d;
+    float *qf = fa_scratch_get(sizeof(float) * (nqf + nkt + per_thread * nth));
+    if (!qf) return -1;
+    float *Kt = qf + nqf, *scratch = Kt + nkt;
     const int nblk = (t - q_from + FA_BQ - 1) / FA_BQ; /* row blocks, from the last row up */
 #pragma omp parallel
     {
@@ -554,7 +577,6 @@ int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, float *kc, floa
         }
         FTZ_END
     }
-    free(qf), free(Kt), free(scratch);
     return 0;
 }
 
