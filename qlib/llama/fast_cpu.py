@@ -583,6 +583,17 @@ class FastModel(StaticKVState):
             d = ly.w2.bf16_io(g[:m], rows)
         return self._logits(h, r0, d)
 
+    def _c_path(self, t: int):
+        """The C path for a forward of ``t`` rows (``f(ids, pos, all_logits)``), or None for the
+        torch ops: the decode chain, the bf16 prefill (AMX or oneDNN), the int8 C prefill."""
+        if t == 1 and self._plan is not None:
+            return lambda ids, pos, _all_logits: self._decode_c(ids, pos)
+        if self._fused_prefill and t >= self.bf16_min_rows:
+            return self._prefill_amx if self.amx_layers else self._prefill_fused
+        if self._c_int8_prefill and t > 1:
+            return self._prefill_int8
+        return None
+
     def _int8_prefill_ok(self) -> bool:
         """Whether the int8 prefill can run in the C kernels: RmsNorm, SwiGLU and the tiled
         float32 attention of ``prefill.c`` between the int8 GEMMs (``_prefill_int8``)."""
@@ -804,20 +815,10 @@ class FastModel(StaticKVState):
         nq, nkv, hd = c.head_count * c.head_dim, c.head_count_kv * c.head_dim, c.head_dim
         eps, dims, rows = c.rms_norm_eps, (c.embedding_length,), self.bf16_min_rows
         end = index_pos + t
-        if t == 1 and self._plan is not None:
+        path = self._c_path(t)
+        if path is not None:
             with span("model"):
-                logits = self._decode_c(x.reshape(-1).cpu(), index_pos)
-            self._kv_len = end
-            return logits[None] if all_logits else logits
-        if self._fused_prefill and t >= rows:
-            prefill = self._prefill_amx if self.amx_layers else self._prefill_fused
-            with span("model"):
-                logits = prefill(x.reshape(-1).cpu(), index_pos, all_logits)
-            self._kv_len = end
-            return logits[None] if all_logits else logits
-        if self._c_int8_prefill and t > 1:
-            with span("model"):
-                logits = self._prefill_int8(x.reshape(-1).cpu(), index_pos, all_logits)
+                logits = path(x.reshape(-1).cpu(), index_pos, all_logits)
             self._kv_len = end
             return logits[None] if all_logits else logits
         with span("model"):
