@@ -21,3 +21,19 @@ def test_peak_rss_is_the_configurations_own():
     # with the parent's peak the child would report >= parent; its own is far below
     assert r["peak_rss_mb"] < parent - big.nbytes / 2**21, (r["peak_rss_mb"], parent)
     del big
+
+
+def test_variant_names_the_engine_options():
+    """The bench table's variant column: the fast engine's prefill, KV type and a non-default
+    CUDA decode; the faithful form; a peer's version and cache."""
+    from qlib.cli.bench import variant
+
+    fast = {"runtime": "qlib", "engine": "fast", "prefill": "int8", "kv_type": "f32"}
+    assert variant({**fast, "decode": "fused"}) == "fast (int8 prefill)"
+    assert variant({**fast, "kv_type": "f16"}) == "fast (int8 prefill, f16 KV)"
+    assert variant({**fast, "decode": "merged"}) == "fast (int8 prefill, merged decode)"
+    assert variant({**fast, "decode": "persistent"}) == "fast (int8 prefill, persistent decode)"
+    assert variant({"runtime": "qlib", "form": "quantized"}) == "faithful quantized"
+    assert variant({"runtime": "llama.cpp", "version": "0.3.36", "kv_type": "f16"}) == (
+        "v0.3.36, f16 KV"
+    )

@@ -173,7 +173,8 @@ def variant(r: dict) -> str:
     if r["runtime"] == "qlib":
         if r.get("engine") == "fast":
             kv = f", {r['kv_type']} KV" if r.get("kv_type", "f32") != "f32" else ""
-            kv += ", persistent decode" if r.get("decode") == "persistent" else ""
+            if r.get("decode") in ("merged", "persistent"):  # the fast CUDA engine's, not fused
+                kv += f", {r['decode']} decode"
             return f"fast ({r['prefill']} prefill{kv})" if r.get("prefill") else "fast"
         return f"faithful {r.get('form') or 'default'}"
     if r["runtime"] == "transformers":
