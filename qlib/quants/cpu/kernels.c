@@ -219,20 +219,10 @@ static void act_row_gemm(int type, const float *x, int k, int i, const float *no
 }
 
 /* Scratch of the tiled path (activation codes, scales, corrections), kept by the calling
- * thread between calls and grown as needed: a fresh allocation of a few MB per call was
- * mapped anew (page faults) by every call (~1 us a row of 576 at 2800 rows). */
+ * thread between calls (scratch_grow: a fresh allocation per call cost ~1 us a row of 576
+ * at 2800 rows in page faults). */
 static __thread void *gemm_scratch;
 static __thread size_t gemm_scratch_bytes;
-
-static void *scratch_get(size_t bytes) {
-    if (bytes > gemm_scratch_bytes) {
-        free(gemm_scratch);
-        bytes = (bytes + 4095) / 4096 * 4096;
-        gemm_scratch = aligned_alloc(64, bytes);
-        gemm_scratch_bytes = gemm_scratch ? bytes : 0;
-    }
-    return gemm_scratch;
-}
 
 /* The tiled path of qlib_qgemm_ex (m >= qlib_gemm_min_rows): one parallel region that
  * quantizes the m rows of f(x) (split over the threads) and then multiplies them with the
@@ -242,7 +232,8 @@ static int qgemm_tiled(int type, const uint8_t *codes, size_t row_bytes, const u
                        const float *norm_w, float eps, int swiglu, int accumulate) {
     const int G = k / 32, ntiles = (n + GT - 1) / GT;
     const size_t aq_bytes = ((size_t)m * k + 63) / 64 * 64, g_bytes = sizeof(float) * m * G;
-    char *buf = scratch_get(aq_bytes + 3 * ((g_bytes + 63) / 64 * 64));
+    char *buf = scratch_grow(&gemm_scratch, &gemm_scratch_bytes,
+                             aq_bytes + 3 * ((g_bytes + 63) / 64 * 64));
     if (!buf) return -1;
     int8_t *aq = (int8_t *)buf;
     float *ad = (float *)(buf + aq_bytes);

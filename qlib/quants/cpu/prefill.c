@@ -76,13 +76,7 @@ void qlib_swiglu_bf16(const uint16_t *gu, int t, int n_ff, uint16_t *out) {
     for (int i = 0; i < t; i++) {
         const uint16_t *g = gu + (size_t)i * 2 * n_ff, *u = g + n_ff;
         for (int e = 0; e < n_ff; e += 16) {
-            const __m512 x = bf16x16_load(g + e);
-            /* 1 / (1 + e^-x): rcp14 and one Newton step (~2^-23 relative), not a divide */
-            const __m512 y = _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                           exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
-            __m512 r = _mm512_rcp14_ps(y);
-            r = _mm512_mul_ps(r, _mm512_fnmadd_ps(y, r, _mm512_set1_ps(2.0f)));
-            const __m512 s = _mm512_mul_ps(x, r);
+            const __m512 s = silu16(bf16x16_load(g + e));
             bf16x16_store(out + (size_t)i * n_ff + e, _mm512_mul_ps(s, bf16x16_load(u + e)));
         }
     }
@@ -100,13 +94,8 @@ void qlib_swiglu_f32(const float *gu, int t, int n_ff, float *out) {
     for (int i = 0; i < t; i++) {
         const float *g = gu + (size_t)i * 2 * n_ff, *u = g + n_ff;
         for (int e = 0; e < n_ff; e += 16) {
-            const __m512 x = _mm512_loadu_ps(g + e);
-            const __m512 y = _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                           exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
-            __m512 r = _mm512_rcp14_ps(y);
-            r = _mm512_mul_ps(r, _mm512_fnmadd_ps(y, r, _mm512_set1_ps(2.0f)));
-            _mm512_storeu_ps(out + (size_t)i * n_ff + e,
-                             _mm512_mul_ps(_mm512_mul_ps(x, r), _mm512_loadu_ps(u + e)));
+            const __m512 s = silu16(_mm512_loadu_ps(g + e));
+            _mm512_storeu_ps(out + (size_t)i * n_ff + e, _mm512_mul_ps(s, _mm512_loadu_ps(u + e)));
         }
     }
     FTZ_END
@@ -463,20 +452,9 @@ static inline __attribute__((always_inline)) void fa_group(
 }
 
 /* The flash kernel's buffers (roped queries, transposed keys, per-thread o / p / m / l), kept
- * by the calling thread between calls and grown as needed: fresh allocations of a few MB a
- * layer were mapped anew each call (page faults). */
-static __thread float *fa_scratch;
+ * by the calling thread between calls (scratch_grow). */
+static __thread void *fa_scratch;
 static __thread size_t fa_scratch_bytes;
-
-static float *fa_scratch_get(size_t bytes) {
-    if (bytes > fa_scratch_bytes) {
-        free(fa_scratch);
-        bytes = (bytes + 4095) / 4096 * 4096;
-        fa_scratch = aligned_alloc(64, bytes);
-        fa_scratch_bytes = fa_scratch ? bytes : 0;
-    }
-    return fa_scratch;
-}
 
 int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, float *kc, float *vc, int pos,
                             int n_head, int n_kv, int d, int max_seq, const float *cos,
@@ -493,7 +471,8 @@ int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, float *kc, floa
     const size_t per_thread = ((size_t)nqv * d + (size_t)FA_NQ * FA_BK + 2 * (size_t)nqv + 15) / 16 * 16;
     const size_t nqf = ((size_t)(t - q_from) * n_head * d + 15) / 16 * 16;
     const size_t nkt = (size_t)n_kv * nkb * FA_BK * d;
-    float *qf = fa_scratch_get(sizeof(float) * (nqf + nkt + per_thread * nth));
+    float *qf = scratch_grow(&fa_scratch, &fa_scratch_bytes,
+                             sizeof(float) * (nqf + nkt + per_thread * nth));
     if (!qf) return -1;
     float *Kt = qf + nqf, *scratch = Kt + nkt;
     const int nblk = (t - q_from + FA_BQ - 1) / FA_BQ; /* row blocks, from the last row up */

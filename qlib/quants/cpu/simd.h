@@ -1,12 +1,13 @@
 /* Vector helpers shared by kernels.c, kquants.c and prefill.c (AVX-512): bf16 <-> float32,
- * the flush-to-zero bracket of a parallel region, e^x; the input row of the GEMV kernels
- * (fused RmsNorm / SwiGLU) and its Q8_0 / Q8_1 quantization. */
+ * the flush-to-zero bracket of a parallel region, e^x and SiLU; the input row of the GEMV
+ * kernels (fused RmsNorm / SwiGLU) and its Q8_0 / Q8_1 quantization; a per-thread scratch. */
 #ifndef QLIB_SIMD_H
 #define QLIB_SIMD_H
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline __m512 bf16x16_load(const uint16_t *p) {
@@ -57,6 +58,28 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+
+/* silu(x) = x / (1 + e^-x), the division as rcp14 and one Newton step (~2^-23 relative). */
+static inline __m512 silu16(__m512 x) {
+    const __m512 y =
+        _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+    __m512 r = _mm512_rcp14_ps(y);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(y, r, _mm512_set1_ps(2.0f)));
+    return _mm512_mul_ps(x, r);
+}
+
+/* A buffer of at least ``bytes`` (64-byte aligned), kept by its caller between calls in
+ * *buf / *have (thread-local there) and grown as needed: a fresh allocation of a few MB a
+ * call is mapped anew each time (page faults). NULL when out of memory. */
+static inline void *scratch_grow(void **buf, size_t *have, size_t bytes) {
+    if (bytes > *have) {
+        free(*buf);
+        bytes = (bytes + 4095) / 4096 * 4096;
+        *buf = aligned_alloc(64, bytes);
+        *have = *buf ? bytes : 0;
+    }
+    return *buf;
 }
 
 /* 16 x 16 int32 transpose: r[i] lane c -> r[c] lane i. */
