@@ -67,39 +67,40 @@ void qlib_add_rmsnorm(float *h, const uint16_t *delta, int t, int k, const float
     }
 }
 
-/* gu [t, 2 n_ff] bf16 (gate | up) -> out [t, n_ff] bf16 = silu(gate) * up. */
-void qlib_swiglu_bf16(const uint16_t *gu, int t, int n_ff, uint16_t *out) {
+/* gu [t, 2 n_ff] (gate | up) -> out [t, n_ff] = silu(gate) * up, bf16 or float32 in and out
+ * (the same arithmetic; bf16 rounds on load and store only). */
+static inline __attribute__((always_inline)) void swiglu_rows(const void *gu, int t, int n_ff,
+                                                              void *out, const int bf16) {
 #pragma omp parallel
     {
     FTZ_BEGIN
 #pragma omp for schedule(static)
     for (int i = 0; i < t; i++) {
-        const uint16_t *g = gu + (size_t)i * 2 * n_ff, *u = g + n_ff;
+        const size_t g0 = (size_t)i * 2 * n_ff, u0 = g0 + n_ff, o0 = (size_t)i * n_ff;
         for (int e = 0; e < n_ff; e += 16) {
-            const __m512 s = silu16(bf16x16_load(g + e));
-            bf16x16_store(out + (size_t)i * n_ff + e, _mm512_mul_ps(s, bf16x16_load(u + e)));
+            const __m512 g = bf16 ? bf16x16_load((const uint16_t *)gu + g0 + e)
+                                  : _mm512_loadu_ps((const float *)gu + g0 + e);
+            const __m512 u = bf16 ? bf16x16_load((const uint16_t *)gu + u0 + e)
+                                  : _mm512_loadu_ps((const float *)gu + u0 + e);
+            const __m512 r = _mm512_mul_ps(silu16(g), u);
+            if (bf16)
+                bf16x16_store((uint16_t *)out + o0 + e, r);
+            else
+                _mm512_storeu_ps((float *)out + o0 + e, r);
         }
     }
     FTZ_END
     }
 }
 
-/* gu [t, 2 n_ff] float32 (gate | up) -> out [t, n_ff] float32 = silu(gate) * up (the
- * int8 prefill's; the same arithmetic as qlib_swiglu_bf16, without the bf16 roundings). */
+/* gu [t, 2 n_ff] bf16 (gate | up) -> out [t, n_ff] bf16 = silu(gate) * up. */
+void qlib_swiglu_bf16(const uint16_t *gu, int t, int n_ff, uint16_t *out) {
+    swiglu_rows(gu, t, n_ff, out, 1);
+}
+
+/* The same for float32 rows (the int8 prefill's), without the bf16 roundings. */
 void qlib_swiglu_f32(const float *gu, int t, int n_ff, float *out) {
-#pragma omp parallel
-    {
-    FTZ_BEGIN
-#pragma omp for schedule(static)
-    for (int i = 0; i < t; i++) {
-        const float *g = gu + (size_t)i * 2 * n_ff, *u = g + n_ff;
-        for (int e = 0; e < n_ff; e += 16) {
-            const __m512 s = silu16(_mm512_loadu_ps(g + e));
-            _mm512_storeu_ps(out + (size_t)i * n_ff + e, _mm512_mul_ps(s, _mm512_loadu_ps(u + e)));
-        }
-    }
-    FTZ_END
-    }
+    swiglu_rows(gu, t, n_ff, out, 0);
 }
 
 /* Keep a loaded vector in a register (GCC otherwise folds the load into every FMA that
