@@ -295,13 +295,34 @@ def test_attn_prefill_amx_matches_sdpa(t, pos, n_head, n_kv, d, neox):
         assert torch.equal(part, out[q_from:])
 
 
-def test_amx_builds_where_the_cpu_has_it():
-    """A CPU with AMX-BF16 and a working compiler must get the AMX kernels (a broken AMX
-    build would otherwise only show as skipped tests and a slower prefill)."""
-    if not cpu.available() or not {"amx_tile", "amx_bf16"} <= cpu.build.cpu_flags():
-        pytest.skip("no C kernels or no AMX here")
-    reason = cpu.amx_unavailable_reason() or ""
-    assert "build failed" not in reason, reason
+def test_amx_builds_where_the_compiler_knows_amx():
+    """A compiler that takes the AMX flags must build the AMX kernels, on any CPU (a broken
+    AMX build would otherwise show only as skipped tests, a slower prefill on AMX machines and
+    a failed compile in every process elsewhere)."""
+    if not cpu.available() or not cpu.build.compiler_knows_amx():
+        pytest.skip("no C kernels, or a compiler without AMX")
+    assert cpu.build.amx_build_error() is None, cpu.build.amx_build_error()
+    if {"amx_tile", "amx_bf16"} <= cpu.build.cpu_flags():
+        reason = cpu.amx_unavailable_reason() or ""
+        assert "build failed" not in reason, reason
+
+
+def test_a_failed_build_is_not_retried(tmp_path, monkeypatch):
+    """A build that fails leaves its first error in the cache, and the next process reads
+    it instead of compiling again (each retry cost ~20 s)."""
+    if cpu.build._compiler() is None:
+        pytest.skip("no C compiler")
+    bad = tmp_path / "bad.c"
+    bad.write_text("int f(void) { return undeclared_name; }\n")
+    monkeypatch.setattr(cpu.build, "SOURCES", [bad])
+    monkeypatch.setattr(cpu.build, "HEADERS", [])
+    monkeypatch.setenv("QLIB_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match="undeclared_name") as first:
+        cpu.build._compile(["-c"])
+    monkeypatch.setattr(cpu.build.subprocess, "run", lambda *a, **k: pytest.fail("recompiled"))
+    with pytest.raises(RuntimeError) as second:
+        cpu.build._compile(["-c"])
+    assert str(second.value) == str(first.value)
 
 
 @needs_amx

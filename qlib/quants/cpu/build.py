@@ -3,7 +3,8 @@
 ``kernels.c``, ``kquants.c``, ``prefill.c``, ``attn.c`` and ``decode.c`` (with ``simd.h``),
 shipped as source, are compiled with the system C compiler (``$CC`` or ``cc``) into a cache
 directory (``$QLIB_CACHE_DIR`` or ``~/.cache/qlib``), keyed by a hash of the sources and
-the flags, and loaded with ctypes. ``load_library()`` returns the bare ``CDLL`` (the
+the flags (a failed build leaves its message there, so it is not retried by every process),
+and loaded with ctypes. ``load_library()`` returns the bare ``CDLL`` (the
 C signatures are declared by ``ops.load()``, the only loader the rest of qlib uses).
 
 The C kernels are unavailable (``available()`` False, ``unavailable_reason()``)
@@ -74,8 +75,11 @@ def _compile(flags: list[str]) -> Path:
     src = b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
     key = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
     out = cache_dir() / f"qlib_kernels_{key}.so"
+    failed = out.with_suffix(".failed")  # a failed build's message: not retried every process
     if out.is_file():
         return out
+    if failed.is_file():
+        raise RuntimeError(failed.read_text())
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
@@ -83,12 +87,23 @@ def _compile(flags: list[str]) -> Path:
             [cc, *flags, "-o", str(tmp_so), *map(str, SOURCES)], capture_output=True, text=True
         )
         if proc.returncode:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+            message = f"{cc} failed: {_first_error(proc.stderr)}"
+            failed.write_text(message)
+            raise RuntimeError(message)
         os.replace(tmp_so, out)  # atomic: concurrent first uses are safe
     return out
 
 
-def _compiler_knows_amx() -> bool:
+def _first_error(stderr: str) -> str:
+    """The compiler's first error line (and the one after it), else the end of its output."""
+    lines = stderr.strip().splitlines()
+    for i, line in enumerate(lines):
+        if "error" in line:
+            return "\n".join(lines[i : i + 2])
+    return stderr.strip()[-500:]
+
+
+def compiler_knows_amx() -> bool:
     """Whether the C compiler compiles an AMX intrinsic (GCC 11+, clang 12+)."""
     probe = "#include <immintrin.h>\nvoid f(void) { _tile_zero(0); }\n"  # (AVX512-BF16: GCC 10+)
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,7 +131,7 @@ def load_library() -> ctypes.CDLL | None:
         except RuntimeError as e:
             _amx_build_error = (
                 f"the AMX build failed: {str(e)[-300:]}"
-                if _compiler_knows_amx()
+                if compiler_knows_amx()
                 else f"the compiler does not take {' '.join(AMX_CFLAGS)}"
             )
             so = _compile(CFLAGS)

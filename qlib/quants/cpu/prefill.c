@@ -791,13 +791,6 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
 
 enum { EPI_BF16 = 0, EPI_ADD = 1, EPI_SWIGLU = 2 };
 
-static inline __m512 silu16(__m512 x) {
-    const __m512 y = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
-    __m512 r = _mm512_rcp14_ps(y);
-    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(y, r, _mm512_set1_ps(2.0f)));
-    return _mm512_mul_ps(x, r);
-}
-
 /* A weight for amx_gemm: bf16 B tiles, or 4/8-bit codes in the same tile order expanded
  * to bf16 tiles per column block as the GEMM goes (a third / a half of the bytes to read).
  *   AMXW_BF16: t = bf16 tiles [N/16][K/32][16][16][2];
