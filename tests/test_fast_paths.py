@@ -250,6 +250,56 @@ def test_attn_prefill_flash_matches_sdpa(t, pos, n_head, n_kv, d, neox):
 
 
 @needs_kernels
+@pytest.mark.parametrize(
+    "t,pos,n_head,n_kv,d,neox",
+    [(203, 0, 9, 3, 64, False), (5, 40, 9, 3, 64, True), (70, 3, 8, 1, 128, True),
+     (129, 0, 16, 1, 16, False), (40, 1000, 9, 3, 64, False)],
+)  # fmt: skip
+def test_attn_prefill_flash_half_cache(t, pos, n_head, n_kv, d, neox):
+    """A float16 cache: k and v are stored rounded to nearest even (bit-equal to torch's
+    ``.half()`` of the float32 kernel's rows) and the attention reads those rounded values:
+    equal to SDPA over the half cache's values to the float32 kernel's bound (1e-5 x max)."""
+    from qlib.llama.config import precompute_freqs_cis
+
+    g = torch.Generator().manual_seed(17)
+    max_seq = pos + t + 70
+    cos, sin = (x[:max_seq].contiguous() for x in precompute_freqs_cis(d, 10000.0, "cpu"))
+    k0 = torch.randn(n_kv, max_seq, d, generator=g).half()
+    v0 = torch.randn(n_kv, max_seq, d, generator=g).half()
+    qkv = torch.randn(t, (n_head + 2 * n_kv) * d, generator=g) * 2
+    k32, v32 = k0.float(), v0.float()
+    cpu.attn_prefill(qkv, k32, v32, pos, n_head, n_kv, cos, sin, neox)  # the float32 rows
+    kc, vc = k0.clone(), v0.clone()
+    out = cpu.attn_prefill(qkv, kc, vc, pos, n_head, n_kv, cos, sin, neox)
+    assert torch.equal(kc, k32.half()) and torch.equal(vc, v32.half())
+    # the reference: SDPA over the rounded rows (the chunk's own included)
+    from qlib.llama.faithful import rope_i, rope_neox
+
+    x = qkv.view(t, n_head + 2 * n_kv, d).transpose(0, 1)[None]
+    q = (rope_neox if neox else rope_i)(x[:, :n_head], cos[pos : pos + t], sin[pos : pos + t])
+    L = pos + t
+    mask = torch.arange(L)[None, :] <= (torch.arange(t)[:, None] + pos)
+    ref = (
+        torch.nn.functional.scaled_dot_product_attention(
+            q, kc[None, :, :L].float(), vc[None, :, :L].float(), attn_mask=mask, enable_gqa=True
+        )[0]
+        .transpose(0, 1)
+        .reshape(t, -1)
+    )
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    q_from = t // 2
+    part = cpu.attn_prefill(qkv, k0.clone(), v0.clone(), pos, n_head, n_kv, cos, sin, neox,
+                            q_from=q_from)  # fmt: skip
+    assert torch.equal(part, out[q_from:])
+    qb = qkv.to(torch.bfloat16)
+    outb = cpu.attn_prefill(qb, k0.clone(), v0.clone(), pos, n_head, n_kv, cos, sin, neox)
+    assert outb.dtype == torch.bfloat16  # a half cache takes the flash kernel for bf16 io too
+    with pytest.raises(ValueError, match="flash"):
+        cpu.attn_prefill(qb, k0.clone(), v0.clone(), pos, n_head, n_kv, cos, sin, neox,
+                         flash=False)  # fmt: skip
+
+
+@needs_kernels
 def test_swiglu_f32_matches_torch():
     g = torch.Generator().manual_seed(6)
     gu = torch.randn(33, 2 * 1536, generator=g) * 4

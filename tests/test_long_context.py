@@ -167,6 +167,51 @@ def test_f16_cache_against_f32(long_file, c_kernels):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
 
 
+def test_f16_cache_prefill_in_c(long_file):
+    """A float16 cache keeps the int8 prefill in C (its attention storing and reading the
+    half rows): against the torch prefill on the same cache type, logits within the bound
+    of the C and torch decode paths (5e-3 x max: int8 codes that flip with the float32
+    order), the cache rows likewise (layer 0's within one half ulp); chunked equals whole."""
+    if not cpu.available():
+        pytest.skip(f"C kernels unavailable: {cpu.unavailable_reason()}")
+    ids = _ids(300, seed=3)
+    model, _ = load(long_file, engine="fast", prefill="int8", kv_type="f16")
+    assert model._c_path(300) is not None
+    c_logits = model.forward(ids, 0, all_logits=True)[0]
+    c_cache = model.cache[:, :, :, :300].clone()
+    ref, _ = load(long_file, engine="fast", prefill="int8", kv_type="f16")
+    ref._c_int8_prefill = False
+    assert ref._c_path(300) is None
+    t_logits = ref.forward(ids, 0, all_logits=True)[0]
+    assert (c_logits - t_logits).abs().max() <= 5e-3 * _scale(t_logits)
+    t_cache = ref.cache[:, :, :, :300].float()
+    # layer 0's rows: the same float32 values up to rounding, one half ulp apart at most;
+    # later layers' rows carry the earlier layers' differences, bounded like the logits
+    torch.testing.assert_close(c_cache[0].float(), t_cache[0], rtol=2**-10, atol=1e-3)
+    assert (c_cache.float() - t_cache).abs().max() <= 5e-3 * _scale(t_cache)
+    model.clear_kv_cache()
+    parts, pos = [], 0
+    for n in (100, 1, 127, 72):
+        parts.append(model.forward(ids[:, pos : pos + n], pos, all_logits=True)[0])
+        pos += n
+    assert (torch.cat(parts) - c_logits).abs().max() <= 1e-4 * _scale(c_logits)
+
+
+def test_f16_cache_bf16_prefill_in_c(long_file):
+    """The bf16 prefill (oneDNN matmuls, C calls between them) with a float16 cache: its
+    attention is the flash kernel on bf16 rows; against the torch bf16 prefill on the same
+    cache type within the bf16 bound (2 x 2^-8 x max)."""
+    if not cpu.available():
+        pytest.skip(f"C kernels unavailable: {cpu.unavailable_reason()}")
+    ids = _ids(200, seed=4)
+    model, _ = load(long_file, engine="fast", prefill="bf16", kv_type="f16", amx=False)
+    assert model._c_path(200) == model._prefill_fused
+    ref, _ = load(long_file, engine="fast", prefill="bf16", kv_type="f16", amx=False)
+    ref._fused_prefill = False
+    a, b = (m.forward(ids, 0, all_logits=True)[0] for m in (model, ref))
+    assert (a - b).abs().max() <= 2 * 2**-8 * _scale(b)
+
+
 def test_prompt_ids_repeat(tmp_path):
     from qlib.suite.bench import prompt_ids
 

@@ -526,10 +526,9 @@ class FastModel(StaticKVState):
         c = self.config
         if self.prefill != "bf16" or not cpu.available() or not self.layers:
             return False
-        if self.cache.dtype != torch.float32:  # the C prefill kernels write float32 caches
-            return False
-        if self.amx_layers:
-            return True  # from_gguf checked the shapes (_amx_layer_shapes_ok)
+        if self.amx_layers:  # the layer kernel writes float32 caches
+            # from_gguf checked the shapes (_amx_layer_shapes_ok)
+            return self.cache.dtype == torch.float32
         if c.head_dim % 16 or c.head_dim > 128 or c.rope_dim != c.head_dim:
             return False
         if c.embedding_length % 16 or (self.layers[0].w13.out_features // 2) % 16:
@@ -599,8 +598,6 @@ class FastModel(StaticKVState):
         float32 attention of ``prefill.c`` between the int8 GEMMs (``_prefill_int8``)."""
         c = self.config
         if self.prefill != "int8" or not cpu.available() or not self.layers:
-            return False
-        if self.cache.dtype != torch.float32:  # the C prefill attention writes float32 caches
             return False
         if c.head_dim % 16 or c.head_dim > 128 or c.rope_dim != c.head_dim:
             return False

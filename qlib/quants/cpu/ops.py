@@ -62,8 +62,8 @@ _SIGNATURES = {
     "qlib_add_rmsnorm": ([_p, _p, _i, _i, _p, _f, _p, _i], None),
     "qlib_swiglu_bf16": ([_p, _i, _i, _p], None),
     "qlib_attn_prefill_ex": ([_p, _i, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _i, _p, _i], _i),
-    "qlib_attn_prefill_flash": ([_p, _i, _i, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _i, _p, _i],
-                                _i),
+    "qlib_attn_prefill_flash": ([_p, _i, _i, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _i, _p, _i,
+                                 _i], _i),
     "qlib_swiglu_f32": ([_p, _i, _i, _p], None),
     "qlib_attn_set_rows": ([_i], None),
     "qlib_exp": ([_p, _i, _p], None),
@@ -563,9 +563,10 @@ def swiglu_bf16(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
-def _check_attn_tables(kc, vc, cos, sin) -> None:
-    for name, c in (("kc", kc), ("vc", vc), ("cos", cos), ("sin", sin)):
-        _check(c, torch.float32, name)
+def _check_attn_tables(kc, vc, cos, sin, cache_dtype: torch.dtype = torch.float32) -> None:
+    for name, c, dtype in (("kc", kc, cache_dtype), ("vc", vc, cache_dtype),
+                           ("cos", cos, torch.float32), ("sin", sin, torch.float32)):  # fmt: skip
+        _check(c, dtype, name)
 
 
 def attn_prefill(
@@ -586,13 +587,15 @@ def attn_prefill(
     """RoPE + KV-cache write + causal GQA attention of one layer's prefill chunk.
 
     ``qkv``: ``[t, (n_head + 2 n_kv) d]`` bfloat16 or float32 (positions ``pos..pos+t-1``);
-    ``kc``, ``vc``: float32 caches ``[n_kv, max_seq, d]`` (rows ``pos..pos+t-1``
-    are written, rows before ``pos`` are read); ``cos``, ``sin``: ``[max_seq, d/2]``
+    ``kc``, ``vc``: caches ``[n_kv, max_seq, d]`` (rows ``pos..pos+t-1``
+    are written, rows before ``pos`` are read), float32, or float16 for the flash kernel
+    (k and v rounded to nearest even as stored, the attention reading the rounded values);
+    ``cos``, ``sin``: ``[max_seq, d/2]``
     tables from position 0. Returns ``[t - q_from, n_head d]`` of ``qkv``'s dtype (or
     ``out``'s: bfloat16 or float32): the attention output of rows ``q_from..t-1`` (all rows
     go to the cache).
     ``flash``: the tiled float32 kernel (key blocks of 64, online softmax;
-    ``qlib_attn_prefill_flash``); None: for float32 ``qkv`` or ``out``. Else
+    ``qlib_attn_prefill_flash``); None: for float32 ``qkv`` or ``out``, or a float16 cache. Else
     ``amx``: the two attention matmuls on AMX tiles (q, k, v and the softmax weights
     rounded to bf16) when ``amx_available()`` and ``d % 32 == 0``; else the float32 kernel
     over whole score rows (``qlib_attn_prefill``, bf16 in and out only).
@@ -601,7 +604,8 @@ def attn_prefill(
     if qkv.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError("attn_prefill: qkv is bfloat16 or float32")
     _check(qkv, qkv.dtype, "qkv")
-    _check_attn_tables(kc, vc, cos, sin)
+    f16 = kc.dtype == torch.float16
+    _check_attn_tables(kc, vc, cos, sin, torch.float16 if f16 else torch.float32)
     t = qkv.shape[0]
     n_kv_c, max_seq, d = kc.shape
     if (n_kv_c != n_kv or vc.shape != kc.shape or qkv.shape[1] != (n_head + 2 * n_kv) * d
@@ -616,13 +620,15 @@ def attn_prefill(
         raise ValueError("attn_prefill: out shape")
     f32 = torch.float32 in (qkv.dtype, out.dtype)
     if flash is None:
-        flash = f32
+        flash = f32 or f16
+    if f16 and not (flash or f32):
+        raise ValueError("attn_prefill: a float16 cache needs the flash kernel (flash=True)")
     if flash or f32:
         rc = lib.qlib_attn_prefill_flash(qkv.data_ptr(), int(qkv.dtype == torch.bfloat16), t,
                                          kc.data_ptr(), vc.data_ptr(), pos, n_head, n_kv, d,
                                          max_seq, cos.data_ptr(), sin.data_ptr(), int(neox),
                                          q_from, out.data_ptr(),
-                                         int(out.dtype == torch.bfloat16))  # fmt: skip
+                                         int(out.dtype == torch.bfloat16), int(f16))  # fmt: skip
     else:
         rc = lib.qlib_attn_prefill_ex(qkv.data_ptr(), t, kc.data_ptr(), vc.data_ptr(), pos,
                                       n_head, n_kv, d, max_seq, cos.data_ptr(), sin.data_ptr(),

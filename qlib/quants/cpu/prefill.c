@@ -313,9 +313,11 @@ int qlib_attn_prefill(const uint16_t *qkv, int t, float *kc, float *vc, int pos,
 
 /* ---- Flash-style float32 prefill attention (the int8 prefill's, float32 or bf16 io) -----
  *
- * Same contract as qlib_attn_prefill (RoPE of q and k, k and v into the float32 caches,
- * causal GQA attention over positions 0..pos+i for row i, rows q_from..t-1 out), but qkv and
- * out are float32 or bf16 (in_bf16, out_bf16), and the attention is tiled for the caches:
+ * Same contract as qlib_attn_prefill (RoPE of q and k, k and v into the caches, causal GQA
+ * attention over positions 0..pos+i for row i, rows q_from..t-1 out), but qkv and out are
+ * float32 or bf16 (in_bf16, out_bf16), the caches float32 or IEEE half (kv_f16: k and v
+ * rounded to nearest even as they are stored, and the attention reads the rounded values
+ * back, as a later chunk or the decode does), and the attention is tiled for the caches:
  * a task is one KV head x 8 or 16 query rows (their rep query heads: rows x rep query
  * vectors, roped and scaled once); it walks the keys in blocks of FA_BK = 64 (K transposed
  * per block, [d][64], and V as the cache holds them: 32 KB for d = 64, L1), and for each
@@ -457,9 +459,29 @@ static inline __attribute__((always_inline)) void fa_group(
 static __thread void *fa_scratch;
 static __thread size_t fa_scratch_bytes;
 
-int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, float *kc, float *vc, int pos,
+/* Element l of a cache row of float32 or IEEE half values. */
+static inline float cache_at(const void *c, size_t l, int f16) {
+    return f16 ? _cvtsh_ss(((const uint16_t *)c)[l]) : ((const float *)c)[l];
+}
+
+/* One head of d floats (float32 or bf16 at x), rotated (when c) into the cache row at. */
+static inline void head_to_cache(const void *x, int bf16, int d, const float *c, const float *s,
+                                 int neox, void *cache, size_t at, int f16) {
+    if (!f16) {
+        head_in_any(x, bf16, d, c, s, neox, 1.0f, (float *)cache + at);
+        return;
+    }
+    float row[128];
+    head_in_any(x, bf16, d, c, s, neox, 1.0f, row);
+    for (int e = 0; e < d; e += 16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)cache + at + e),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(row + e), _MM_FROUND_TO_NEAREST_INT));
+}
+
+int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, void *kc, void *vc, int pos,
                             int n_head, int n_kv, int d, int max_seq, const float *cos,
-                            const float *sin, int neox, int q_from, void *out, int out_bf16) {
+                            const float *sin, int neox, int q_from, void *out, int out_bf16,
+                            int kv_f16) {
     if (d % 16 || d > 128 || n_head % n_kv || q_from < 0 || q_from >= t) return -1;
     const int rep = n_head / n_kv, L = pos + t, nkb = (L + FA_BK - 1) / FA_BK;
     const size_t row = (size_t)(n_head + 2 * n_kv) * d, esz = in_bf16 ? 2 : 4;
@@ -471,11 +493,12 @@ int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, float *kc, floa
     const int nth = omp_get_max_threads();
     const size_t per_thread = ((size_t)nqv * d + (size_t)FA_NQ * FA_BK + 2 * (size_t)nqv + 15) / 16 * 16;
     const size_t nqf = ((size_t)(t - q_from) * n_head * d + 15) / 16 * 16;
-    const size_t nkt = (size_t)n_kv * nkb * FA_BK * d;
+    const size_t nkt = (size_t)n_kv * nkb * FA_BK * d, nvf = kv_f16 ? nkt : 0;
     float *qf = scratch_grow(&fa_scratch, &fa_scratch_bytes,
-                             sizeof(float) * (nqf + nkt + per_thread * nth));
+                             sizeof(float) * (nqf + nkt + nvf + per_thread * nth));
     if (!qf) return -1;
-    float *Kt = qf + nqf, *scratch = Kt + nkt;
+    /* Kt: keys transposed per block; Vf: a half cache's values as float32, [g][l][d] */
+    float *Kt = qf + nqf, *Vf = Kt + nkt, *scratch = Vf + nvf;
     const int nblk = (t - q_from + FA_BQ - 1) / FA_BQ; /* row blocks, from the last row up */
 #pragma omp parallel
     {
@@ -488,24 +511,30 @@ int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, float *kc, floa
                         neox, c, s);
             for (int g = 0; g < n_kv; g++) {
                 const size_t at = ((size_t)g * max_seq + pos + i) * d;
-                head_in_any(x + esz * (size_t)(n_head + g) * d, in_bf16, d, c, s, neox, 1.0f,
-                            kc + at);
-                head_in_any(x + esz * (size_t)(n_head + n_kv + g) * d, in_bf16, d, NULL, NULL, 0,
-                            1.0f, vc + at);
+                head_to_cache(x + esz * (size_t)(n_head + g) * d, in_bf16, d, c, s, neox, kc, at,
+                              kv_f16);
+                head_to_cache(x + esz * (size_t)(n_head + n_kv + g) * d, in_bf16, d, NULL, NULL,
+                              0, vc, at, kv_f16);
             }
             for (int h = 0; h < n_head && i >= q_from; h++)
                 head_in_any(x + esz * (size_t)h * d, in_bf16, d, c, s, neox, scale,
                             qf + ((size_t)(i - q_from) * n_head + h) * d);
         }
-        /* keys transposed per KV head in blocks of 64: Kt[g][b][e][l % 64], zero past L */
+        /* keys transposed per KV head in blocks of 64: Kt[g][b][e][l % 64], zero past L (and
+         * a half cache's values as float32 in Vf) */
 #pragma omp for schedule(static)
         for (int gb = 0; gb < n_kv * nkb; gb++) {
             const int g = gb / nkb, l0 = gb % nkb * FA_BK;
             float *kt = Kt + (size_t)gb * FA_BK * d;
-            const float *k = kc + (size_t)g * max_seq * d;
+            const size_t row0 = (size_t)g * max_seq * d;
             for (int l = l0; l < l0 + FA_BK; l++)
                 for (int e = 0; e < d; e++)
-                    kt[(size_t)e * FA_BK + l - l0] = l < L ? k[(size_t)l * d + e] : 0.0f;
+                    kt[(size_t)e * FA_BK + l - l0] =
+                        l < L ? cache_at(kc, row0 + (size_t)l * d + e, kv_f16) : 0.0f;
+            for (int l = l0; l < l0 + FA_BK && kv_f16; l++)
+                for (int e = 0; e < d; e++)
+                    Vf[(size_t)gb * FA_BK * d + (size_t)(l - l0) * d + e] =
+                        l < L ? cache_at(vc, row0 + (size_t)l * d + e, 1) : 0.0f;
         }
         float *obuf = scratch + per_thread * omp_get_thread_num();
         float *pbuf = obuf + (size_t)nqv * d, *mv = pbuf + FA_NQ * FA_BK, *lv = mv + nqv;
@@ -528,7 +557,8 @@ int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, float *kc, floa
             for (int j = 0; j < nv; j++) mv[j] = -INFINITY, lv[j] = 0.0f;
             memset(obuf, 0, sizeof(float) * (size_t)nv * d);
             const int last_b = (pos + i1 - 1) / FA_BK;
-            const float *V = vc + (size_t)g * max_seq * d;
+            const float *V = kv_f16 ? Vf + (size_t)g * nkb * FA_BK * d
+                                    : (const float *)vc + (size_t)g * max_seq * d;
             for (int kb = 0; kb <= last_b; kb++) {
                 const float *kt = Kt + ((size_t)g * nkb + kb) * FA_BK * d;
                 const float *Vb = V + (size_t)kb * FA_BK * d;
