@@ -148,24 +148,41 @@ def test_swiglu_matches_torch():
     assert out.float()[~big].abs().max() <= 1e-30
 
 
-def _attn_reference(qkv, kc, vc, pos, n_head, n_kv, cos, sin, neox):
-    """RoPE, cache write and masked SDPA in float32 torch ops (as the faithful path)."""
+def _rope_qkv(qkv, pos, n_head, n_kv, d, cos, sin, neox):
+    """q and k roped, v as given, in float32 torch ops: ``(1, heads, t, d)`` each."""
     from qlib.llama.faithful import rope_i, rope_neox
 
-    t, d = qkv.shape[0], kc.shape[-1]
+    t = qkv.shape[0]
     x = qkv.float().view(t, n_head + 2 * n_kv, d).transpose(0, 1)[None]  # (1, heads, t, d)
     c, s = cos[pos : pos + t], sin[pos : pos + t]
     rope = rope_neox if neox else rope_i
-    q, k = rope(x[:, :n_head], c, s), rope(x[:, n_head : n_head + n_kv], c, s)
-    kc, vc = kc.clone(), vc.clone()
-    kc[:, pos : pos + t] = k[0]
-    vc[:, pos : pos + t] = x[0, n_head + n_kv :]
+    return (
+        rope(x[:, :n_head], c, s),
+        rope(x[:, n_head : n_head + n_kv], c, s),
+        x[:, n_head + n_kv :],
+    )
+
+
+def _causal_sdpa(q, kc, vc, pos):
+    """Rows ``pos..pos+t-1`` of q (``(1, n_head, t, d)``) over cache positions ``0..pos+i``
+    (``kc``, ``vc``: ``[n_kv, max_seq, d]``, read as float32) -> ``[t, n_head d]``."""
+    t = q.shape[2]
     L = pos + t
     mask = torch.arange(L)[None, :] <= (torch.arange(t)[:, None] + pos)
     y = torch.nn.functional.scaled_dot_product_attention(
-        q, kc[None, :, :L], vc[None, :, :L], attn_mask=mask, enable_gqa=True
+        q, kc[None, :, :L].float(), vc[None, :, :L].float(), attn_mask=mask, enable_gqa=True
     )
-    return y[0].transpose(0, 1).reshape(t, -1), kc, vc
+    return y[0].transpose(0, 1).reshape(t, -1)
+
+
+def _attn_reference(qkv, kc, vc, pos, n_head, n_kv, cos, sin, neox):
+    """RoPE, cache write and masked SDPA in float32 torch ops (as the faithful path)."""
+    t, d = qkv.shape[0], kc.shape[-1]
+    q, k, v = _rope_qkv(qkv, pos, n_head, n_kv, d, cos, sin, neox)
+    kc, vc = kc.clone(), vc.clone()
+    kc[:, pos : pos + t] = k[0]
+    vc[:, pos : pos + t] = v[0]
+    return _causal_sdpa(q, kc, vc, pos), kc, vc
 
 
 @needs_kernels
@@ -273,19 +290,8 @@ def test_attn_prefill_flash_half_cache(t, pos, n_head, n_kv, d, neox):
     out = cpu.attn_prefill(qkv, kc, vc, pos, n_head, n_kv, cos, sin, neox)
     assert torch.equal(kc, k32.half()) and torch.equal(vc, v32.half())
     # the reference: SDPA over the rounded rows (the chunk's own included)
-    from qlib.llama.faithful import rope_i, rope_neox
-
-    x = qkv.view(t, n_head + 2 * n_kv, d).transpose(0, 1)[None]
-    q = (rope_neox if neox else rope_i)(x[:, :n_head], cos[pos : pos + t], sin[pos : pos + t])
-    L = pos + t
-    mask = torch.arange(L)[None, :] <= (torch.arange(t)[:, None] + pos)
-    ref = (
-        torch.nn.functional.scaled_dot_product_attention(
-            q, kc[None, :, :L].float(), vc[None, :, :L].float(), attn_mask=mask, enable_gqa=True
-        )[0]
-        .transpose(0, 1)
-        .reshape(t, -1)
-    )
+    q = _rope_qkv(qkv, pos, n_head, n_kv, d, cos, sin, neox)[0]
+    ref = _causal_sdpa(q, kc, vc, pos)
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
     q_from = t // 2
     part = cpu.attn_prefill(qkv, k0.clone(), v0.clone(), pos, n_head, n_kv, cos, sin, neox,
