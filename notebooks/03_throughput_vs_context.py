@@ -45,7 +45,7 @@ long_steps = 16  # decode steps at each long context
 long_reps = 2  # timed runs per point (min), after the untimed first one (on CUDA the first
 # timed prefill captures its graph, the second replays it)
 long_threads = 2  # CPU threads of the long-context runs (each its own process)
-long_kv_types = ["f32", "f16"]  # the fast CPU engine's KV cache types
+long_kv_types = ["f32", "f16"]  # the fast engines' KV cache types
 
 # %%
 import os

@@ -109,6 +109,33 @@ def test_attention_paths(tmp_path, attention, n_embd, n_head, n_kv_head):
 
 
 @needs_kernels
+@pytest.mark.parametrize("attention", ["split", "single"])
+def test_f16_cache_near_f32_cache(tmp_path, attention):
+    """``kv_type="f16"``: layer 0's cached rows are the float32 cache's rounded to half (same
+    inputs; rounded to nearest even when stored), and the logits of a prefill and three decode
+    steps stay within 5e-3 of their scale of the float32 cache's (keys and values rounded to
+    11 bits, unit roundoff 2^-11 = 4.9e-4: ~10u through the two layers)."""
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_0", n_embd=128, n_head=4,
+                            n_kv_head=2)  # fmt: skip
+    logits = {}
+    with open(path, "rb") as f:
+        content = Content.read(f)
+        models_ = {kv: CudaFastModel.from_gguf(content, f, DEVICE, attention=attention,
+                                               kv_type=kv) for kv in ("f32", "f16")}  # fmt: skip
+    ids = torch.tensor([[1, 5, 9, 33, 7, 100, 2]])
+    for kv, fast in models_.items():
+        rows = [fast.forward(ids, 0, all_logits=True)[0]]
+        rows += [fast.forward(torch.tensor([[t]]), 7 + i) for i, t in enumerate((3, 44, 200))]
+        logits[kv] = torch.cat(rows)
+    half, full = models_["f16"].cache, models_["f32"].cache
+    assert half.dtype == torch.float16
+    assert torch.equal(half[0, :, :, :10], full[0, :, :, :10].half())
+    scale = logits["f32"].abs().max().item()
+    diff = (logits["f16"] - logits["f32"]).abs().max().item()
+    assert 0 < diff <= 5e-3 * scale, f"max |diff| {diff:.3g} against scale {scale:.3g}"
+
+
+@needs_kernels
 def test_mixed_types_take_the_unfused_kernels(tmp_path):
     """attn_v and ffn_up in another type than their neighbours (as in Q4_K_M files)."""
     floats = tiny_llama_float_weights()
@@ -242,6 +269,10 @@ def test_index_pos_and_shape_errors(tmp_path):
         content = Content.read(f)
         with pytest.raises(ModelError, match="unknown prefill mode"):
             CudaFastModel.from_gguf(content, f, "cpu", prefill="int8")  # a CPU engine's mode
+        with pytest.raises(ModelError, match="unknown kv_type 'int8'"):
+            CudaFastModel.from_gguf(content, f, "cpu", kv_type="int8")
+        with pytest.raises(ModelError, match="persistent reads a float32 KV cache"):
+            CudaFastModel.from_gguf(content, f, "cpu", kv_type="f16", decode="persistent")
         fast = CudaFastModel.from_gguf(content, f, "cpu", max_seq_len=16)
     with pytest.raises(IndexPosError, match="index_pos 3 disagrees"):
         fast.forward(torch.tensor([[1]]), 3)

@@ -135,8 +135,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-type",
         choices=("f32", "f16"),
         default=None,
-        help="--engine fast on CPU: the KV cache's element type (default: f32; f16 halves the "
-        "bytes each decode step reads at long context)",
+        help="--engine fast (CPU and CUDA): the KV cache's element type (default: f32; f16 "
+        "halves the bytes each decode step reads at long context)",
     )
     p.add_argument(
         "--decode",

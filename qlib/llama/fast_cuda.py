@@ -24,9 +24,12 @@ the kernels, float32 activations and accumulation), so its logits equal the
   weights (``"packed"``: no extra memory, slower). Attention is
   ``scaled_dot_product_attention``; a prefill from position 0 is captured as a
   CUDA graph per prompt length (the first call runs eagerly, the second captures);
-* **static KV cache** ``[layers, 2, n_kv, max_seq_len, d]`` float32, allocated on the device
-  at load; ``max_seq_len`` defaults to the file's ``llama.context_length`` (the RoPE tables as
-  long; the split attention's grid covers it, its blocks past the position exit at once).
+* **static KV cache** ``[layers, 2, n_kv, max_seq_len, d]``, allocated on the device at load:
+  float32 (``kv_type="f32"``, the default: the f32 form's numerics) or IEEE half
+  (``"f16"``, llama.cpp's default: keys and values rounded to nearest even when written,
+  read back into float32 arithmetic; half the bytes the long-context decode reads).
+  ``max_seq_len`` defaults to the file's ``llama.context_length`` (the RoPE tables as long;
+  the split attention's grid covers it, its blocks past the position exit at once).
 
 **Any mix of types.** Projections that read one input are stacked where neighbours share
 a type (``stack_runs``): a uniform q/k/v or gate/up is one weight and one fused kernel; a
@@ -68,6 +71,7 @@ ATTENTION_MODES = ("split", "single")  # decode attention: blocks in parallel, o
 # six fused kernels per layer; five, the attention's combine merged into the output
 # projection (the heads' shares summed with float atomics); or one persistent kernel
 DECODE_MODES = ("fused", "merged", "persistent")
+KV_TYPES = {"f32": torch.float32, "f16": torch.float16}  # the KV cache's element type
 GRAPH_CACHE = 4  # prefill graphs kept (one per prompt length)
 
 
@@ -273,11 +277,13 @@ class CudaFastModel(StaticKVState):
         max_seq_len: int = MAX_SEQ_LEN,
         rope_freqs: torch.Tensor | None = None,
         pdl: bool | None = None,
+        kv_type: str = "f32",
     ):
         if attention not in ATTENTION_MODES:
             raise ModelError(f"unknown attention {attention!r}: {', '.join(ATTENTION_MODES)}")
         self.config = config
         self.prefill = prefill
+        self.kv_type = kv_type
         self.attention = attention
         self.pdl = pdl if pdl is not None else device.type == "cuda"  # (used where available)
         self._split_attention = None
@@ -294,8 +300,9 @@ class CudaFastModel(StaticKVState):
         self.heads = (c.head_count, c.head_count_kv, c.head_dim)
         # Allocated once, never zeroed: only positions < kv_len are read.
         self.cache = torch.empty(
-            c.block_count, 2, c.head_count_kv, self.max_seq_len, c.head_dim, device=device
-        )
+            c.block_count, 2, c.head_count_kv, self.max_seq_len, c.head_dim,
+            dtype=KV_TYPES[kv_type], device=device,
+        )  # fmt: skip
         self._kv_len = 0
         # Decode state: every kernel of a step reads or writes only these.
         n_ff = layers[0].w13.out_features // 2 if layers else 0
@@ -336,7 +343,8 @@ class CudaFastModel(StaticKVState):
 
         ``prefill``: ``f32``, ``tf32``, ``bf16`` or ``packed`` (the module docstring);
         ``max_seq_len``: positions the KV cache holds (None: the file's ``llama.context_length``,
-        else 4096); ``kv_type``: ``f32`` only (the CPU engine also has ``f16``); ``decode``:
+        else 4096); ``kv_type``: ``f32`` (None: the default) or ``f16`` (the module docstring;
+        not with ``decode="persistent"``, whose kernel reads a float32 cache); ``decode``:
         ``fused`` (six fused kernels per layer), ``merged`` (five: the attention's combine in
         the output projection's kernel, float atomics summing the heads' shares, so the last
         bits vary run to run) or ``persistent`` (the whole step in one kernel,
@@ -347,9 +355,11 @@ class CudaFastModel(StaticKVState):
         dev = as_device(device)
         if decode not in DECODE_MODES:
             raise ModelError(f"unknown decode mode {decode!r}: {', '.join(DECODE_MODES)}")
-        if kv_type not in (None, "f32"):
-            raise ModelError(f"the CUDA fast engine keeps a float32 KV cache (kv_type f32), "
-                             f"not {kv_type!r}")  # fmt: skip
+        kv_type = kv_type or "f32"
+        if kv_type not in KV_TYPES:
+            raise ModelError(f"unknown kv_type {kv_type!r}: {', '.join(KV_TYPES)}")
+        if decode == "persistent" and kv_type != "f32":
+            raise ModelError("decode persistent reads a float32 KV cache: use kv_type f32")
         if max_seq_len is None:
             max_seq_len = context_length(content.metadata)
         if prefill not in PREFILL_MODES:
@@ -371,7 +381,7 @@ class CudaFastModel(StaticKVState):
         rope_freqs = get("rope_freqs.weight").dequantize() if freqs else None
         model = cls(config, tok_p, layers, norm, out_p, dev, prefill=prefill, graphs=graphs,
                     attention=attention, max_seq_len=max_seq_len,
-                    rope_freqs=rope_freqs, pdl=pdl)  # fmt: skip
+                    rope_freqs=rope_freqs, pdl=pdl, kv_type=kv_type)  # fmt: skip
         model.merged = decode == "merged"
         if decode == "persistent":
             model._persistent = _persistent_decoder(model, content, get, tok, out,
@@ -506,8 +516,9 @@ class CudaFastModel(StaticKVState):
             fused.rope_store(qkv, q, kc, vc, self._pos, self.cos, self.sin, heads=self.heads,
                              neox=c.rope_is_neox)  # fmt: skip
             if adt == torch.float32:  # the float32 kernels take GQA as repeated K/V heads
-                k = kc[:, None, :end].expand(nkv, group, end, hd).reshape(nq, end, hd)
-                v = vc[:, None, :end].expand(nkv, group, end, hd).reshape(nq, end, hd)
+                k, v = kc[:, None, :end].float(), vc[:, None, :end].float()  # (f16: a copy)
+                k = k.expand(nkv, group, end, hd).reshape(nq, end, hd)
+                v = v.expand(nkv, group, end, hd).reshape(nq, end, hd)
             else:
                 k, v = kc[:, :end].to(adt), vc[:, :end].to(adt)
             y = F.scaled_dot_product_attention(

@@ -140,6 +140,7 @@ def _store_qkv(
     tl.store(q + rb, b2, mask=mask & is_q)
     kvh = tl.where(is_k, head - NQ, head - NQ - NKV)
     base = (kvh.to(tl.int64) * S + pos) * D
+    a2, b2 = a2.to(kc.dtype.element_ty), b2.to(kc.dtype.element_ty)  # f16 cache: rounded
     tl.store(kc + base + ea, a2, mask=mask & is_k)
     tl.store(kc + base + eb, b2, mask=mask & is_k)
     tl.store(vc + base + ea, a2, mask=mask & is_v)
@@ -208,12 +209,12 @@ def _attn_decode_kernel(
         offs = s0 + tl.arange(0, BL)
         valid = offs < n
         p = base + offs[:, None] * D + dd[None, :]
-        k = tl.load(kc + p, mask=valid[:, None], other=0.0)
+        k = tl.load(kc + p, mask=valid[:, None], other=0.0).to(tl.float32)
         score = tl.where(valid, tl.sum(k * qv[None, :], 1), float("-inf"))
         m_new = tl.maximum(m, tl.max(score, 0))
         w = tl.exp(score - m_new)
         alpha = tl.exp(m - m_new)
-        v = tl.load(vc + p, mask=valid[:, None], other=0.0)
+        v = tl.load(vc + p, mask=valid[:, None], other=0.0).to(tl.float32)
         den = den * alpha + tl.sum(w, 0)
         acc = acc * alpha + tl.sum(w[:, None] * v, 0)
         m = m_new
@@ -238,11 +239,11 @@ def _attn_split_kernel(
         offs = s * BL + tl.arange(0, BL)
         valid = offs < n
         p = kvh * S * D + offs[:, None] * D + dd[None, :]
-        k = tl.load(kc + p, mask=valid[:, None], other=0.0)
+        k = tl.load(kc + p, mask=valid[:, None], other=0.0).to(tl.float32)
         score = tl.where(valid, tl.sum(k * qv[None, :], 1), float("-inf"))
         m = tl.max(score, 0)
         w = tl.exp(score - m)
-        v = tl.load(vc + p, mask=valid[:, None], other=0.0)
+        v = tl.load(vc + p, mask=valid[:, None], other=0.0).to(tl.float32)
         slot = h * NS + s
         tl.store(pm + slot, m)
         tl.store(pl + slot, tl.sum(w, 0))

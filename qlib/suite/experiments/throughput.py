@@ -231,14 +231,14 @@ LONG_CONTEXTS = (256, 1024, 2048)
 
 def long_context_configs(device: str, kv_types: tuple[str, ...], llama_cpp: bool) -> list[tuple]:
     """(label, bench argv) per runtime of the long-context curve: qlib's fast engine with each
-    KV type (on CUDA: its f32 cache, with the default f32 prefill and the bf16 one), and
-    llama.cpp (CPU, its default f16 cache) when installed."""
+    KV type (on CUDA each with the default f32 prefill and with the bf16 one), and llama.cpp
+    (CPU, its default f16 cache) when installed."""
     configs = [(f"qlib fast {device}, {kv} KV", ["--runtime", "qlib", "--engine", "fast",
                                                   "--device", device, "--kv-type", kv])
-               for kv in kv_types if device == "cpu" or kv == "f32"]  # fmt: skip
+               for kv in kv_types]  # fmt: skip
     if device == "cuda":
-        configs.append(("qlib fast cuda, f32 KV, bf16 prefill",
-                        [*configs[0][1], "--prefill", "bf16"]))  # fmt: skip
+        configs += [(f"{label}, bf16 prefill", [*argv, "--prefill", "bf16"])
+                    for label, argv in list(configs)]  # fmt: skip
     if llama_cpp:
         configs.append(("llama.cpp cpu, f16 KV", ["--runtime", "llama.cpp", "--device", "cpu"]))
     return configs
