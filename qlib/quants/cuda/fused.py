@@ -252,19 +252,31 @@ def _attn_split_kernel(
         m = tl.max(tl.full([BL], float("-inf"), tl.float32), 0)
         den = tl.sum(tl.zeros([BL], tl.float32), 0)
         acc = tl.zeros([D], tl.float32)
-        for b in range(s * ch, tl.minimum(s * ch + ch, blocks)):
-            offs = b * BL + tl.arange(0, BL)
+        if ch == 1:  # one block (up to SPLITS blocks live): no loop
+            offs = s * BL + tl.arange(0, BL)
             valid = offs < n
             p = kvh * S * D + offs[:, None] * D + dd[None, :]
             k = tl.load(kc + p, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(vc + p, mask=valid[:, None], other=0.0).to(tl.float32)
             score = tl.where(valid, tl.sum(k * qv[None, :], 1), float("-inf"))
-            m_new = tl.maximum(m, tl.max(score, 0))
-            w = tl.exp(score - m_new)
-            alpha = tl.exp(m - m_new)
-            den = den * alpha + tl.sum(w, 0)
-            acc = acc * alpha + tl.sum(w[:, None] * v, 0)
-            m = m_new
+            m = tl.max(score, 0)
+            w = tl.exp(score - m)
+            v = tl.load(vc + p, mask=valid[:, None], other=0.0).to(tl.float32)
+            den = tl.sum(w, 0)
+            acc = tl.sum(w[:, None] * v, 0)
+        else:
+            for b in range(s * ch, tl.minimum(s * ch + ch, blocks)):
+                offs = b * BL + tl.arange(0, BL)
+                valid = offs < n
+                p = kvh * S * D + offs[:, None] * D + dd[None, :]
+                k = tl.load(kc + p, mask=valid[:, None], other=0.0).to(tl.float32)
+                v = tl.load(vc + p, mask=valid[:, None], other=0.0).to(tl.float32)
+                score = tl.where(valid, tl.sum(k * qv[None, :], 1), float("-inf"))
+                m_new = tl.maximum(m, tl.max(score, 0))
+                w = tl.exp(score - m_new)
+                alpha = tl.exp(m - m_new)
+                den = den * alpha + tl.sum(w, 0)
+                acc = acc * alpha + tl.sum(w[:, None] * v, 0)
+                m = m_new
         slot = h * NS + s
         tl.store(pm + slot, m)
         tl.store(pl + slot, den)
