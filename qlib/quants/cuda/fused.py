@@ -221,81 +221,46 @@ def _attn_decode_kernel(
     tl.store(out + h * D + dd, acc / den)
 
 
-@triton.jit
-def _split_shape(n, BL: tl.constexpr, SPLITS: tl.constexpr):
-    """How ``n`` live positions are cut: ``(blocks, ch, parts)``: ``blocks`` of ``BL`` positions,
-    ``ch`` consecutive blocks a part, ``parts`` parts (at most ``SPLITS``, each a program)."""
-    blocks = tl.cdiv(n, BL)
-    ch = tl.cdiv(blocks, tl.minimum(blocks, SPLITS))
-    return blocks, ch, tl.cdiv(blocks, ch)
-
-
 @triton.jit(do_not_specialize=["S", "NS", "scale"])
 def _attn_split_kernel(
     q, kc, vc, pm, pl, pacc, pos_ptr, S, NS, scale,
-    GROUP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr, SPLITS: tl.constexpr,
-    PDL: tl.constexpr,
+    GROUP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Query head ``h``, part ``s`` of the live positions (``_split_shape``: up to ``SPLITS``
-    parts, each ``ch`` blocks of ``BL``): the part's max score, its softmax denominator and its
-    weighted sum of V (online softmax over its blocks), for ``_attn_combine_kernel``. The grid
-    is fixed (``NS`` programs a head, for the longest cache); the cut follows the position."""
+    """Query head ``h``, cache positions ``BL s .. BL s + BL - 1`` (up to ``pos``): the block's
+    max score, its softmax denominator and its weighted sum of V, for ``_attn_combine_kernel``."""
     _pdl_start(PDL)
     h = tl.program_id(0)
     s = tl.program_id(1)
     n = tl.load(pos_ptr).to(tl.int64) + 1
-    blocks, ch, parts = _split_shape(n, BL, SPLITS)
-    if s < parts:
+    if s * BL < n:
         kvh = (h // GROUP).to(tl.int64)
         dd = tl.arange(0, D)
         qv = tl.load(q + h * D + dd) * scale
-        m = tl.max(tl.full([BL], float("-inf"), tl.float32), 0)
-        den = tl.sum(tl.zeros([BL], tl.float32), 0)
-        acc = tl.zeros([D], tl.float32)
-        if ch == 1:  # one block (up to SPLITS blocks live): no loop
-            offs = s * BL + tl.arange(0, BL)
-            valid = offs < n
-            p = kvh * S * D + offs[:, None] * D + dd[None, :]
-            k = tl.load(kc + p, mask=valid[:, None], other=0.0).to(tl.float32)
-            score = tl.where(valid, tl.sum(k * qv[None, :], 1), float("-inf"))
-            m = tl.max(score, 0)
-            w = tl.exp(score - m)
-            v = tl.load(vc + p, mask=valid[:, None], other=0.0).to(tl.float32)
-            den = tl.sum(w, 0)
-            acc = tl.sum(w[:, None] * v, 0)
-        else:
-            for b in range(s * ch, tl.minimum(s * ch + ch, blocks)):
-                offs = b * BL + tl.arange(0, BL)
-                valid = offs < n
-                p = kvh * S * D + offs[:, None] * D + dd[None, :]
-                k = tl.load(kc + p, mask=valid[:, None], other=0.0).to(tl.float32)
-                v = tl.load(vc + p, mask=valid[:, None], other=0.0).to(tl.float32)
-                score = tl.where(valid, tl.sum(k * qv[None, :], 1), float("-inf"))
-                m_new = tl.maximum(m, tl.max(score, 0))
-                w = tl.exp(score - m_new)
-                alpha = tl.exp(m - m_new)
-                den = den * alpha + tl.sum(w, 0)
-                acc = acc * alpha + tl.sum(w[:, None] * v, 0)
-                m = m_new
+        offs = s * BL + tl.arange(0, BL)
+        valid = offs < n
+        p = kvh * S * D + offs[:, None] * D + dd[None, :]
+        k = tl.load(kc + p, mask=valid[:, None], other=0.0).to(tl.float32)
+        score = tl.where(valid, tl.sum(k * qv[None, :], 1), float("-inf"))
+        m = tl.max(score, 0)
+        w = tl.exp(score - m)
+        v = tl.load(vc + p, mask=valid[:, None], other=0.0).to(tl.float32)
         slot = h * NS + s
         tl.store(pm + slot, m)
-        tl.store(pl + slot, den)
-        tl.store(pacc + slot * D + dd, acc)
+        tl.store(pl + slot, tl.sum(w, 0))
+        tl.store(pacc + slot * D + dd, tl.sum(w[:, None] * v, 0))
 
 
 @triton.jit
-def _combine_head(pm, pl, pacc, h, n, NS, D: tl.constexpr, BL: tl.constexpr,
-                  SPLITS: tl.constexpr, NSB: tl.constexpr):  # fmt: skip
+def _combine_head(pm, pl, pacc, h, n, NS, D: tl.constexpr, BL: tl.constexpr, NSB: tl.constexpr):
     """Head ``h``'s output over ``n`` positions: ``sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M)
-    l_s`` over its live parts (``[D]``)."""
+    l_s`` over its live blocks (``[D]``)."""
     dd = tl.arange(0, D)
     acc = tl.zeros([D], tl.float32)
     den = tl.sum(tl.zeros([NSB], tl.float32), 0)
     big = tl.max(tl.full([NSB], float("-inf"), tl.float32), 0)
-    parts = _split_shape(n, BL, SPLITS)[2]
-    for s0 in range(0, parts, NSB):
+    for s0 in range(0, tl.cdiv(n, BL), NSB):
         ss = s0 + tl.arange(0, NSB)
-        live = ss < parts
+        live = ss * BL < n
         slot = h * NS + ss
         m = tl.load(pm + slot, mask=live, other=float("-inf"))
         big_new = tl.maximum(big, tl.max(m, 0))
@@ -310,16 +275,14 @@ def _combine_head(pm, pl, pacc, h, n, NS, D: tl.constexpr, BL: tl.constexpr,
 
 @triton.jit(do_not_specialize=["NS"])
 def _attn_combine_kernel(
-    out, pm, pl, pacc, pos_ptr, NS, D: tl.constexpr, BL: tl.constexpr, SPLITS: tl.constexpr,
-    NSB: tl.constexpr, PDL: tl.constexpr,
+    out, pm, pl, pacc, pos_ptr, NS, D: tl.constexpr, BL: tl.constexpr, NSB: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """The blocks of head ``h`` merged into ``out[h]`` (``_combine_head``)."""
     _pdl_start(PDL)
     h = tl.program_id(0)
     n = tl.load(pos_ptr).to(tl.int64) + 1
-    tl.store(
-        out + h * D + tl.arange(0, D), _combine_head(pm, pl, pacc, h, n, NS, D, BL, SPLITS, NSB)
-    )
+    tl.store(out + h * D + tl.arange(0, D), _combine_head(pm, pl, pacc, h, n, NS, D, BL, NSB))
 
 
 @triton.jit(do_not_specialize=["NS"])
@@ -327,7 +290,7 @@ def _combine_wo_kernel(
     res, att, pm, pl, pacc, pos_ptr, NS,
     qs, qh, d, dm, sc, mn, N, GW, qs_stride, qh_stride, d_stride, sc_stride,
     FMT: tl.constexpr, HAS_OFF: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
-    SPLITS: tl.constexpr, NSB: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr,
+    NSB: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (h, r): head h's blocks merged, then its share of the output projection,
     ``W[rows, h D : h D + D] @ out[h]`` for BN rows, added into the residual ``res`` with
@@ -342,7 +305,7 @@ def _combine_wo_kernel(
         gdc_wait()
     n = tl.load(pos_ptr).to(tl.int64) + 1
     dd = tl.arange(0, D)
-    tl.store(att + h * D + dd, _combine_head(pm, pl, pacc, h, n, NS, D, BL, SPLITS, NSB))
+    tl.store(att + h * D + dd, _combine_head(pm, pl, pacc, h, n, NS, D, BL, NSB))
     tl.debug_barrier()  # the head's output, stored by every thread, read back by every thread
     a = _dot_rows(att, att, 1.0, row, qs, qh, d, dm, sc, mn, D // 32, qs_stride, qh_stride,
                   d_stride, sc_stride, FMT, HAS_OFF, False, BN, D // 32, h * (D // 32))  # fmt: skip
@@ -520,24 +483,19 @@ def attn_decode(
 
 
 class SplitAttention:
-    """Decode attention in two kernels: the live positions cut into parts in parallel, then a
-    combine (flash-decoding).
+    """Decode attention in two kernels: blocks of ``bl`` positions in parallel, then a combine.
 
-    The positions ``0..pos`` are blocks of ``bl``; every query head gets one program per
-    block up to ``splits`` programs, past that each program runs an online softmax over
-    ``ceil(blocks / splits)`` consecutive blocks (``_split_shape``). The cut is computed on
-    the device from the position, so one captured graph serves every length; the grid is
-    ``n_head x min(splits, max_seq_len / bl)`` and the programs past the cut exit at once.
-    Holds the parts' results (maxima, denominators, weighted V sums).
+    Holds the partial results (``[n_head, max_seq_len / bl]`` maxima and denominators, and
+    weighted V sums): every query head gets ``ceil((pos + 1) / bl)`` programs instead of one
+    program looping over the whole cache.
     """
 
-    def __init__(self, heads: tuple[int, int, int], max_seq_len: int, device, bl: int = 64,
-                 splits: int = 32):  # fmt: skip
-        # bl = 64 with 4 warps: the best of the H200 sweep; 64 parts a combine step (an A/B
+    def __init__(self, heads: tuple[int, int, int], max_seq_len: int, device, bl: int = 64):
+        # bl = 64 with 4 warps: the best of the H200 sweep; 64 blocks a combine step (an A/B
         # on the H200, 30 layers' calls: 558 -> 348 us at 8176 positions, 124 -> 137 at 256)
         nq, _, hd = heads
-        self.heads, self.bl, self.splits = heads, bl, splits
-        self.ns = min(splits, triton.cdiv(max_seq_len, bl))  # programs (and parts) a head
+        self.heads, self.bl = heads, bl
+        self.ns = triton.cdiv(max_seq_len, bl)
         self.m = torch.empty(nq, self.ns, device=device)
         self.l = torch.empty(nq, self.ns, device=device)
         self.acc = torch.empty(nq, self.ns, hd, device=device)
@@ -545,16 +503,16 @@ class SplitAttention:
     def __call__(self, q, kc, vc, out, pos, *, num_warps: int = 4, nsb: int = 64) -> None:
         self.split(q, kc, vc, pos, num_warps=num_warps)
         _attn_combine_kernel[(self.heads[0],)](
-            out, self.m, self.l, self.acc, pos, self.ns, D=self.heads[2], BL=self.bl,
-            SPLITS=self.ns, NSB=min(nsb, _np2(self.ns)), num_warps=2, **_pdl(),
+            out, self.m, self.l, self.acc, pos, self.ns, D=self.heads[2], BL=self.bl, NSB=nsb,
+            num_warps=2, **_pdl(),
         )  # fmt: skip
 
     def split(self, q, kc, vc, pos, *, num_warps: int = 4) -> None:
-        """The parts' results (the first kernel of ``__call__``)."""
+        """The blocks' partial results (the first kernel of ``__call__``)."""
         nq, nkv, hd = self.heads
         _attn_split_kernel[(nq, self.ns)](
             q, kc, vc, self.m, self.l, self.acc, pos, kc.shape[1], self.ns, hd**-0.5,
-            GROUP=nq // nkv, D=hd, BL=self.bl, SPLITS=self.ns, num_warps=num_warps, **_pdl(),
+            GROUP=nq // nkv, D=hd, BL=self.bl, num_warps=num_warps, **_pdl(),
         )  # fmt: skip
 
     def combine_wo(self, wo: Prepared, res, out, pos, *, bn: int = 32, nsb: int = 64,
@@ -566,8 +524,8 @@ class SplitAttention:
         fmt = wo.format_id
         _combine_wo_kernel[(nq, triton.cdiv(wo.n, bn))](
             res, out, self.m, self.l, self.acc, pos, self.ns, *planes, wo.n, wo.groups,
-            *strides, FMT=fmt, HAS_OFF=fmt in _HAS_OFFSET, D=hd, BL=self.bl, SPLITS=self.ns,
-            NSB=min(nsb, _np2(self.ns)), BN=bn, num_warps=num_warps, **_pdl(),
+            *strides, FMT=fmt, HAS_OFF=fmt in _HAS_OFFSET, D=hd, BL=self.bl, NSB=nsb, BN=bn,
+            num_warps=num_warps, **_pdl(),
         )  # fmt: skip
 
 
