@@ -244,6 +244,19 @@ def test_throughput_rows_have_the_right_shape(model):
     assert all(r["all_layers_ms"] == pytest.approx(r["layer_us"] * N_LAYER / 1e3) for r in core)
 
 
+def test_long_context_configs_cover_each_cache_type():
+    """Notebook 03's long-context runtimes: each KV type on both devices (on CUDA with the f32
+    and the bf16 prefill), llama.cpp last when installed; every argv flag-value pairs."""
+    cpu = throughput.long_context_configs("cpu", ("f32", "f16"), llama_cpp=True)
+    assert [label for label, _ in cpu] == ["qlib fast cpu, f32 KV", "qlib fast cpu, f16 KV",
+                                           "llama.cpp cpu, f16 KV"]  # fmt: skip
+    cuda = throughput.long_context_configs("cuda", ("f32", "f16"), llama_cpp=False)
+    flags = [dict(zip(argv[::2], argv[1::2], strict=True)) for _, argv in cuda]
+    assert {(f["--kv-type"], f.get("--prefill")) for f in flags} == {
+        ("f32", None), ("f16", None), ("f32", "bf16"), ("f16", "bf16")}  # fmt: skip
+    assert all(f["--device"] == "cuda" and f["--engine"] == "fast" for f in flags)
+
+
 @pytest.mark.parametrize("cache, attention", throughput.DECODE_VARIANTS)
 def test_a_sliced_snapshot_is_a_prefill_of_the_context(model, cache, attention):
     ids = list(range(5, 25))
