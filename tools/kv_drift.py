@@ -1,11 +1,12 @@
-"""The f16 KV cache against the f32 one (SmolLM2 Q4_1, fast CPU engine): teacher-forced argmax
-agreement and |logit diff| over the passage (decode steps through the C kernel), a prefill of
-the passage repeated to N tokens (all logits, default 2048) and 64 decode steps after it.
+"""The f16 KV cache against the f32 one (SmolLM2 Q4_1, a fast engine): teacher-forced argmax
+agreement and |logit diff| over the passage (decode steps: the C kernels on CPU, the fused
+kernels on CUDA), a prefill of the passage repeated to N tokens (all logits, default 2048) and
+64 decode steps after it.
 
-    python tools/kv_drift.py [N]
+    python tools/kv_drift.py [N] [--device cuda]
 """
 
-import sys
+import argparse
 
 import torch
 
@@ -14,8 +15,8 @@ from qlib.llama.engine import load
 from qlib.tokenizer import Tokenizer
 
 
-def run(kv: str, n_long: int) -> tuple[torch.Tensor, ...]:
-    model, content = load(models.path(), "cpu", engine="fast", kv_type=kv)
+def run(kv: str, n_long: int, device: str) -> tuple[torch.Tensor, ...]:
+    model, content = load(models.path(), device, engine="fast", kv_type=kv)
     ids = Tokenizer.from_metadata(content.metadata).encode(
         models.data_file("passage.txt").read_text()
     )
@@ -31,13 +32,17 @@ def run(kv: str, n_long: int) -> tuple[torch.Tensor, ...]:
             pre.append(model.forward(torch.tensor([chunk]), c, all_logits=True)[0])
         steps = [model.forward(torch.tensor([[t]]), n_long + j)
                  for j, t in enumerate(full[n_long:])]  # fmt: skip
-    return torch.cat(out), torch.cat(pre), torch.cat(steps)
+    return tuple(torch.cat(x).cpu() for x in (out, pre, steps))
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("n_long", nargs="?", type=int, default=2048)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
     torch.set_num_threads(2)
-    n_long = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
-    f32, f16 = run("f32", n_long), run("f16", n_long)
+    n_long = args.n_long
+    f32, f16 = (run(kv, n_long, args.device) for kv in ("f32", "f16"))
     names = (f"decode steps over the passage ({f32[0].shape[0]})",
              f"prefill of {n_long} (passage repeated)",
              f"64 decode steps after {n_long}")  # fmt: skip
