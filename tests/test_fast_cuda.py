@@ -137,8 +137,10 @@ def test_split_attention_matches_reference(kv, heads):
 
 
 @needs_kernels
-@pytest.mark.parametrize("attention", ["split", "single"])
-def test_f16_cache_near_f32_cache(tmp_path, attention):
+@pytest.mark.parametrize(
+    ("attention", "decode"), [("split", "fused"), ("single", "fused"), ("split", "merged")]
+)
+def test_f16_cache_near_f32_cache(tmp_path, attention, decode):
     """``kv_type="f16"``: layer 0's cached rows are the float32 cache's rounded to half (same
     inputs; rounded to nearest even when stored), and the logits of a prefill and three decode
     steps stay within 5e-3 of their scale of the float32 cache's (keys and values rounded to
@@ -149,7 +151,8 @@ def test_f16_cache_near_f32_cache(tmp_path, attention):
     with open(path, "rb") as f:
         content = Content.read(f)
         models_ = {kv: CudaFastModel.from_gguf(content, f, DEVICE, attention=attention,
-                                               kv_type=kv) for kv in ("f32", "f16")}  # fmt: skip
+                                               decode=decode, kv_type=kv)
+                   for kv in ("f32", "f16")}  # fmt: skip
     ids = torch.tensor([[1, 5, 9, 33, 7, 100, 2]])
     for kv, fast in models_.items():
         rows = [fast.forward(ids, 0, all_logits=True)[0]]
