@@ -1,5 +1,5 @@
-"""What the fast engines share: the forward-input contract, the static KV cache state and its
-default length (the file's ``llama.context_length``)."""
+"""What the fast engines share: the forward-input contract, the static KV cache state, its
+default length (the file's ``llama.context_length``) and its element types."""
 
 from __future__ import annotations
 
@@ -16,6 +16,18 @@ def context_length(metadata: dict) -> int:
     if isinstance(n, int) and not isinstance(n, bool) and n > 0:
         return n
     return MAX_SEQ_LEN
+
+
+KV_TYPES = {"f32": torch.float32, "f16": torch.float16}  # the KV cache's element type
+DEFAULT_KV_TYPE = "f32"
+
+
+def check_kv_type(kv_type: str | None) -> str:
+    """``kv_type`` of a fast engine: a key of ``KV_TYPES`` (None: ``DEFAULT_KV_TYPE``)."""
+    kv_type = kv_type or DEFAULT_KV_TYPE
+    if kv_type not in KV_TYPES:
+        raise ModelError(f"unknown kv_type {kv_type!r}: {', '.join(KV_TYPES)}")
+    return kv_type
 
 
 def check_max_seq_len(n) -> int:

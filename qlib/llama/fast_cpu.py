@@ -88,15 +88,20 @@ from ..quants.cpu.matmul import PreparedWeight, prepare, qmatmul_prepared
 from ..quants.qtensor import QTensor
 from ..spans import span
 from . import progress
-from .checks import StaticKVState, check_max_seq_len, context_length
+from .checks import (
+    DEFAULT_KV_TYPE,
+    KV_TYPES,
+    StaticKVState,
+    check_kv_type,
+    check_max_seq_len,
+    context_length,
+)
 from .config import MAX_SEQ_LEN, LlamaConfig, rope_tables
 from .errors import ModelError
 from .faithful import rope_neox
 from .fused import FUSED_STACKS
 
 PREFILL_MODES = ("bf16", "int8")
-KV_TYPES = {"f32": torch.float32, "f16": torch.float16}  # the KV cache's element type
-DEFAULT_KV_TYPE = "f32"
 _MAP_NORESERVE = 0x4000  # Linux; not in Python's mmap module
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU features that make a bf16 prefill pay
 # How the C decode step runs its prepared calls (``FastModel.decode_mode``; the default from
@@ -431,9 +436,7 @@ class FastModel(StaticKVState):
         ] if self.amx_layers else []  # fmt: skip
         self.bf16_min_rows = bf16_min_rows if prefill == "bf16" else 1 << 62
         self.max_seq_len = check_max_seq_len(max_seq_len)
-        if kv_type not in KV_TYPES:
-            raise ModelError(f"unknown kv_type {kv_type!r}: {', '.join(KV_TYPES)}")
-        self.kv_type = kv_type
+        self.kv_type = check_kv_type(kv_type)
         cos, sin = rope_tables(config, self.device, max(self.max_seq_len, MAX_SEQ_LEN),
                                rope_freqs)  # the file's RoPE scaling, as llama.cpp  # fmt: skip
         self.cos, self.sin = cos, sin
@@ -442,7 +445,8 @@ class FastModel(StaticKVState):
         # Reserved once, never zeroed: only positions < kv_len are read, and only the pages
         # of positions written so far take memory (``reserve``)
         self.cache = reserve(
-            (c.block_count, 2, c.head_count_kv, self.max_seq_len, c.head_dim), KV_TYPES[kv_type]
+            (c.block_count, 2, c.head_count_kv, self.max_seq_len, c.head_dim),
+            KV_TYPES[self.kv_type],
         )
         self._kv_len = 0
         self._plan = self._decode_plan()
@@ -705,9 +709,7 @@ class FastModel(StaticKVState):
         config = LlamaConfig.from_metadata(content.metadata)
         max_seq_len = context_length(content.metadata) if max_seq_len is None else max_seq_len
         max_seq_len = check_max_seq_len(max_seq_len)
-        kv_type = kv_type or DEFAULT_KV_TYPE
-        if kv_type not in KV_TYPES:
-            raise ModelError(f"unknown kv_type {kv_type!r}: {', '.join(KV_TYPES)}")
+        kv_type = check_kv_type(kv_type)
         bf16 = prefill == "bf16"
         gate = content.tensor_infos.get("blk.0.ffn_gate.weight")
         amx_layers = (bf16 and amx and gate is not None and cpu.amx_available()

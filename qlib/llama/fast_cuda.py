@@ -60,7 +60,14 @@ from ..quants.cuda.layout import EPI_ADD, EPI_GATE, EPI_STORE, EPI_SWIGLU, NATIV
 from ..quants.qtensor import QTensor
 from ..spans import span
 from . import progress
-from .checks import StaticKVState, check_max_seq_len, context_length
+from .checks import (
+    DEFAULT_KV_TYPE,
+    KV_TYPES,
+    StaticKVState,
+    check_kv_type,
+    check_max_seq_len,
+    context_length,
+)
 from .config import MAX_SEQ_LEN, LlamaConfig, rope_tables
 from .errors import ModelError
 from .fused import FUSED_STACKS
@@ -71,7 +78,6 @@ ATTENTION_MODES = ("split", "single")  # decode attention: blocks in parallel, o
 # six fused kernels per layer; five, the attention's combine merged into the output
 # projection (the heads' shares summed with float atomics); or one persistent kernel
 DECODE_MODES = ("fused", "merged", "persistent")
-KV_TYPES = {"f32": torch.float32, "f16": torch.float16}  # the KV cache's element type
 GRAPH_CACHE = 4  # prefill graphs kept (one per prompt length)
 
 
@@ -277,13 +283,13 @@ class CudaFastModel(StaticKVState):
         max_seq_len: int = MAX_SEQ_LEN,
         rope_freqs: torch.Tensor | None = None,
         pdl: bool | None = None,
-        kv_type: str = "f32",
+        kv_type: str = DEFAULT_KV_TYPE,
     ):
         if attention not in ATTENTION_MODES:
             raise ModelError(f"unknown attention {attention!r}: {', '.join(ATTENTION_MODES)}")
         self.config = config
         self.prefill = prefill
-        self.kv_type = kv_type
+        self.kv_type = check_kv_type(kv_type)
         self.attention = attention
         self.pdl = pdl if pdl is not None else device.type == "cuda"  # (used where available)
         self._split_attention = None
@@ -301,7 +307,7 @@ class CudaFastModel(StaticKVState):
         # Allocated once, never zeroed: only positions < kv_len are read.
         self.cache = torch.empty(
             c.block_count, 2, c.head_count_kv, self.max_seq_len, c.head_dim,
-            dtype=KV_TYPES[kv_type], device=device,
+            dtype=KV_TYPES[self.kv_type], device=device,
         )  # fmt: skip
         self._kv_len = 0
         # Decode state: every kernel of a step reads or writes only these.
@@ -355,9 +361,7 @@ class CudaFastModel(StaticKVState):
         dev = as_device(device)
         if decode not in DECODE_MODES:
             raise ModelError(f"unknown decode mode {decode!r}: {', '.join(DECODE_MODES)}")
-        kv_type = kv_type or "f32"
-        if kv_type not in KV_TYPES:
-            raise ModelError(f"unknown kv_type {kv_type!r}: {', '.join(KV_TYPES)}")
+        kv_type = check_kv_type(kv_type)
         if decode == "persistent" and kv_type != "f32":
             raise ModelError("decode persistent reads a float32 KV cache: use kv_type f32")
         if max_seq_len is None:
