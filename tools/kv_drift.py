@@ -11,6 +11,7 @@ import argparse
 import torch
 
 from qlib import models
+from qlib.llama.checks import KV_TYPES
 from qlib.llama.engine import load
 from qlib.tokenizer import Tokenizer
 
@@ -42,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     n_long = args.n_long
-    f32, f16 = (run(kv, n_long, args.device) for kv in ("f32", "f16"))
+    f32, f16 = (run(kv, n_long, args.device) for kv in KV_TYPES)
     names = (f"decode steps over the passage ({f32[0].shape[0]})",
              f"prefill of {n_long} (passage repeated)",
              f"64 decode steps after {n_long}")  # fmt: skip
