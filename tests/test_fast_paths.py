@@ -305,6 +305,102 @@ def test_attn_prefill_flash_half_cache(t, pos, n_head, n_kv, d, neox):
                          flash=False)  # fmt: skip
 
 
+def _codes(x: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` (float32) as the int8 kernel rounds them: codes ``rint(x * top / max|x|)``
+    in float32 (ties to even), and the scales ``max|x| / top``."""
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, top / amax, torch.zeros_like(amax))
+    return torch.round(x * inv), amax / top
+
+
+def _int8_attention(q, kc, vc, pos):
+    """The int8 attention of ``qlib_attn_prefill_flash`` in torch: q (``(1, n_head, t, d)``,
+    roped) and the cache rows to int8 codes with one scale per row, the scores
+    ``qs ks (qc . kc)``, then per key block of 64 the online softmax (float64) and the block's
+    weights ``p vs`` to unsigned 8-bit codes with one scale per query row (the bound
+    ``e^(block max - m) max vs`` where the row sees the whole block, else their max)."""
+    _, n_head, t, d = q.shape
+    n_kv, L = kc.shape[0], pos + t
+    rep = n_head // n_kv
+    qc, qs = _codes(q[0] / d**0.5, 127.0)  # (h, t, d), (h, t, 1)
+    kq, ks = _codes(kc[:, :L].float(), 127.0)  # (g, L, d), (g, L, 1)
+    vq, vs = _codes(vc[:, :L].float(), 127.0)
+    kq, ks, vq, vs = (x.repeat_interleave(rep, 0) for x in (kq, ks, vq, vs))
+    s = ((qc @ kq.transpose(1, 2)) * qs * ks.transpose(1, 2)).double()  # float32, then exact
+    lim = (pos + torch.arange(t))[None, :, None]  # the last key each row sees
+    m = torch.full((n_head, t, 1), -torch.inf, dtype=torch.float64)
+    lsum = torch.zeros(n_head, t, 1, dtype=torch.float64)
+    o = torch.zeros(n_head, t, d, dtype=torch.float64)
+    for l0 in range(0, L, 64):
+        keys = torch.arange(l0, min(l0 + 64, L))[None, None, :]
+        seen = keys <= lim
+        sb = s[:, :, l0 : l0 + 64].masked_fill(~seen, -torch.inf)
+        bmax = sb.amax(-1, keepdim=True)
+        mn = torch.maximum(m, bmax)
+        alpha = torch.exp(m - mn).nan_to_num(0.0)  # rows that see no key yet keep m = -inf
+        p = torch.exp(sb - mn).nan_to_num(0.0)
+        lsum = lsum * alpha + p.sum(-1, keepdim=True)
+        w = p * vs[:, l0 : l0 + 64, 0].double()[:, None, :]
+        whole = lim - l0 + 1 >= 64
+        bound = torch.exp(bmax - mn) * vs[:, l0 : l0 + 64].double().amax(1)[:, None, :]
+        wmax = torch.where(whole, bound, w.amax(-1, keepdim=True)).nan_to_num(0.0)
+        inv = torch.where(wmax > 1e-30, 255.0 / wmax, torch.zeros_like(wmax))
+        u = torch.round(w * inv).clamp(0, 255)
+        o = o * alpha + (wmax / 255.0) * (u @ vq[:, l0 : l0 + 64].double())
+        m = torch.where(seen.any(-1, keepdim=True), mn, m)
+    return (o / lsum).float().transpose(0, 1).reshape(t, -1)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "t,pos,n_head,n_kv,d,neox,f16",
+    [(203, 0, 9, 3, 64, False, False), (150, 70, 9, 3, 64, False, True),
+     (70, 3, 8, 2, 128, True, False), (33, 17, 6, 2, 96, False, True),
+     (1, 0, 4, 4, 32, True, False)],
+)  # fmt: skip
+def test_attn_prefill_int8(t, pos, n_head, n_kv, d, neox, f16):
+    """``int8=True``: the same cache rows as the float32 kernel; the output equal to a torch
+    emulation of its rounding (``_int8_attention``) within one weight code step, 4e-3 x max
+    (1/255 of the block's largest weight: a code may round the other way where the kernel's
+    float32 softmax and the emulation's float64 one differ; with float32 caches they agree to
+    ~1e-7, with half caches ~3% of the rows differ by a step), on average within 5e-5 x max;
+    to float32 SDPA within the rounding itself: 3e-2 x max, the mean error within 4e-3 x max
+    (8-bit codes: ~0.2-0.4% steps), i.e. 10-100x farther than the emulation. Chunks equal
+    the whole."""
+    from qlib.llama.config import precompute_freqs_cis
+
+    g = torch.Generator().manual_seed(23)
+    max_seq = pos + t + 70
+    dtype = torch.float16 if f16 else torch.float32
+    cos, sin = (x[:max_seq].contiguous() for x in precompute_freqs_cis(d, 10000.0, "cpu"))
+    k0 = torch.randn(n_kv, max_seq, d, generator=g).to(dtype)
+    v0 = torch.randn(n_kv, max_seq, d, generator=g).to(dtype)
+    qkv = torch.randn(t, (n_head + 2 * n_kv) * d, generator=g)
+    kc, vc = k0.clone(), v0.clone()
+    out = cpu.attn_prefill(qkv, kc, vc, pos, n_head, n_kv, cos, sin, neox, int8=True)
+    kf, vf = k0.clone(), v0.clone()
+    cpu.attn_prefill(qkv, kf, vf, pos, n_head, n_kv, cos, sin, neox)
+    assert torch.equal(kc, kf) and torch.equal(vc, vf)
+    q = _rope_qkv(qkv, pos, n_head, n_kv, d, cos, sin, neox)[0]
+    emulated = _int8_attention(q, kc, vc, pos)
+    ref = _causal_sdpa(q, kc, vc, pos)
+    scale = ref.abs().max()
+    assert (out - emulated).abs().max() <= 4e-3 * scale
+    assert (out - emulated).abs().mean() <= 5e-5 * scale
+    assert (out - ref).abs().max() <= 3e-2 * scale
+    assert (out - ref).abs().mean() <= 4e-3 * scale
+    if t > 1:  # rows pos.. in two chunks: the same result, bit for bit
+        cut = t // 3
+        kc2, vc2 = k0.clone(), v0.clone()
+        parts = [cpu.attn_prefill(qkv[a:b].contiguous(), kc2, vc2, pos + a, n_head, n_kv,
+                                  cos, sin, neox, int8=True)
+                 for a, b in ((0, cut), (cut, t))]  # fmt: skip
+        assert torch.equal(torch.cat(parts), out)
+    with pytest.raises(ValueError, match="flash"):
+        cpu.attn_prefill(qkv.to(torch.bfloat16), k0.clone().float(), v0.clone().float(), pos,
+                         n_head, n_kv, cos, sin, neox, flash=False, int8=True)  # fmt: skip
+
+
 @needs_kernels
 def test_swiglu_f32_matches_torch():
     g = torch.Generator().manual_seed(6)

@@ -197,6 +197,31 @@ def test_f16_cache_prefill_in_c(long_file):
     assert (torch.cat(parts) - c_logits).abs().max() <= 1e-4 * _scale(c_logits)
 
 
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_int8_attention_prefill(long_file, kv_type):
+    """``prefill="int8-attn"`` (int8 attention products) against ``prefill="int8"`` (float32
+    attention) on the same cache type: the same C path, logits within 3e-2 of their scale
+    (the kernel test bounds one attention at 3e-2; 2 layers here), argmax agreement >= 95%
+    over all 300 positions; chunked equals whole (each row's rounding is its own)."""
+    if not cpu.available():
+        pytest.skip(f"C kernels unavailable: {cpu.unavailable_reason()}")
+    ids = _ids(300, seed=5)
+    model, _ = load(long_file, engine="fast", prefill="int8-attn", kv_type=kv_type)
+    assert model._c_path(300) == model._prefill_int8
+    a = model.forward(ids, 0, all_logits=True)[0]
+    ref, _ = load(long_file, engine="fast", prefill="int8", kv_type=kv_type)
+    b = ref.forward(ids, 0, all_logits=True)[0]
+    assert (a - b).abs().max() <= 3e-2 * _scale(b)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
+    assert not torch.equal(a, b)  # the int8 products did run
+    model.clear_kv_cache()
+    parts, pos = [], 0
+    for n in (100, 127, 73):  # (a chunk of 1 is a decode step: float32 attention)
+        parts.append(model.forward(ids[:, pos : pos + n], pos, all_logits=True)[0])
+        pos += n
+    assert (torch.cat(parts) - a).abs().max() <= 1e-4 * _scale(a)
+
+
 def test_f16_cache_bf16_prefill_in_c(long_file):
     """The bf16 prefill (oneDNN matmuls, C calls between them) with a float16 cache: its
     attention is the flash kernel on bf16 rows; against the torch bf16 prefill on the same

@@ -35,8 +35,11 @@ none of candle's sharp edges. What differs from the faithful path:
   ``prefill="int8"`` (the default without bf16 hardware) keeps ggml semantics for every
   row instead: the C GEMMs over all rows with C RmsNorm, SwiGLU and RoPE + KV write + a
   tiled float32 causal attention (key blocks of 64, online softmax) between them
-  (``_prefill_int8``, float32 caches; an f16 cache or a CPU without the kernels: torch ops
-  and SDPA); no extra memory;
+  (``_prefill_int8``, float32 or f16 caches; a CPU without the kernels: torch ops and SDPA);
+  no extra memory. ``prefill="int8-attn"`` is the same with the attention's two products
+  in int8 too (queries, keys and values rounded to 8-bit codes per row, each block's
+  softmax weights per query row; the softmax float32): 2x faster attention, ~2x the
+  float32 prefill's drift (docs/performance.md, "int8 attention"); opt-in;
 * **the decode step in one C call**: the prepared calls of a token (per layer qkv GEMV with
   RmsNorm, RoPE + KV write + attention, wo GEMV + residual, gate/up GEMV with RmsNorm, down
   GEMV with SwiGLU + residual; then the logits) are one ``cpu.DecodeChain``: one ctypes call
@@ -101,7 +104,7 @@ from .errors import ModelError
 from .faithful import rope_neox
 from .fused import FUSED_STACKS
 
-PREFILL_MODES = ("bf16", "int8")
+PREFILL_MODES = ("bf16", "int8", "int8-attn")
 _MAP_NORESERVE = 0x4000  # Linux; not in Python's mmap module
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU features that make a bf16 prefill pay
 # How the C decode step runs its prepared calls (``FastModel.decode_mode``; the default from
@@ -601,7 +604,7 @@ class FastModel(StaticKVState):
         """Whether the int8 prefill can run in the C kernels: RmsNorm, SwiGLU and the tiled
         float32 attention of ``prefill.c`` between the int8 GEMMs (``_prefill_int8``)."""
         c = self.config
-        if self.prefill != "int8" or not cpu.available() or not self.layers:
+        if self.prefill not in ("int8", "int8-attn") or not cpu.available() or not self.layers:
             return False
         if c.head_dim % 16 or c.head_dim > 128 or c.rope_dim != c.head_dim:
             return False
@@ -611,7 +614,8 @@ class FastModel(StaticKVState):
     def _prefill_int8(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         """Prefill of ``t`` tokens with ggml semantics in every matmul: per layer C RmsNorm
         (float32) -> int8 qkv GEMM -> RoPE, KV write and the tiled float32 attention
-        (``cpu.attn_prefill``) -> int8 wo GEMM added into ``h`` -> RmsNorm -> int8 gate/up
+        (``cpu.attn_prefill``; int8 products with ``prefill="int8-attn"``) -> int8 wo GEMM
+        added into ``h`` -> RmsNorm -> int8 gate/up
         GEMM -> SwiGLU -> int8 down GEMM added into ``h``; all buffers allocated once.
         Unless ``all_logits``, the last layer computes attention, wo and the FFN for the
         last row only."""
@@ -625,6 +629,7 @@ class FastModel(StaticKVState):
         gu, g = torch.empty(t, 2 * n_ff), torch.empty(t, n_ff)
         eps, heads = c.rms_norm_eps, (c.head_count, c.head_count_kv)
         r0, last = 0, len(self.layers) - 1
+        int8_attention = self.prefill == "int8-attn"
         for i, ly in enumerate(self.layers):
             cpu.add_rmsnorm(h, None, ly.attn_norm, eps, a)
             ly.wqkv.quantized_into(a, qkv)
@@ -632,7 +637,8 @@ class FastModel(StaticKVState):
                 r0 = t - 1  # every row's k, v go to the cache; the last row feeds the logits
             m = t - r0
             cpu.attn_prefill(qkv, self.cache[i, 0], self.cache[i, 1], pos, *heads, self.cos,
-                             self.sin, c.rope_is_neox, out=y[:m], q_from=r0)  # fmt: skip
+                             self.sin, c.rope_is_neox, out=y[:m], q_from=r0,
+                             int8=int8_attention)  # fmt: skip
             ly.wo.quantized_into(y[:m], h[r0:], accumulate=True)
             cpu.add_rmsnorm(h[r0:], None, ly.ffn_norm, eps, a[:m])
             ly.w13.quantized_into(a[:m], gu[:m])
@@ -689,7 +695,8 @@ class FastModel(StaticKVState):
     ) -> FastModel:
         """Build from a parsed ``gguf_file.Content`` and its open file (CPU only).
 
-        ``prefill``: ``bf16`` or ``int8`` matmuls for prompts (None: ``default_prefill()``).
+        ``prefill``: ``bf16`` or ``int8`` matmuls for prompts, or ``int8-attn`` (int8 matmuls
+        and int8 attention products; None: ``default_prefill()``).
 
         ``amx``: the AMX prefill kernels where the CPU has them (else oneDNN's matmuls);
         ``amx_packed``: their Q4_0 / Q4_1 / Q8_0 weights stay 4/8-bit (expanded to bf16 tiles

@@ -63,7 +63,7 @@ _SIGNATURES = {
     "qlib_swiglu_bf16": ([_p, _i, _i, _p], None),
     "qlib_attn_prefill_ex": ([_p, _i, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _i, _p, _i], _i),
     "qlib_attn_prefill_flash": ([_p, _i, _i, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _i, _p, _i,
-                                 _i], _i),
+                                 _i, _i], _i),
     "qlib_swiglu_f32": ([_p, _i, _i, _p], None),
     "qlib_attn_set_rows": ([_i], None),
     "qlib_exp": ([_p, _i, _p], None),
@@ -583,6 +583,7 @@ def attn_prefill(
     q_from: int = 0,
     amx: bool = False,
     flash: bool | None = None,
+    int8: bool = False,
 ) -> torch.Tensor:
     """RoPE + KV-cache write + causal GQA attention of one layer's prefill chunk.
 
@@ -599,6 +600,10 @@ def attn_prefill(
     ``amx``: the two attention matmuls on AMX tiles (q, k, v and the softmax weights
     rounded to bf16) when ``amx_available()`` and ``d % 32 == 0``; else the float32 kernel
     over whole score rows (``qlib_attn_prefill``, bf16 in and out only).
+    ``int8``: the flash kernel with int8 products (``flash`` implied): queries, keys and
+    values rounded to int8 codes with one scale per row, each key block's softmax weights
+    (times the values' scales) to unsigned 8-bit codes with one scale per query row; the
+    softmax float32 (docs/performance.md, "int8 attention").
     """
     lib = _lib()
     if qkv.dtype not in (torch.bfloat16, torch.float32):
@@ -620,7 +625,9 @@ def attn_prefill(
         raise ValueError("attn_prefill: out shape")
     f32 = torch.float32 in (qkv.dtype, out.dtype)
     if flash is None:
-        flash = f32 or f16
+        flash = f32 or f16 or int8
+    if int8 and not flash:
+        raise ValueError("attn_prefill: int8 products are the flash kernel's (flash=True)")
     if f16 and not (flash or f32):
         raise ValueError("attn_prefill: a float16 cache needs the flash kernel (flash=True)")
     if flash or f32:
@@ -628,7 +635,8 @@ def attn_prefill(
                                          kc.data_ptr(), vc.data_ptr(), pos, n_head, n_kv, d,
                                          max_seq, cos.data_ptr(), sin.data_ptr(), int(neox),
                                          q_from, out.data_ptr(),
-                                         int(out.dtype == torch.bfloat16), int(f16))  # fmt: skip
+                                         int(out.dtype == torch.bfloat16), int(f16),
+                                         int(int8))  # fmt: skip
     else:
         rc = lib.qlib_attn_prefill_ex(qkv.data_ptr(), t, kc.data_ptr(), vc.data_ptr(), pos,
                                       n_head, n_kv, d, max_seq, cos.data_ptr(), sin.data_ptr(),

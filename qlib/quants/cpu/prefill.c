@@ -404,14 +404,15 @@ static inline __attribute__((always_inline)) void fa_values(const int NQ, const 
         for (int v = 0; v < DV; v++) _mm512_storeu_ps(o[j] + 16 * v, acc[j][v]);
 }
 
-/* One group of NQ query vectors (limits lim[j]: the last key each sees) and one key block
- * (keys l0..l0+63): scores, online softmax update of m, l, and o. */
-static inline __attribute__((always_inline)) void fa_group(
-    const int NQ, const float *const *q, const int *lim, int d, const float *kt,
-    const float *V, int l0, float *m, float *lsum, float *const *o, float *pbuf) {
-    __m512 s[FA_NQ][4];
-    fa_scores(NQ, q, d, kt, s);
-    float alpha[16], mnew[16];
+/* The online softmax update of a group of NQ query vectors (limits lim[j]: the last key each
+ * sees) for one key block (keys l0..l0+63) from its scores s: the block's max, the new maxima
+ * m, the rescale factors alpha[j] = e^(m - m'), the weights p (pbuf[j][64], zero past a
+ * vector's last key) and the sums lsum. Returns the keys of the block any vector sees. */
+static inline __attribute__((always_inline)) int fa_softmax(const int NQ, __m512 s[FA_NQ][4],
+                                                            const int *lim, int l0, float *m,
+                                                            float *lsum, float *pbuf,
+                                                            float *alpha) {
+    float mnew[16];
     int nk = 0; /* keys of the block any vector of the group sees */
     __mmask16 km[FA_NQ][4];
     for (int j = 0; j < NQ; j++) { /* the block's max of each vector's visible scores */
@@ -446,9 +447,227 @@ static inline __attribute__((always_inline)) void fa_group(
         }
         lsum[j] = lsum[j] * alpha[j] + _mm512_reduce_add_ps(sum);
     }
-    if (nk > FA_BK) nk = FA_BK;
+    return nk > FA_BK ? FA_BK : nk;
+}
+
+/* One group of NQ query vectors (limits lim[j]: the last key each sees) and one key block
+ * (keys l0..l0+63): scores, online softmax update of m, l, and o. */
+static inline __attribute__((always_inline)) void fa_group(
+    const int NQ, const float *const *q, const int *lim, int d, const float *kt,
+    const float *V, int l0, float *m, float *lsum, float *const *o, float *pbuf) {
+    __m512 s[FA_NQ][4];
+    fa_scores(NQ, q, d, kt, s);
+    float alpha[16];
+    const int nk = fa_softmax(NQ, s, lim, l0, m, lsum, pbuf, alpha);
     switch (d / 16) {
 #define QLIB_FV(DV_) case DV_: fa_values(NQ, DV_, pbuf, alpha, V, nk, o); break;
+    QLIB_FV(1) QLIB_FV(2) QLIB_FV(3) QLIB_FV(4) QLIB_FV(5) QLIB_FV(6) QLIB_FV(7) QLIB_FV(8)
+#undef QLIB_FV
+    }
+}
+
+/* ---- int8 attention (the flash kernel with int8 = 1) -------------------------------------
+ *
+ * The two products of a block run as int8 dot products (vpdpbusd: 64 multiply-adds an
+ * instruction against 16 for a float FMA); the softmax stays float32.
+ *   scores: each query vector q (roped, scaled by 1/sqrt(d)) is rounded to int8 codes with one
+ *           scale per vector (qs = max|q| / 127), each key row to codes + 128 (unsigned) with
+ *           one scale per key (ks = max|k| / 127); s = qs ks (sum(qc (kc + 128)) - 128 sum qc).
+ *   values: each value row to int8 codes with one scale per key (vs); a vector's weights of
+ *           the block, w_l = p_l vs_l, to unsigned codes with one scale (ws = max w / 255);
+ *           o = o alpha + ws sum(wc vc). The sums l keep the float32 weights p.
+ * Layouts per KV head and key block of 64 (Kq: 16 groups of 4 dims x 64 keys x 4 bytes, the
+ * dims of a key contiguous; Vq: 16 groups of 4 keys x d dims x 4 bytes, the keys of a dim
+ * contiguous), keys past L zero (their weights are zero). Rounding is to nearest even (the
+ * MXCSR's), ties and all; rows whose max is 0 get scale 0 and codes 0. */
+
+/* acc + the sums of 4 products of unsigned bytes u and signed bytes s in each int32 lane
+ * (vpdpbusd). In asm: GCC 12's intrinsic copies every accumulator around each instruction and
+ * spills them when a group's 24 accumulators are live (the attention measured 1.4x slower). */
+static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    return acc;
+}
+
+/* Codes of one query vector of d floats: qc[d] int8, its scale and -128 sum(qc). */
+static inline void fa_quantize_query(const float *x, int d, int8_t *qc, float *qs, int32_t *corr) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int e = 0; e < d; e += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + e)));
+    const float amax = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int e = 0; e < d; e += 16) {
+        const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + e), inv));
+        sum = _mm512_add_epi32(sum, c);
+        _mm_storeu_si128((__m128i *)(qc + e), _mm512_cvtsepi32_epi8(c));
+    }
+    *qs = amax / 127.0f;
+    *corr = -128 * _mm512_reduce_add_epi32(sum);
+}
+
+/* Codes of one cache row of d floats (row) -> int32 codes c[d], its scale. */
+static inline float fa_row_codes(const float *row, int d, int32_t *c) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int e = 0; e < d; e += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(row + e)));
+    const float amax = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+    for (int e = 0; e < d; e += 16)
+        _mm512_storeu_si512(c + e, _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + e), inv)));
+    return amax / 127.0f;
+}
+
+/* Scores of NQ query vectors (codes qc[j], scales qs[j], corrections corr[j]) with the 64 keys
+ * of a block (kq: [d/4][64] dwords of 4 unsigned codes; ks[64]) -> s[NQ][4]. */
+static inline __attribute__((always_inline)) void fa_scores_i8(
+    const int NQ, const int8_t *const *qc, const float *qs, const int32_t *corr, int d,
+    const uint8_t *kq, const float *ks, __m512 s[FA_NQ][4]) {
+    __m512i acc[FA_NQ][4];
+    for (int j = 0; j < NQ; j++)
+        for (int c = 0; c < 4; c++) acc[j][c] = _mm512_set1_epi32(corr[j]);
+    for (int e4 = 0; e4 < d / 4; e4++) {
+        __m512i k[4];
+        for (int c = 0; c < 4; c++) {
+            k[c] = _mm512_loadu_si512(kq + 4 * (64 * e4 + 16 * c));
+            IN_REG(k[c]);
+        }
+        for (int j = 0; j < NQ; j++) {
+            int32_t qd;
+            memcpy(&qd, qc[j] + 4 * e4, 4);
+            const __m512i qb = _mm512_set1_epi32(qd);
+            for (int c = 0; c < 4; c++) acc[j][c] = dpbusd(acc[j][c], k[c], qb);
+        }
+    }
+    for (int j = 0; j < NQ; j++) {
+        const __m512 sj = _mm512_set1_ps(qs[j]);
+        for (int c = 0; c < 4; c++)
+            s[j][c] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[j][c]), sj),
+                                    _mm512_loadu_ps(ks + 16 * c));
+    }
+}
+
+/* fa_softmax for the int8 products: the same maxima, rescale factors and weights p, but
+ * the sums l kept as one vector a query vector (lvec[j][16], summed once at the end), no
+ * masks in a block that every vector of the group sees whole, and pmax[j] = e^(block max -
+ * m'), the bound of the vector's weights in the block. */
+static inline __attribute__((always_inline)) int fa_softmax_i8(const int NQ, __m512 s[FA_NQ][4],
+                                                               const int *lim, int l0, float *m,
+                                                               float *lvec, float *pbuf,
+                                                               float *alpha, float *pmax) {
+    float bmax[16];
+    int lo = lim[0], hi = lim[0];
+    for (int j = 1; j < NQ; j++) {
+        lo = lim[j] < lo ? lim[j] : lo;
+        hi = lim[j] > hi ? lim[j] : hi;
+    }
+    const int whole = lo - l0 + 1 >= FA_BK; /* every vector sees all 64 keys */
+    __mmask16 km[FA_NQ][4];
+    for (int j = 0; j < NQ; j++) {
+        __m512 mx;
+        if (whole) {
+            for (int c = 0; c < 4; c++) km[j][c] = (__mmask16)0xFFFF; /* (not read) */
+            mx = _mm512_max_ps(_mm512_max_ps(s[j][0], s[j][1]), _mm512_max_ps(s[j][2], s[j][3]));
+        } else {
+            const int valid = lim[j] - l0 + 1;
+            mx = _mm512_set1_ps(-INFINITY);
+            for (int c = 0; c < 4; c++) {
+                const int vc = valid - 16 * c;
+                km[j][c] = vc >= 16 ? (__mmask16)0xFFFF : vc <= 0 ? 0 : (__mmask16)((1u << vc) - 1);
+                mx = _mm512_mask_max_ps(mx, km[j][c], mx, s[j][c]);
+            }
+        }
+        bmax[j] = _mm512_reduce_max_ps(mx);
+    }
+    float mnew[16];
+    {
+        const __mmask16 all = (__mmask16)((1u << NQ) - 1);
+        const __m512 mo = _mm512_maskz_loadu_ps(all, m), bm = _mm512_maskz_loadu_ps(all, bmax);
+        const __m512 mn = _mm512_max_ps(mo, bm);
+        _mm512_mask_storeu_ps(m, all, mn);
+        _mm512_storeu_ps(mnew, mn);
+        _mm512_storeu_ps(alpha, exp16(_mm512_sub_ps(mo, mn)));
+        _mm512_storeu_ps(pmax, exp16(_mm512_sub_ps(bm, mn)));
+    }
+    for (int j = 0; j < NQ; j++) {
+        const __m512 mv = _mm512_set1_ps(mnew[j]);
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lvec + 16 * j), _mm512_set1_ps(alpha[j]));
+        for (int c = 0; c < 4; c++) {
+            __m512 pz = exp16(_mm512_sub_ps(s[j][c], mv));
+            if (!whole) pz = _mm512_maskz_mov_ps(km[j][c], pz);
+            _mm512_storeu_ps(pbuf + j * FA_BK + 16 * c, pz);
+            sum = _mm512_add_ps(sum, pz);
+        }
+        _mm512_storeu_ps(lvec + 16 * j, sum);
+    }
+    const int nk = hi - l0 + 1;
+    return nk > FA_BK ? FA_BK : nk;
+}
+
+/* o[j] = o[j] alpha[j] + ws_j sum over keys of wc_l vc_l: the weights w = p vs of vector j
+ * rounded to unsigned codes wc (wbuf[j][64]) with the scale ws_j = wmax / 255, wmax = pmax_j
+ * vsmax in a block the vector sees whole (their bound: p <= pmax, vs <= vsmax), else their
+ * max; vq: [16][d] dwords of the int8 value codes of 4 keys, vs[64] their scales, vs[64] =
+ * vsmax; nk keys seen. */
+static inline __attribute__((always_inline)) void fa_values_i8(
+    const int NQ, const int DV, const float *p, const float *alpha, const float *pmax,
+    const int *lim, int l0, const uint8_t *vq, const float *vs, int nk, uint8_t *wbuf,
+    float *const *o) {
+    const int d = 16 * DV;
+    float ws[FA_NQ];
+    __m512 vsc[4];
+    for (int c = 0; c < 4; c++) vsc[c] = _mm512_loadu_ps(vs + 16 * c);
+    for (int j = 0; j < NQ; j++) {
+        __m512 w[4];
+        for (int c = 0; c < 4; c++) w[c] = _mm512_mul_ps(_mm512_loadu_ps(p + j * FA_BK + 16 * c), vsc[c]);
+        /* the bound where the vector sees the whole block; else the max of the keys it sees
+         * (a bound over all 64 would make a row depend on later rows' values). Decided per
+         * vector, so that a row's result does not depend on its group. A vector that sees
+         * none of the block: no codes */
+        const float wmax = lim[j] - l0 + 1 >= FA_BK ? pmax[j] * vs[FA_BK]
+                                 : _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(w[0], w[1]),
+                                                                      _mm512_max_ps(w[2], w[3])));
+        const __m512 inv = _mm512_set1_ps(wmax > 1e-30f ? 255.0f / wmax : 0.0f);
+        for (int c = 0; c < 4; c++)
+            _mm_storeu_si128((__m128i *)(wbuf + j * FA_BK + 16 * c),
+                             _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(_mm512_mul_ps(w[c], inv))));
+        ws[j] = wmax / 255.0f;
+    }
+    __m512i acc[FA_NQ][8];
+    for (int j = 0; j < NQ; j++)
+        for (int v = 0; v < DV; v++) acc[j][v] = _mm512_setzero_si512();
+    for (int k4 = 0; k4 < (nk + 3) / 4; k4++) {
+        __m512i vv[8];
+        for (int v = 0; v < DV; v++) {
+            vv[v] = _mm512_loadu_si512(vq + 4 * ((size_t)k4 * d + 16 * v));
+            IN_REG(vv[v]);
+        }
+        for (int j = 0; j < NQ; j++) {
+            int32_t wd;
+            memcpy(&wd, wbuf + j * FA_BK + 4 * k4, 4);
+            const __m512i wb = _mm512_set1_epi32(wd);
+            for (int v = 0; v < DV; v++) acc[j][v] = dpbusd(acc[j][v], wb, vv[v]);
+        }
+    }
+    for (int j = 0; j < NQ; j++) {
+        const __m512 a = _mm512_set1_ps(alpha[j]), sw = _mm512_set1_ps(ws[j]);
+        for (int v = 0; v < DV; v++)
+            _mm512_storeu_ps(o[j] + 16 * v,
+                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[j][v]), sw,
+                                             _mm512_mul_ps(_mm512_loadu_ps(o[j] + 16 * v), a)));
+    }
+}
+
+/* fa_group with int8 products (lvec: the vectors' sums, 16 floats each). */
+static inline __attribute__((always_inline)) void fa_group_i8(
+    const int NQ, const int8_t *const *qc, const float *qs, const int32_t *corr, const int *lim,
+    int d, const uint8_t *kq, const float *ks, const uint8_t *vq, const float *vs, int l0,
+    float *m, float *lvec, float *const *o, float *pbuf, uint8_t *wbuf) {
+    __m512 s[FA_NQ][4];
+    fa_scores_i8(NQ, qc, qs, corr, d, kq, ks, s);
+    float alpha[16], pmax[16];
+    const int nk = fa_softmax_i8(NQ, s, lim, l0, m, lvec, pbuf, alpha, pmax);
+    switch (d / 16) {
+#define QLIB_FV(DV_) case DV_: fa_values_i8(NQ, DV_, pbuf, alpha, pmax, lim, l0, vq, vs, nk, wbuf, \
+                                            o); break;
     QLIB_FV(1) QLIB_FV(2) QLIB_FV(3) QLIB_FV(4) QLIB_FV(5) QLIB_FV(6) QLIB_FV(7) QLIB_FV(8)
 #undef QLIB_FV
     }
@@ -478,10 +697,39 @@ static inline void head_to_cache(const void *x, int bf16, int d, const float *c,
                             _mm512_cvtps_ph(_mm512_loadu_ps(row + e), _MM_FROUND_TO_NEAREST_INT));
 }
 
+/* The int8 layouts of one KV head's key block (keys l0..l0+63 of cache rows row0.., zero
+ * past L): kq / ks and vq / vs (the int8 section above). */
+static void fa_block_i8(const void *kc, const void *vc, int f16, size_t row0, int l0, int L, int d,
+                        uint8_t *kq, float *ks, uint8_t *vq, float *vs) {
+    float row[128];
+    int32_t c[128];
+    for (int l = l0; l < l0 + FA_BK; l++) {
+        const int i = l - l0;
+        for (int kv = 0; kv < 2; kv++) {
+            const void *cache = kv ? vc : kc;
+            float sc = 0.0f;
+            if (l < L) {
+                for (int e = 0; e < d; e++) row[e] = cache_at(cache, row0 + (size_t)l * d + e, f16);
+                sc = fa_row_codes(row, d, c);
+            } else {
+                memset(c, 0, sizeof(int32_t) * (size_t)d);
+            }
+            if (kv == 0) { /* 4 dims of key i in dword e4 * 64 + i, unsigned */
+                ks[i] = sc;
+                for (int e = 0; e < d; e++) kq[4 * (64 * (e / 4) + i) + e % 4] = (uint8_t)(c[e] + 128);
+            } else { /* key i's value at dim e in byte i % 4 of dword (i / 4) d + e */
+                vs[i] = sc;
+                vs[FA_BK] = i == 0 || sc > vs[FA_BK] ? sc : vs[FA_BK];
+                for (int e = 0; e < d; e++) vq[4 * ((size_t)(i / 4) * d + e) + i % 4] = (uint8_t)(int8_t)c[e];
+            }
+        }
+    }
+}
+
 int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, void *kc, void *vc, int pos,
                             int n_head, int n_kv, int d, int max_seq, const float *cos,
                             const float *sin, int neox, int q_from, void *out, int out_bf16,
-                            int kv_f16) {
+                            int kv_f16, int int8) {
     if (d % 16 || d > 128 || n_head % n_kv || q_from < 0 || q_from >= t) return -1;
     const int rep = n_head / n_kv, L = pos + t, nkb = (L + FA_BK - 1) / FA_BK;
     const size_t row = (size_t)(n_head + 2 * n_kv) * d, esz = in_bf16 ? 2 : 4;
@@ -491,14 +739,25 @@ int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, void *kc, void 
     const int FA_BQ = qlib_fa_bq ? qlib_fa_bq : L > 1024 ? 16 : 8;
     const int nqv = FA_BQ * rep; /* query vectors of a task */
     const int nth = omp_get_max_threads();
-    const size_t per_thread = ((size_t)nqv * d + (size_t)FA_NQ * FA_BK + 2 * (size_t)nqv + 15) / 16 * 16;
-    const size_t nqf = ((size_t)(t - q_from) * n_head * d + 15) / 16 * 16;
-    const size_t nkt = (size_t)n_kv * nkb * FA_BK * d, nvf = kv_f16 ? nkt : 0;
+    /* per thread: o, p, m, l; int8: l as vectors and the weights' codes */
+    const size_t fa_base = ((size_t)nqv * d + (size_t)FA_NQ * FA_BK + 2 * (size_t)nqv + 15) / 16 * 16;
+    const size_t per_thread = fa_base + (int8 ? 16 * (size_t)nqv + FA_NQ * FA_BK / 4 : 0);
+    const size_t nq = (size_t)(t - q_from) * n_head, nqf = (nq * d + 15) / 16 * 16;
+    /* float32: Kt (keys transposed) and a half cache's values as float32 (Vf); int8: the codes
+     * of the keys and values (kq, vq: 16 d floats' bytes a block each) and their scales, and
+     * the queries' codes, scales and corrections */
+    const size_t nkt = int8 ? 0 : (size_t)n_kv * nkb * FA_BK * d, nvf = kv_f16 ? nkt : 0;
+    const size_t nblk_kv = (size_t)n_kv * nkb, nq8 = int8 ? nblk_kv * (FA_BK * d / 2 + 2 * FA_BK + 16)
+                                                             + (nq * d / 4 + 2 * nq + 15) / 16 * 16 : 0;
     float *qf = scratch_grow(&fa_scratch, &fa_scratch_bytes,
-                             sizeof(float) * (nqf + nkt + nvf + per_thread * nth));
+                             sizeof(float) * (nqf + nkt + nvf + nq8 + per_thread * nth));
     if (!qf) return -1;
-    /* Kt: keys transposed per block; Vf: a half cache's values as float32, [g][l][d] */
-    float *Kt = qf + nqf, *Vf = Kt + nkt, *scratch = Vf + nvf;
+    float *Kt = qf + nqf, *Vf = Kt + nkt, *q8 = Vf + nvf, *scratch = q8 + nq8;
+    uint8_t *Kq = (uint8_t *)q8, *Vq = Kq + nblk_kv * FA_BK * d;
+    float *Ks = (float *)(Vq + nblk_kv * FA_BK * d), *Vs = Ks + nblk_kv * FA_BK;
+    int8_t *Qc = (int8_t *)(Vs + nblk_kv * (FA_BK + 16)); /* Vs: 64 scales and their max */
+    float *Qs = (float *)(Qc + nq * d);
+    int32_t *Qcorr = (int32_t *)(Qs + nq);
     const int nblk = (t - q_from + FA_BQ - 1) / FA_BQ; /* row blocks, from the last row up */
 #pragma omp parallel
     {
@@ -516,17 +775,25 @@ int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, void *kc, void 
                 head_to_cache(x + esz * (size_t)(n_head + n_kv + g) * d, in_bf16, d, NULL, NULL,
                               0, vc, at, kv_f16);
             }
-            for (int h = 0; h < n_head && i >= q_from; h++)
-                head_in_any(x + esz * (size_t)h * d, in_bf16, d, c, s, neox, scale,
-                            qf + ((size_t)(i - q_from) * n_head + h) * d);
+            for (int h = 0; h < n_head && i >= q_from; h++) {
+                const size_t v = (size_t)(i - q_from) * n_head + h;
+                head_in_any(x + esz * (size_t)h * d, in_bf16, d, c, s, neox, scale, qf + v * d);
+                if (int8) fa_quantize_query(qf + v * d, d, Qc + v * d, Qs + v, Qcorr + v);
+            }
         }
-        /* keys transposed per KV head in blocks of 64: Kt[g][b][e][l % 64], zero past L (and
-         * a half cache's values as float32 in Vf) */
+        /* per KV head and block of 64 keys, zero past L: float32, the keys transposed
+         * (Kt[g][b][e][l % 64]) and a half cache's values as float32 (Vf); int8, the codes */
 #pragma omp for schedule(static)
         for (int gb = 0; gb < n_kv * nkb; gb++) {
             const int g = gb / nkb, l0 = gb % nkb * FA_BK;
-            float *kt = Kt + (size_t)gb * FA_BK * d;
             const size_t row0 = (size_t)g * max_seq * d;
+            if (int8) {
+                fa_block_i8(kc, vc, kv_f16, row0, l0, L, d, Kq + (size_t)gb * FA_BK * d,
+                            Ks + (size_t)gb * FA_BK, Vq + (size_t)gb * FA_BK * d,
+                            Vs + (size_t)gb * (FA_BK + 16));
+                continue;
+            }
+            float *kt = Kt + (size_t)gb * FA_BK * d;
             for (int l = l0; l < l0 + FA_BK; l++)
                 for (int e = 0; e < d; e++)
                     kt[(size_t)e * FA_BK + l - l0] =
@@ -538,6 +805,8 @@ int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, void *kc, void 
         }
         float *obuf = scratch + per_thread * omp_get_thread_num();
         float *pbuf = obuf + (size_t)nqv * d, *mv = pbuf + FA_NQ * FA_BK, *lv = mv + nqv;
+        float *lvec = obuf + fa_base; /* int8: the sums as vectors */
+        uint8_t *wbuf = (uint8_t *)(lvec + 16 * (size_t)nqv);
         /* longest tasks (the last rows) first */
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < n_kv * nblk; task++) {
@@ -545,26 +814,44 @@ int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, void *kc, void 
             const int i1 = t - b * FA_BQ, i0 = i1 - FA_BQ > q_from ? i1 - FA_BQ : q_from;
             const int nv = (i1 - i0) * rep;
             const float *qp[nqv]; /* VLAs: FA_BQ * rep entries */
-            float *op[nqv];
+            const int8_t *qcp[nqv];
+            float *op[nqv], qsv[nqv];
+            int32_t qcorr[nqv];
             int lim[nqv];
             for (int r = 0; r < i1 - i0; r++)
                 for (int hh = 0; hh < rep; hh++) {
                     const int j = r * rep + hh;
-                    qp[j] = qf + ((size_t)(i0 + r - q_from) * n_head + g * rep + hh) * d;
+                    const size_t v = (size_t)(i0 + r - q_from) * n_head + g * rep + hh;
+                    qp[j] = qf + v * d;
+                    if (int8) qcp[j] = Qc + v * d, qsv[j] = Qs[v], qcorr[j] = Qcorr[v];
                     op[j] = obuf + (size_t)j * d;
                     lim[j] = pos + i0 + r;
                 }
             for (int j = 0; j < nv; j++) mv[j] = -INFINITY, lv[j] = 0.0f;
+            if (int8) memset(lvec, 0, sizeof(float) * 16 * (size_t)nv);
             memset(obuf, 0, sizeof(float) * (size_t)nv * d);
             const int last_b = (pos + i1 - 1) / FA_BK;
             const float *V = kv_f16 ? Vf + (size_t)g * nkb * FA_BK * d
                                     : (const float *)vc + (size_t)g * max_seq * d;
             for (int kb = 0; kb <= last_b; kb++) {
-                const float *kt = Kt + ((size_t)g * nkb + kb) * FA_BK * d;
+                const size_t gb = (size_t)g * nkb + kb;
+                const float *kt = Kt + gb * FA_BK * d;
                 const float *Vb = V + (size_t)kb * FA_BK * d;
+                const uint8_t *kq = Kq + gb * FA_BK * d, *vq = Vq + gb * FA_BK * d;
+                const float *ks = Ks + gb * FA_BK, *vs = Vs + gb * (FA_BK + 16);
                 for (int j = 0; j < nv; j += nq_max) {
-                    const int nq = nv - j < nq_max ? nv - j : nq_max;
-                    switch (nq) {
+                    const int n = nv - j < nq_max ? nv - j : nq_max;
+                    if (int8) {
+                        switch (n) {
+#define QLIB_FG(n) case n: fa_group_i8(n, qcp + j, qsv + j, qcorr + j, lim + j, d, kq, ks, vq, \
+                                       vs, kb * FA_BK, mv + j, lvec + 16 * j, op + j, pbuf, wbuf); \
+                                       break;
+                        QLIB_FG(1) QLIB_FG(2) QLIB_FG(3) QLIB_FG(4) QLIB_FG(5) QLIB_FG(6)
+#undef QLIB_FG
+                        }
+                        continue;
+                    }
+                    switch (n) {
 #define QLIB_FG(n) case n: fa_group(n, qp + j, lim + j, d, kt, Vb, kb * FA_BK, mv + j, lv + j, \
                                     op + j, pbuf); break;
                     QLIB_FG(1) QLIB_FG(2) QLIB_FG(3) QLIB_FG(4) QLIB_FG(5) QLIB_FG(6)
@@ -572,6 +859,7 @@ int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, void *kc, void 
                     }
                 }
             }
+            for (int j = 0; j < nv && int8; j++) lv[j] = _mm512_reduce_add_ps(_mm512_loadu_ps(lvec + 16 * j));
             for (int j = 0; j < nv; j++) {
                 const int r = j / rep, hh = j % rep;
                 const size_t at = ((size_t)(i0 + r - q_from) * n_head + g * rep + hh) * d;
