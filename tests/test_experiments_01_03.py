@@ -245,11 +245,15 @@ def test_throughput_rows_have_the_right_shape(model):
 
 
 def test_long_context_configs_cover_each_cache_type():
-    """Notebook 03's long-context runtimes: each KV type on both devices (on CUDA with the f32
-    and the bf16 prefill), llama.cpp last when installed; every argv flag-value pairs."""
+    """Notebook 03's long-context runtimes: each KV type on both devices, with the default and
+    the fastest prefill (CUDA bf16, CPU int8-attn), llama.cpp last when installed; every argv
+    flag-value pairs."""
     cpu = throughput.long_context_configs("cpu", ("f32", "f16"), llama_cpp=True)
-    assert [label for label, _ in cpu] == ["qlib fast cpu, f32 KV", "qlib fast cpu, f16 KV",
-                                           "llama.cpp cpu, f16 KV"]  # fmt: skip
+    assert [label for label, _ in cpu] == [
+        "qlib fast cpu, f32 KV", "qlib fast cpu, f16 KV",
+        "qlib fast cpu, f32 KV, int8-attn prefill", "qlib fast cpu, f16 KV, int8-attn prefill",
+        "llama.cpp cpu, f16 KV"]  # fmt: skip
+    assert cpu[3][1][-2:] == ["--prefill", "int8-attn"]
     cuda = throughput.long_context_configs("cuda", ("f32", "f16"), llama_cpp=False)
     flags = [dict(zip(argv[::2], argv[1::2], strict=True)) for _, argv in cuda]
     assert {(f["--kv-type"], f.get("--prefill")) for f in flags} == {

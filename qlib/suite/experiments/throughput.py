@@ -231,14 +231,15 @@ LONG_CONTEXTS = (256, 1024, 2048)
 
 def long_context_configs(device: str, kv_types: tuple[str, ...], llama_cpp: bool) -> list[tuple]:
     """(label, bench argv) per runtime of the long-context curve: qlib's fast engine with each
-    KV type (on CUDA each with the default f32 prefill and with the bf16 one), and llama.cpp
-    (CPU, its default f16 cache) when installed."""
+    KV type, each with its default prefill and with its fastest one (CUDA: bf16 matmuls and
+    attention; CPU: int8 attention products, ``int8-attn``), and llama.cpp (CPU, its default
+    f16 cache) when installed."""
     configs = [(f"qlib fast {device}, {kv} KV", ["--runtime", "qlib", "--engine", "fast",
                                                   "--device", device, "--kv-type", kv])
                for kv in kv_types]  # fmt: skip
-    if device == "cuda":
-        configs += [(f"{label}, bf16 prefill", [*argv, "--prefill", "bf16"])
-                    for label, argv in list(configs)]  # fmt: skip
+    fastest = "bf16" if device == "cuda" else "int8-attn"
+    configs += [(f"{label}, {fastest} prefill", [*argv, "--prefill", fastest])
+                for label, argv in list(configs)]  # fmt: skip
     if llama_cpp:
         configs.append(("llama.cpp cpu, f16 KV", ["--runtime", "llama.cpp", "--device", "cpu"]))
     return configs
