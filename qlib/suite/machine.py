@@ -80,7 +80,7 @@ def package_versions() -> dict[str, str | None]:
 
 
 def git_commit(repo: Path = REPO_ROOT) -> dict[str, object] | None:
-    """Short sha of the checkout and whether tracked files differ from it.
+    """Short sha of the checkout and whether tracked files outside ``results/`` differ from it.
 
     ``$QLIB_COMMIT``, when set, names the commit instead (dirty unknown): a copy of
     the tree on a GPU machine may carry no ``.git``, or a stale one (the device
@@ -93,7 +93,9 @@ def git_commit(repo: Path = REPO_ROOT) -> dict[str, object] | None:
     sha = _run(["git", "rev-parse", "--short", "HEAD"], cwd=repo)
     if sha is None:
         return None
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
+    # the suite's own outputs (results/, tracked) change while it runs: not the code's state
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                   ":(exclude)results"], cwd=repo)  # fmt: skip
     return {"commit": sha, "dirty": bool(status)}
 
 
