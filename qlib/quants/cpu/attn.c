@@ -58,11 +58,6 @@ static inline __m512 hsum16x16(const __m512 *v) {
     return hs_l34(hs_l34(u[0], u[1]), hs_l34(u[2], u[3]));
 }
 
-static inline __m512 load_kv(const void *base, size_t at, int f16) {
-    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at)));
-    return _mm512_loadu_ps((const float *)base + at);
-}
-
 /* Rows b..b+nb-1 of K (one KV head, rows of d) as 16 float32 rows: the cache itself for a
  * whole float32 block, else converted into kbuf (16 d floats; missing rows zero). */
 static inline __attribute__((always_inline)) const float *k_block(

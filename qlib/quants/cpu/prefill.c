@@ -709,7 +709,9 @@ static void fa_block_i8(const void *kc, const void *vc, int f16, size_t row0, in
             const void *cache = kv ? vc : kc;
             float sc = 0.0f;
             if (l < L) {
-                for (int e = 0; e < d; e++) row[e] = cache_at(cache, row0 + (size_t)l * d + e, f16);
+                const size_t at = row0 + (size_t)l * d;
+                for (int e = 0; e < d; e += 16)
+                    _mm512_storeu_ps(row + e, load_kv(cache, at + e, f16));
                 sc = fa_row_codes(row, d, c);
             } else {
                 memset(c, 0, sizeof(int32_t) * (size_t)d);

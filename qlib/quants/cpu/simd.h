@@ -69,6 +69,12 @@ static inline __m512 silu16(__m512 x) {
     return _mm512_mul_ps(x, r);
 }
 
+/* 16 float32 values of a KV cache of float32 or IEEE half elements, from element at. */
+static inline __m512 load_kv(const void *base, size_t at, int f16) {
+    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at)));
+    return _mm512_loadu_ps((const float *)base + at);
+}
+
 /* A buffer of at least ``bytes`` (64-byte aligned), kept by its caller between calls in
  * *buf / *have (thread-local there) and grown as needed: a fresh allocation of a few MB a
  * call is mapped anew each time (page faults). NULL when out of memory. */
