@@ -69,14 +69,6 @@ static inline __m512 silu16(__m512 x) {
     return _mm512_mul_ps(x, r);
 }
 
-/* acc + the sums of 4 products of unsigned bytes u and signed bytes s in each int32 lane
- * (vpdpbusd). In asm: GCC 12's intrinsic copies every accumulator around each instruction and
- * spills them when many accumulators are live (the int8 attention measured 1.4x slower). */
-static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
-    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
-    return acc;
-}
-
 /* 16 float32 values of a KV cache of float32 or IEEE half elements, from element at. */
 static inline __m512 load_kv(const void *base, size_t at, int f16) {
     if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at)));
