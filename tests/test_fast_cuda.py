@@ -109,16 +109,13 @@ def test_attention_paths(tmp_path, attention, n_embd, n_head, n_kv_head):
 
 
 @needs_kernels
-@pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("kv", ["f32", "f16"])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 32), (2, 1, 16)])
-def test_split_attention_matches_reference(kv, heads, fold):
-    """The decode attention in blocks of 64 positions and their combine (by each head's last
-    block, ``fold``, or a kernel of its own) against softmax(q K^T / sqrt d) V in float64 over
-    the cached rows as stored: 2e-5 absolute on outputs of magnitude ~1 (float32 arithmetic in
-    another summation order), at lengths around the block size and past one combine step of 64
-    blocks; the arrival counters are back at zero after every call; both ways agree bit for
-    bit (the same merge in the same block order)."""
+def test_split_attention_matches_reference(kv, heads):
+    """The decode attention in blocks of 64 positions and their combine against
+    softmax(q K^T / sqrt d) V in float64 over the cached rows as stored: 2e-5 absolute on
+    outputs of magnitude ~1 (float32 arithmetic in another summation order), at lengths around
+    the block size and past one combine step of 64 blocks."""
     from qlib.quants.cuda import fused
 
     nq, nkv, d = heads
@@ -128,14 +125,10 @@ def test_split_attention_matches_reference(kv, heads, fold):
     kc = torch.randn(nkv, S, d, generator=g).to(dtype).to(DEVICE)
     vc = torch.randn(nkv, S, d, generator=g).to(dtype).to(DEVICE)
     q = torch.randn(nq * d, generator=g).to(DEVICE)
-    attend = fused.SplitAttention(heads, S, DEVICE, fold=fold)
-    other = fused.SplitAttention(heads, S, DEVICE, fold=not fold)
-    out, out2 = (torch.empty(nq * d, device=DEVICE) for _ in range(2))
+    attend = fused.SplitAttention(heads, S, DEVICE)
+    out = torch.empty(nq * d, device=DEVICE)
     for pos in (0, 63, 64, 200, 4095, S - 1):
-        p = torch.tensor([pos], dtype=torch.int32, device=DEVICE)
-        attend(q, kc, vc, out, p)
-        other(q, kc, vc, out2, p)
-        assert torch.equal(out, out2) and not attend.count.any()
+        attend(q, kc, vc, out, torch.tensor([pos], dtype=torch.int32, device=DEVICE))
         K = kc[:, : pos + 1].double().repeat_interleave(nq // nkv, 0)
         V = vc[:, : pos + 1].double().repeat_interleave(nq // nkv, 0)
         w = torch.softmax(q.double().view(nq, 1, d) @ K.transpose(1, 2) / d**0.5, -1)

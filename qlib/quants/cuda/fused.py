@@ -221,6 +221,35 @@ def _attn_decode_kernel(
     tl.store(out + h * D + dd, acc / den)
 
 
+@triton.jit(do_not_specialize=["S", "NS", "scale"])
+def _attn_split_kernel(
+    q, kc, vc, pm, pl, pacc, pos_ptr, S, NS, scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Query head ``h``, cache positions ``BL s .. BL s + BL - 1`` (up to ``pos``): the block's
+    max score, its softmax denominator and its weighted sum of V, for ``_attn_combine_kernel``."""
+    _pdl_start(PDL)
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    n = tl.load(pos_ptr).to(tl.int64) + 1
+    if s * BL < n:
+        kvh = (h // GROUP).to(tl.int64)
+        dd = tl.arange(0, D)
+        qv = tl.load(q + h * D + dd) * scale
+        offs = s * BL + tl.arange(0, BL)
+        valid = offs < n
+        p = kvh * S * D + offs[:, None] * D + dd[None, :]
+        k = tl.load(kc + p, mask=valid[:, None], other=0.0).to(tl.float32)
+        score = tl.where(valid, tl.sum(k * qv[None, :], 1), float("-inf"))
+        m = tl.max(score, 0)
+        w = tl.exp(score - m)
+        v = tl.load(vc + p, mask=valid[:, None], other=0.0).to(tl.float32)
+        slot = h * NS + s
+        tl.store(pm + slot, m)
+        tl.store(pl + slot, tl.sum(w, 0))
+        tl.store(pacc + slot * D + dd, tl.sum(w[:, None] * v, 0))
+
+
 @triton.jit
 def _combine_head(pm, pl, pacc, h, n, NS, D: tl.constexpr, BL: tl.constexpr, NSB: tl.constexpr):
     """Head ``h``'s output over ``n`` positions: ``sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M)
@@ -242,46 +271,6 @@ def _combine_head(pm, pl, pacc, h, n, NS, D: tl.constexpr, BL: tl.constexpr, NSB
         acc = acc * alpha + tl.sum(w[:, None] * a, 0)
         big = big_new
     return acc / den
-
-
-@triton.jit(do_not_specialize=["S", "NS", "scale"])
-def _attn_split_kernel(
-    q, kc, vc, pm, pl, pacc, pos_ptr, S, NS, scale, out, count,
-    GROUP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr, FOLD: tl.constexpr,
-    NSB: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Query head ``h``, cache positions ``BL s .. BL s + BL - 1`` (up to ``pos``): the block's
-    max score, its softmax denominator and its weighted sum of V, for ``_attn_combine_kernel``.
-    ``FOLD``: the head's last block to finish (an arrival counter per head, ``count[h]``, reset
-    by it) merges the blocks into ``out[h]`` itself (``_combine_head``), so no combine kernel
-    follows."""
-    _pdl_start(PDL)
-    h = tl.program_id(0)
-    s = tl.program_id(1)
-    n = tl.load(pos_ptr).to(tl.int64) + 1
-    if s * BL < n:
-        kvh = (h // GROUP).to(tl.int64)
-        dd = tl.arange(0, D)
-        qv = tl.load(q + h * D + dd) * scale
-        offs = s * BL + tl.arange(0, BL)
-        valid = offs < n
-        p = kvh * S * D + offs[:, None] * D + dd[None, :]
-        k = tl.load(kc + p, mask=valid[:, None], other=0.0).to(tl.float32)
-        score = tl.where(valid, tl.sum(k * qv[None, :], 1), float("-inf"))
-        m = tl.max(score, 0)
-        w = tl.exp(score - m)
-        v = tl.load(vc + p, mask=valid[:, None], other=0.0).to(tl.float32)
-        slot = h * NS + s
-        tl.store(pm + slot, m)
-        tl.store(pl + slot, tl.sum(w, 0))
-        tl.store(pacc + slot * D + dd, tl.sum(w[:, None] * v, 0))
-        if FOLD:
-            tl.debug_barrier()  # every thread's partial stored before the arrival (release)
-            arrived = tl.atomic_add(count + h, 1, sem="acq_rel")
-            if arrived == tl.cdiv(n, BL) - 1:  # the last: the others' partials are visible
-                tl.debug_barrier()
-                tl.store(out + h * D + dd, _combine_head(pm, pl, pacc, h, n, NS, D, BL, NSB))
-                tl.atomic_xchg(count + h, 0)  # for the next layer's call
 
 
 @triton.jit(do_not_specialize=["NS"])
@@ -494,31 +483,24 @@ def attn_decode(
 
 
 class SplitAttention:
-    """Decode attention over blocks of ``bl`` positions in parallel, then their combine: in
-    the blocks' kernel by the last block of each head (``fold``, the default) or in a kernel
-    of its own.
+    """Decode attention in two kernels: blocks of ``bl`` positions in parallel, then a combine.
 
     Holds the partial results (``[n_head, max_seq_len / bl]`` maxima and denominators, and
-    weighted V sums) and a per-head arrival counter: every query head gets
-    ``ceil((pos + 1) / bl)`` programs instead of one program looping over the whole cache.
+    weighted V sums): every query head gets ``ceil((pos + 1) / bl)`` programs instead of one
+    program looping over the whole cache.
     """
 
-    def __init__(self, heads: tuple[int, int, int], max_seq_len: int, device, bl: int = 64,
-                 fold: bool = True):  # fmt: skip
+    def __init__(self, heads: tuple[int, int, int], max_seq_len: int, device, bl: int = 64):
         # bl = 64 with 4 warps: the best of the H200 sweep; 64 blocks a combine step (an A/B
         # on the H200, 30 layers' calls: 558 -> 348 us at 8176 positions, 124 -> 137 at 256)
         nq, _, hd = heads
-        self.heads, self.bl, self.fold = heads, bl, fold
+        self.heads, self.bl = heads, bl
         self.ns = triton.cdiv(max_seq_len, bl)
         self.m = torch.empty(nq, self.ns, device=device)
         self.l = torch.empty(nq, self.ns, device=device)
         self.acc = torch.empty(nq, self.ns, hd, device=device)
-        self.count = torch.zeros(nq, dtype=torch.int32, device=device)
 
     def __call__(self, q, kc, vc, out, pos, *, num_warps: int = 4, nsb: int = 64) -> None:
-        if self.fold:
-            self._split(q, kc, vc, pos, out, num_warps=num_warps, fold=True, nsb=nsb)
-            return
         self.split(q, kc, vc, pos, num_warps=num_warps)
         _attn_combine_kernel[(self.heads[0],)](
             out, self.m, self.l, self.acc, pos, self.ns, D=self.heads[2], BL=self.bl, NSB=nsb,
@@ -526,15 +508,11 @@ class SplitAttention:
         )  # fmt: skip
 
     def split(self, q, kc, vc, pos, *, num_warps: int = 4) -> None:
-        """The blocks' partial results only (for ``combine_wo``)."""
-        self._split(q, kc, vc, pos, q, num_warps=num_warps, fold=False, nsb=64)
-
-    def _split(self, q, kc, vc, pos, out, *, num_warps: int, fold: bool, nsb: int) -> None:
+        """The blocks' partial results (the first kernel of ``__call__``)."""
         nq, nkv, hd = self.heads
         _attn_split_kernel[(nq, self.ns)](
-            q, kc, vc, self.m, self.l, self.acc, pos, kc.shape[1], self.ns, hd**-0.5, out,
-            self.count, GROUP=nq // nkv, D=hd, BL=self.bl, FOLD=fold, NSB=nsb,
-            num_warps=num_warps, **_pdl(),
+            q, kc, vc, self.m, self.l, self.acc, pos, kc.shape[1], self.ns, hd**-0.5,
+            GROUP=nq // nkv, D=hd, BL=self.bl, num_warps=num_warps, **_pdl(),
         )  # fmt: skip
 
     def combine_wo(self, wo: Prepared, res, out, pos, *, bn: int = 32, nsb: int = 64,
