@@ -476,7 +476,7 @@ static inline __attribute__((always_inline)) void fa_group(
  *   values: each value row to int8 codes with one scale per key (vs); a vector's weights of
  *           the block, w_l = p_l vs_l, to unsigned codes with one scale (ws = max w / 255);
  *           o = o alpha + ws sum(wc vc). The sums l keep the float32 weights p.
- * Layouts per KV head and key block of 64 (Kq: 16 groups of 4 dims x 64 keys x 4 bytes, the
+ * Layouts per KV head and key block of 64 (Kq: d / 4 groups of 4 dims x 64 keys x 4 bytes, the
  * dims of a key contiguous; Vq: 16 groups of 4 keys x d dims x 4 bytes, the keys of a dim
  * contiguous), keys past L zero (their weights are zero). Rounding is to nearest even (the
  * MXCSR's), ties and all; rows whose max is 0 get scale 0 and codes 0. */
@@ -605,8 +605,8 @@ static inline __attribute__((always_inline)) int fa_softmax_i8(const int NQ, __m
 /* o[j] = o[j] alpha[j] + ws_j sum over keys of wc_l vc_l: the weights w = p vs of vector j
  * rounded to unsigned codes wc (wbuf[j][64]) with the scale ws_j = wmax / 255, wmax = pmax_j
  * vsmax in a block the vector sees whole (their bound: p <= pmax, vs <= vsmax), else their
- * max; vq: [16][d] dwords of the int8 value codes of 4 keys, vs[64] their scales, vs[64] =
- * vsmax; nk keys seen. */
+ * max; vq: [16][d] dwords of the int8 value codes of 4 keys, vs[0..63] their scales and
+ * vs[64] = vsmax; nk keys seen. */
 static inline __attribute__((always_inline)) void fa_values_i8(
     const int NQ, const int DV, const float *p, const float *alpha, const float *pmax,
     const int *lim, int l0, const uint8_t *vq, const float *vs, int nk, uint8_t *wbuf,
@@ -746,7 +746,7 @@ int qlib_attn_prefill_flash(const void *qkv, int in_bf16, int t, void *kc, void 
     const size_t per_thread = fa_base + (int8 ? 16 * (size_t)nqv + FA_NQ * FA_BK / 4 : 0);
     const size_t nq = (size_t)(t - q_from) * n_head, nqf = (nq * d + 15) / 16 * 16;
     /* float32: Kt (keys transposed) and a half cache's values as float32 (Vf); int8: the codes
-     * of the keys and values (kq, vq: 16 d floats' bytes a block each) and their scales, and
+     * of the keys and values (kq, vq: 64 d bytes a block each) and their scales, and
      * the queries' codes, scales and corrections */
     const size_t nkt = int8 ? 0 : (size_t)n_kv * nkb * FA_BK * d, nvf = kv_f16 ? nkt : 0;
     const size_t nblk_kv = (size_t)n_kv * nkb, nq8 = int8 ? nblk_kv * (FA_BK * d / 2 + 2 * FA_BK + 16)
