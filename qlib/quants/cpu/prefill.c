@@ -404,6 +404,35 @@ static inline __attribute__((always_inline)) void fa_values(const int NQ, const 
         for (int v = 0; v < DV; v++) _mm512_storeu_ps(o[j] + 16 * v, acc[j][v]);
 }
 
+/* Each vector's max over the scores s of a key block (keys l0..l0+63) it sees (lim[j]: its
+ * last key) -> bmax[j] (-inf where it sees none), with the masks of the keys it sees in km
+ * (unless ``whole``: every vector sees all 64, no masks). Returns the keys of the block any
+ * vector sees (<= 64). */
+static inline __attribute__((always_inline)) int fa_block_max(const int NQ, __m512 s[FA_NQ][4],
+                                                              const int *lim, int l0, int whole,
+                                                              __mmask16 km[FA_NQ][4],
+                                                              float *bmax) {
+    int nk = 0;
+    for (int j = 0; j < NQ; j++) {
+        const int valid = lim[j] - l0 + 1; /* keys of this block vector j sees (may be <= 0) */
+        nk = valid > nk ? valid : nk;
+        __m512 mx;
+        if (whole) {
+            for (int c = 0; c < 4; c++) km[j][c] = (__mmask16)0xFFFF;
+            mx = _mm512_max_ps(_mm512_max_ps(s[j][0], s[j][1]), _mm512_max_ps(s[j][2], s[j][3]));
+        } else {
+            mx = _mm512_set1_ps(-INFINITY);
+            for (int c = 0; c < 4; c++) {
+                const int vc = valid - 16 * c;
+                km[j][c] = vc >= 16 ? (__mmask16)0xFFFF : vc <= 0 ? 0 : (__mmask16)((1u << vc) - 1);
+                mx = _mm512_mask_max_ps(mx, km[j][c], mx, s[j][c]);
+            }
+        }
+        bmax[j] = _mm512_reduce_max_ps(mx);
+    }
+    return nk > FA_BK ? FA_BK : nk;
+}
+
 /* The online softmax update of a group of NQ query vectors (limits lim[j]: the last key each
  * sees) for one key block (keys l0..l0+63) from its scores s: the block's max, the new maxima
  * m, the rescale factors alpha[j] = e^(m - m'), the weights p (pbuf[j][64], zero past a
@@ -413,19 +442,8 @@ static inline __attribute__((always_inline)) int fa_softmax(const int NQ, __m512
                                                             float *lsum, float *pbuf,
                                                             float *alpha) {
     float mnew[16];
-    int nk = 0; /* keys of the block any vector of the group sees */
     __mmask16 km[FA_NQ][4];
-    for (int j = 0; j < NQ; j++) { /* the block's max of each vector's visible scores */
-        const int valid = lim[j] - l0 + 1; /* keys of this block vector j sees (may be <= 0) */
-        nk = valid > nk ? valid : nk;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int c = 0; c < 4; c++) {
-            const int vc = valid - 16 * c;
-            km[j][c] = vc >= 16 ? (__mmask16)0xFFFF : vc <= 0 ? 0 : (__mmask16)((1u << vc) - 1);
-            mx = _mm512_mask_max_ps(mx, km[j][c], mx, s[j][c]);
-        }
-        mnew[j] = _mm512_reduce_max_ps(mx);
-    }
+    int nk = fa_block_max(NQ, s, lim, l0, 0, km, mnew);
     { /* new maxima and the rescale factors of all vectors at once: e^(m - m'), exactly 1 when
        * the max did not grow (a block past a vector's last key), ~0 at the first block */
         const __mmask16 all = (__mmask16)((1u << NQ) - 1);
@@ -447,7 +465,7 @@ static inline __attribute__((always_inline)) int fa_softmax(const int NQ, __m512
         }
         lsum[j] = lsum[j] * alpha[j] + _mm512_reduce_add_ps(sum);
     }
-    return nk > FA_BK ? FA_BK : nk;
+    return nk;
 }
 
 /* One group of NQ query vectors (limits lim[j]: the last key each sees) and one key block
@@ -554,29 +572,11 @@ static inline __attribute__((always_inline)) int fa_softmax_i8(const int NQ, __m
                                                                float *lvec, float *pbuf,
                                                                float *alpha, float *pmax) {
     float bmax[16];
-    int lo = lim[0], hi = lim[0];
-    for (int j = 1; j < NQ; j++) {
-        lo = lim[j] < lo ? lim[j] : lo;
-        hi = lim[j] > hi ? lim[j] : hi;
-    }
+    int lo = lim[0];
+    for (int j = 1; j < NQ; j++) lo = lim[j] < lo ? lim[j] : lo;
     const int whole = lo - l0 + 1 >= FA_BK; /* every vector sees all 64 keys */
     __mmask16 km[FA_NQ][4];
-    for (int j = 0; j < NQ; j++) {
-        __m512 mx;
-        if (whole) {
-            for (int c = 0; c < 4; c++) km[j][c] = (__mmask16)0xFFFF; /* (not read) */
-            mx = _mm512_max_ps(_mm512_max_ps(s[j][0], s[j][1]), _mm512_max_ps(s[j][2], s[j][3]));
-        } else {
-            const int valid = lim[j] - l0 + 1;
-            mx = _mm512_set1_ps(-INFINITY);
-            for (int c = 0; c < 4; c++) {
-                const int vc = valid - 16 * c;
-                km[j][c] = vc >= 16 ? (__mmask16)0xFFFF : vc <= 0 ? 0 : (__mmask16)((1u << vc) - 1);
-                mx = _mm512_mask_max_ps(mx, km[j][c], mx, s[j][c]);
-            }
-        }
-        bmax[j] = _mm512_reduce_max_ps(mx);
-    }
+    const int nk = fa_block_max(NQ, s, lim, l0, whole, km, bmax);
     float mnew[16];
     {
         const __mmask16 all = (__mmask16)((1u << NQ) - 1);
@@ -598,8 +598,7 @@ static inline __attribute__((always_inline)) int fa_softmax_i8(const int NQ, __m
         }
         _mm512_storeu_ps(lvec + 16 * j, sum);
     }
-    const int nk = hi - l0 + 1;
-    return nk > FA_BK ? FA_BK : nk;
+    return nk;
 }
 
 /* o[j] = o[j] alpha[j] + ws_j sum over keys of wc_l vc_l: the weights w = p vs of vector j
