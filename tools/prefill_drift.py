@@ -13,6 +13,7 @@ import torch
 
 from qlib import models
 from qlib.llama.engine import load
+from qlib.suite.bench import prompt_ids
 from qlib.tokenizer import Tokenizer
 
 
@@ -35,9 +36,8 @@ def main() -> None:
     engines = {mode: load(path, "cpu", engine="fast", prefill=mode, kv_type=args.kv_type)[0]
                for mode in ("int8", "int8-attn")}  # fmt: skip
     ref, content = load(path, "cpu", form="f32")
-    text = models.data_file("passage.txt").read_text()
-    ids = Tokenizer.from_metadata(content.metadata).encode(text)
-    ids = torch.tensor([(ids * (args.n // len(ids) + 1))[: args.n]])
+    encode = Tokenizer.from_metadata(content.metadata).encode
+    ids = torch.tensor([prompt_ids(encode, args.n, models.data_file("passage.txt"), repeat=True)])
     with torch.inference_mode():
         ref.clear_kv_cache()
         f32 = ref.forward(ids, 0, all_logits=True)[0]
