@@ -23,8 +23,9 @@
 # kernels captured once in a CUDA graph and replayed, without and with programmatic dependent
 # launch (PDL: Hopper and later), and with the attention's combine merged into the output
 # projection's kernel (five kernels a layer instead of six); (d) one persistent kernel that walks all
-# the layers with grid-wide barriers between its stages (`qlib.quants.cuda.persistent`), also
-# replayed from a graph; a rung that cannot run this model says why. Per rung: kernels per token, host launches per token, host time per step,
+# the layers, each block waiting only on counters of the work it reads, no grid-wide barrier
+# (`qlib.quants.cuda.persistent`), also replayed from a graph; a rung that cannot run this model
+# says why. Per rung: kernels per token, host launches per token, host time per step,
 # GPU busy time per step, ms/token and the share of the bandwidth floor (the bytes a step reads
 # / this GPU's measured copy bandwidth). CUDA only: elsewhere the notebook records why it skipped.
 

@@ -82,12 +82,14 @@ def test_decode_steps_match_f32_form(tmp_path, type_name, graphs):
 
 
 @needs_cuda
-def test_decode_from_position_zero_and_long_attention(tmp_path):
-    """Every position decoded one token at a time (no prefill), past several 32-position
-    attention chunks; MHA, tied output, head_dim 64."""
+@pytest.mark.parametrize("split", [persistent.SPLIT, 16])
+def test_decode_from_position_zero_and_long_attention(tmp_path, split):
+    """Every position decoded one token at a time (no prefill); MHA, tied output, head_dim 64.
+    ``split=16``: past 16 positions the attention of a head runs in several blocks whose
+    partial softmaxes the last one merges."""
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q8_0", n_embd=128, n_head=2,
                             n_kv_head=2, n_ff=256)  # fmt: skip
-    ref, fast = load(path)
+    ref, fast = load(path, decode_options={"split": split})
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (1, 100), generator=gen)
     want = ref.forward(ids, 0, all_logits=True)[0]

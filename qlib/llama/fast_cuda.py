@@ -470,7 +470,8 @@ class CudaFastModel(StaticKVState):
 
         with fused.launch_mode(self.pdl):
             self._decode_kernels()
-        self._pos.add_(1)
+        if self._persistent is None:  # (the persistent kernel advances it itself)
+            self._pos.add_(1)
 
     def _decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         self._tok.copy_(token.reshape(1), non_blocking=True)

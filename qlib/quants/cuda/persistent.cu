@@ -1,36 +1,75 @@
 // qlib's persistent decode kernel: one launch runs a whole llama decode step.
 //
-// A resident grid (one block per SM, all co-resident) walks the layers; the stages of a layer
-// are separated by a grid-wide barrier (an atomic counter with a generation word), so no host
-// round trip happens between layers. Per layer, five stages:
-//   A  RmsNorm(h) (each block, into shared memory) -> q, k, v rows two at a time (a RoPE pair),
-//      rotated, k and v written to the KV cache at the position read from device memory;
-//   B  attention partials: one warp per (query head, 32 cached positions): scores, their max,
-//      exp-sum and the weighted values (flash-decoding's split);
-//   C  each block combines the partials of every head into the attention row (shared memory),
-//      then wo rows: h[row] += wo[row] . att;
-//   D  RmsNorm(h) -> gate and up rows of one index per warp task -> g = silu(gate) * up;
-//   E  down rows: h[row] += w2[row] . g.
-// Then RmsNorm(h) -> output rows -> logits, and the argmax as one 64-bit atomicMax of
-// (order-preserving float bits, inverted index): the first maximum wins, as torch.argmax.
+// A resident grid (one block per SM, all co-resident) walks the layers as a dataflow: blocks
+// wait only on counters of the work they read, never on a grid-wide barrier. Roles are fixed
+// for the launch:
+//   MLP blocks  (0 .. MLP_BLOCKS-1): chunks of CHUNK hidden units. Per layer: wait until every
+//       head's attention has been added into the residual, RmsNorm, the chunk's gate and up
+//       rows, g = silu(gate) * up, and the chunk's share of the down projection (its CHUNK
+//       columns, all DIM rows) added into the next residual with float atomics.
+//   ATT blocks  (then NH x ns of them): query head h, split s of the cached positions. Per layer:
+//       wait until every MLP block has added its share (layer 0: the embedding row), RmsNorm, the
+//       head's q rows (and, in the last split, its KV head's k and v rows: each block computes
+//       them itself, so no block waits on another's), RoPE, the KV write (one block per KV head),
+//       attention over the split, and the head's share of the output projection (its HD
+//       columns of wo) added into the residual with float atomics. With ns > 1 splits the last
+//       split to finish (an arrival counter per head) merges the partial softmaxes first.
+//   every block, at the end: RmsNorm, its rows of the output layer, the argmax as one 64-bit
+//       atomicMax of (order-preserving float bits, inverted index): the first maximum wins, as
+//       torch.argmax. The last block to finish writes the token and advances the position.
+// Each block stages the weights of its next layer's task into shared memory with cp.async
+// right after finishing the current one, before waiting (what does not fit is prefetched into
+// L2), so a wait is followed by arithmetic on data already at hand.
+//
+// The sums a layer accumulates (residual after attention, after the MLP) live in two sets,
+// chosen by the parity of a step counter; a launch zeroes the other set (and its counters) for
+// the next launch, so nothing is reset between launches and the launch can sit in a CUDA graph.
 //
 // Weights are the GGUF blocks as they are in the file (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1,
 // Q8_0), dequantized exactly (d * q (+ m) in float32) and accumulated in float32: the numerics
-// of qlib's fast CUDA path, summed in another order. Activations written by other blocks are
-// read with ld.global.cg (L2, never a stale L1 line). Model sizes come in as macros
-// (-DDIM=576 ...), so every loop bound is a constant.
+// of qlib's fast CUDA path, summed in another order (the atomics' order varies run to run, so
+// the last bits do). wo and down come re-laid as slabs: slab j holds columns [j w, j w + w) of
+// every row, contiguous. Activations written by other blocks are read with ld.global.cg (L2,
+// never a stale L1 line). Model sizes come in as macros, so every loop bound is a constant.
 
 #ifndef DIM
-#error "compile with -DDIM=... -DNFF=... -DNH=... -DNKV=... -DHD=... -DNL=... -DVOCAB=... -DMAXSEQ=... -DEPS=... -DNEOX=..."
+#error "compile with -DDIM=... -DNFF=... -DNH=... -DNKV=... -DHD=... -DNL=... -DVOCAB=... -DMAXSEQ=... -DEPS=... -DNEOX=... and the launch shape macros"
 #endif
 
 #define WARPS (THREADS / 32)
-#define CH 32  // cached positions per attention task (one per lane)
-#define NCMAX ((MAXSEQ + CH - 1) / CH)
-#define QKV_PAIRS ((NH + 2 * NKV) * HD / 2)
-#define SMEM_FLOATS (NFF > DIM ? (NFF > NH * HD ? NFF : NH * HD) : (DIM > NH * HD ? DIM : NH * HD))
+#define GQA (NH / NKV)
+#define CHUNK 16                     // hidden units per MLP task (half a quant block of down)
+#define NMLP_T (NFF / CHUNK)         // MLP tasks per layer
+#define MAXCH ((NMLP_T + MLP_BLOCKS - 1) / MLP_BLOCKS)  // MLP tasks per MLP block
+#define PAIRS_G ((GQA + 2) * HD / 2)  // RoPE pairs of one KV head's q, k and v rows
+#define QKV_T (NKV * PAIRS_G / QPB)   // q/k/v tasks per layer, QPB pairs each
+#define MAXQ ((QKV_T + GRID - 1) / GRID)  // q/k/v tasks per block
+#define ACC_N ((2 * NL + 1) * DIM)   // one set of residual sums
+#define NCNT (NL * (NKV + 2 + NH) + 1)  // one set of counters
+#ifndef OUT_PREFETCH
+#define OUT_PREFETCH 2  // layers before the end at which the output rows are prefetched into L2
+#endif
+#define NMARK 10  // stage-time marks per layer
 
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8 };
+
+// LAYER_TYPES, OUT_TYPES: bit masks (1 << type) of the types of the layers' matrices and of the
+// output matrix. Only their code is compiled: seven types' unrolled products do not fit the
+// instruction cache, and a kernel that misses it stalls at every stage.
+#define QLIB_CASE(MASK, TT, ...) \
+    case TT:                       \
+        if constexpr (((MASK) >> TT) & 1) { \
+            constexpr int T_ = TT; \
+            __VA_ARGS__;           \
+        }                          \
+        break;
+#define QLIB_DISPATCH(MASK, t, ...)                                                          \
+    switch (t) {                                                                              \
+        QLIB_CASE(MASK, T_F32, __VA_ARGS__) QLIB_CASE(MASK, T_F16, __VA_ARGS__) \
+        QLIB_CASE(MASK, T_Q4_0, __VA_ARGS__) QLIB_CASE(MASK, T_Q4_1, __VA_ARGS__)                            \
+        QLIB_CASE(MASK, T_Q5_0, __VA_ARGS__) QLIB_CASE(MASK, T_Q5_1, __VA_ARGS__) \
+        QLIB_CASE(MASK, T_Q8_0, __VA_ARGS__)                            \
+    }
 enum { W_Q, W_K, W_V, W_O, W_GATE, W_UP, W_DOWN, W_ATTN_NORM, W_FFN_NORM, W_PER_LAYER };
 
 typedef unsigned char u8;
@@ -46,7 +85,6 @@ __device__ __forceinline__ float h2f(u16 u) {
     return f;
 }
 __device__ __forceinline__ u16 ld16(const u8* p) { return *(const u16*)p; }  // p 2-aligned
-__device__ __forceinline__ float ldcg(const float* p) { return __ldcg(p); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -67,13 +105,17 @@ __device__ __forceinline__ usize row_bytes(int t, int k) {
 }
 
 // The 8 codes of part p (elements 8p .. 8p+7) of a 4/5-bit block: low nibbles of bytes
-// 0..15 are elements 0..15, high nibbles elements 16..31; Q5_* add bit j of qh.
+// 0..15 are elements 0..15, high nibbles elements 16..31; Q5_* add bit j of qh. The bytes come
+// as four 16-bit loads (every block size is even, so they are aligned).
 __device__ __forceinline__ void nibbles8(const u8* qs, int p, u32 qh, int five, float* q) {
     const u8* b = qs + 8 * (p & 1);
     const int shift = (p >> 1) * 4;
+    u16 w[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) w[k] = ld16(b + 2 * k);
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        int v = (b[i] >> shift) & 15;
+        int v = (w[i >> 1] >> (8 * (i & 1) + shift)) & 15;
         if (five) v |= ((qh >> (8 * p + i)) & 1) << 4;
         q[i] = (float)v;
     }
@@ -133,61 +175,48 @@ __device__ __forceinline__ float partial(const u8* row, const float* x, int lane
     return acc;
 }
 
-// One warp: the dots of R rows of one type with x; every lane gets the R sums in out.
-template <int K, int R>
+// One warp: the dots of R rows of one type (in MASK) with x; every lane gets the R sums in out.
+template <int K, int R, unsigned MASK>
 __device__ __forceinline__ void rows_dot(int t, const u8* const* rows, const float* x, int lane,
                                          float* out) {
-#define QLIB_ROWS(TT)                                                       \
-    {                                                                       \
-        _Pragma("unroll") for (int r = 0; r < R; r++) out[r] =              \
-            partial<K, TT>(rows[r], x, lane);                               \
-    }                                                                       \
-    break;
-    switch (t) {
-        case T_F32: QLIB_ROWS(T_F32)
-        case T_F16: QLIB_ROWS(T_F16)
-        case T_Q4_0: QLIB_ROWS(T_Q4_0)
-        case T_Q4_1: QLIB_ROWS(T_Q4_1)
-        case T_Q5_0: QLIB_ROWS(T_Q5_0)
-        case T_Q5_1: QLIB_ROWS(T_Q5_1)
-        default: QLIB_ROWS(T_Q8_0)
-    }
-#undef QLIB_ROWS
+#pragma unroll
+    for (int r = 0; r < R; r++) out[r] = 0.f;
+    QLIB_DISPATCH(MASK, t, {
+        _Pragma("unroll") for (int r = 0; r < R; r++) out[r] = partial<K, T_>(rows[r], x, lane);
+    })
 #pragma unroll
     for (int r = 0; r < R; r++) out[r] = warp_sum(out[r]);
 }
 
-template <int K>
+template <int K, unsigned MASK>
 __device__ __forceinline__ float row_dot(int t, const u8* row, const float* x, int lane) {
     float y;
-    rows_dot<K, 1>(t, &row, x, lane, &y);
+    rows_dot<K, 1, MASK>(t, &row, x, lane, &y);
     return y;
 }
 
-// out[row] (+)= W[row] . x for every row < N, R rows per warp task (their loads overlap).
-// ARGMAX: also returns (in lane 0) the largest argmax_key of the rows this warp wrote.
+// The output layer's rows [r0, r1) of one block: out[row] = W[row] . x, R rows per warp task
+// (their loads overlap); returns (in lane 0) the largest argmax_key of the rows the warp wrote.
 __device__ __forceinline__ u64 argmax_key(float v, int idx);
-template <int K, int N, int R, bool ARGMAX = false>
-__device__ __forceinline__ u64 gemv_rows(int t, const u8* base, const float* x, float* out,
-                                         int accumulate, int gwarp, int nwarps, int lane) {
+template <int K, int R, unsigned MASK>
+__device__ __forceinline__ u64 output_rows(int t, const u8* base, const float* x, float* out,
+                                           int r0, int r1, int warp, int lane) {
     const usize rb = row_bytes(t, K);
     u64 mine = 0ull;
-    for (int row0 = gwarp; row0 < N; row0 += R * nwarps) {
+    for (int row0 = r0 + warp; row0 < r1; row0 += R * WARPS) {
         const u8* rows[R];
 #pragma unroll
-        for (int r = 0; r < R; r++) rows[r] = base + rb * min(row0 + r * nwarps, N - 1);
+        for (int r = 0; r < R; r++) rows[r] = base + rb * min(row0 + r * WARPS, r1 - 1);
         float y[R];
-        rows_dot<K, R>(t, rows, x, lane, y);
+        rows_dot<K, R, MASK>(t, rows, x, lane, y);
         if (lane == 0) {
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                const int row = row0 + r * nwarps;
-                if (row < N) {
-                    out[row] = accumulate ? ldcg(out + row) + y[r] : y[r];
-                    if (ARGMAX) {
-                        const u64 key = argmax_key(y[r], row);
-                        mine = key > mine ? key : mine;
-                    }
+                const int row = row0 + r * WARPS;
+                if (row < r1) {
+                    out[row] = y[r];
+                    const u64 key = argmax_key(y[r], row);
+                    mine = key > mine ? key : mine;
                 }
             }
         }
@@ -217,36 +246,6 @@ __device__ float row_elem(int t, const u8* row, int i) {
     return d * ((float)v - offset) + (has_m ? h2f(ld16(blk + 2)) : 0.f);
 }
 
-// Grid-wide barrier on a 64-bit counter that only grows: thread 0 of each block adds 1 with
-// release semantics (the block's writes, ordered by the bar.sync before it, become visible
-// first) and spins with acquire loads until every block of this barrier has arrived. Barrier b
-// of a launch waits for base + (b + 1) * gridDim.x, base being the count when the launch began
-// (launches on one stream run one after the other, so every earlier launch has added all its
-// arrivals; a block that starts late sees at most gridDim.x - 1 of this launch's).
-__device__ __forceinline__ void arrive_and_wait(u64* count, u64 target) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(count) : "memory");
-        u64 seen;
-        do {
-            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(count) : "memory");
-        } while (seen < target);
-    }
-    __syncthreads();
-}
-
-// QLIB_STAGE_TIMES: block 0 records %globaltimer (ns) after every stage's barrier.
-#ifdef QLIB_STAGE_TIMES
-#define MARK(i)                                                          \
-    if (blockIdx.x == 0 && threadIdx.x == 0) {                           \
-        u64 now_;                                                        \
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_));         \
-        stage_times[i] = now_;                                           \
-    }
-#else
-#define MARK(i)
-#endif
-
 __device__ float block_sum(float v, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     v = warp_sum(v);
@@ -258,221 +257,521 @@ __device__ float block_sum(float v, float* red) {
     return s;
 }
 
-// xs = RmsNorm(h) * w over n elements (h from global memory, written by other blocks).
-template <int N>
-__device__ void rmsnorm_to_shared(const float* h, const float* w, float* xs, float* red) {
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < N; i += THREADS) {
-        const float v = ldcg(h + i);
-        xs[i] = v;
-        ss += v * v;
-    }
-    const float r = 1.0f / sqrtf(block_sum(ss, red) / (float)N + EPS);
-    for (int i = threadIdx.x; i < N; i += THREADS) xs[i] = xs[i] * r * w[i];
-    __syncthreads();
-}
-
 __device__ __forceinline__ u64 argmax_key(float v, int idx) {
     u32 b = __float_as_uint(v);
     b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);  // order-preserving
     return ((u64)b << 32) | (u64)(0xffffffffu - (u32)idx);
 }
 
+
+__device__ float block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float m = NEG_INF;
+    for (int i = 0; i < WARPS; i++) m = fmaxf(m, red[i]);
+    return m;
+}
+
+// xs = RmsNorm(v) * w, v in shared memory (every thread reads all of it after the barrier).
+__device__ void rmsnorm_shared(const float* v, const float* w, float* xs, float* red) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < DIM; i += THREADS) ss += v[i] * v[i];
+    const float r = 1.0f / sqrtf(block_sum(ss, red) / (float)DIM + EPS);
+    for (int i = threadIdx.x; i < DIM; i += THREADS) xs[i] = v[i] * r * w[i];
+    __syncthreads();
+}
+
+// -- one thread's dot of elements [e0, e0 + W) of a row with v (W a multiple of 8, e0 of W) --
+template <int W, int T>
+__device__ __forceinline__ float slab_dot_t(const u8* row, int e0, const float* v) {
+    float acc = 0.f;
+    if (T == T_F32 || T == T_F16) {
+#pragma unroll 8
+        for (int i = 0; i < W; i++)
+            acc += (T == T_F32 ? ((const float*)row)[e0 + i] : h2f(((const u16*)row)[e0 + i])) * v[i];
+        return acc;
+    }
+    constexpr int bb = T == T_Q8_0 ? 34 : T == T_Q4_0 ? 18 : T == T_Q4_1 ? 20 : T == T_Q5_0 ? 22 : 24;
+    constexpr int has_m = T == T_Q4_1 || T == T_Q5_1;
+    constexpr int five = T == T_Q5_0 || T == T_Q5_1;
+    constexpr float offset = T == T_Q4_0 ? 8.f : T == T_Q5_0 ? 16.f : 0.f;
+#pragma unroll
+    for (int k = 0; k < W / 8; k++) {
+        const int u = e0 / 8 + k, p = u & 3;
+        const u8* blk = row + bb * (u >> 2);
+        const float* vv = v + 8 * k;
+        const float d = h2f(ld16(blk));
+        if (T == T_Q8_0) {
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const u16 w = ld16(blk + 2 + 8 * p + 2 * i);
+                s += (float)(signed char)(w & 0xff) * vv[2 * i] + (float)(signed char)(w >> 8) * vv[2 * i + 1];
+            }
+            acc += d * s;
+        } else {
+            const float m = has_m ? h2f(ld16(blk + 2)) : 0.f;
+            const u8* after = blk + (has_m ? 4 : 2);
+            u32 qh = 0;
+            if (five) qh = (u32)ld16(after) | ((u32)ld16(after + 2) << 16);
+            float q[8];
+            nibbles8(after + (five ? 4 : 0), p, qh, five, q);
+            float s = 0.f, sx = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                s += q[i] * vv[i];
+                sx += vv[i];
+            }
+            acc += d * (s - offset * sx) + m * sx;
+        }
+    }
+    return acc;
+}
+
+// dst[i] += slab row i . v (+ base[i] where base is given) for every row i < DIM, with float
+// atomics; row i at slab + sb i, its elements [e0, e0 + W).
+template <int W>
+__device__ __forceinline__ void slab_rows_add(int t, const u8* slab, usize sb, int e0,
+                                              const float* v, const float* base, float* dst) {
+    QLIB_DISPATCH(LAYER_TYPES, t, {
+        for (int i = threadIdx.x; i < DIM; i += THREADS) {
+            float y = slab_dot_t<W, T_>(slab + sb * i, e0, v);
+            if (base) y += base[i];
+            atomicAdd(dst + i, y);
+        }
+    })
+}
+
+// -- staging, counters ------------------------------------------------------------------------
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Copy pieces src[i] (bytes[i], multiples of 16, 16-aligned) into a staging area of `cap`
+// bytes in order with cp.async, as one commit group; where[i] is the piece's copy, or src[i]
+// itself (prefetched into L2) where it does not fit or is not 16-aligned.
+template <int N>
+__device__ __forceinline__ void stage(const u8* const (&src)[N], const int (&bytes)[N], u8* area,
+                                      int cap, const u8** where) {
+    int off = 0;
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        if (bytes[i] > 0 && off + bytes[i] <= cap && !(((usize)src[i] | bytes[i]) & 15)) {
+            where[i] = area + off;
+            for (int j = threadIdx.x * 16; j < bytes[i]; j += THREADS * 16) cp_async16(area + off + j, src[i] + j);
+            off += bytes[i];
+        } else {
+            where[i] = src[i];
+            for (int j = threadIdx.x * 128; j < bytes[i]; j += THREADS * 128) prefetch_l2(src[i] + j);
+        }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// Every commit group but the newest one has landed (the previous layer's staging is in).
+__device__ __forceinline__ void staged_but_newest() {
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+    __syncthreads();
+}
+
+// Wait until *c >= target (thread 0 polls with acquire loads; the block's barrier after it
+// orders every thread's later reads). A count that never comes (a bug) traps after seconds.
+__device__ __forceinline__ void wait_count(const u32* c, u32 target) {
+    if (threadIdx.x == 0) {
+        u32 seen;
+        long long spins = 0;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(c) : "memory");
+            if (++spins > (1ll << 31)) __trap();  // seconds: a launch error, never a hang
+        } while (seen < target);
+    }
+    __syncthreads();
+}
+// The block's writes so far (ordered by the barrier) become visible, then *c grows by 1.
+__device__ __forceinline__ void signal(u32* c) {
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
+}
+// As signal, adding n.
+__device__ __forceinline__ void signal_n(u32* c, u32 n) {
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(c), "r"(n) : "memory");
+}
+// As signal, returning the count before (thread 0's value; acquire: the writes of every earlier
+// arrival are visible to this block after its next barrier).
+__device__ __forceinline__ u32 arrive(u32* c) {
+    u32 old = 0;
+    __syncthreads();
+    if (threadIdx.x == 0)
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(c) : "memory");
+    return old;
+}
+
+// QLIB_STAGE_TIMES: %globaltimer (ns) at marks of the first ATT and the first MLP block.
+#ifdef QLIB_STAGE_TIMES
+#define MARK(i)                                                  \
+    if (threadIdx.x == 0) {                                      \
+        u64 now_;                                                \
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_)); \
+        stage_times[i] = now_;                                   \
+    }
+#else
+#define MARK(i)
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
-    const u64* __restrict__ weights,  // per layer W_PER_LAYER pointers (norms: float32)
+    const u64* __restrict__ weights,  // per layer W_PER_LAYER pointers (wo, down: slabs; norms: float32)
     const int* __restrict__ types,    // per layer the GGUF type of W_Q .. W_DOWN
     const u8* __restrict__ tok_embd, int emb_type, const u8* __restrict__ out_w, int out_type,
     const float* __restrict__ out_norm, const float* __restrict__ cos_t,
     const float* __restrict__ sin_t, float* __restrict__ cache, const long long* __restrict__ tok,
-    const int* __restrict__ pos_p, float* h, float* q, float* part, float* g,
-    float* __restrict__ logits, u64* best, u64* bar, u64* stage_times) {
-    extern __shared__ float smem[];
-    float* xs = smem;                       // SMEM_FLOATS: the normalized input of a stage
-    float* red = smem + SMEM_FLOATS;        // WARPS: block reductions
-    float* qsh = red + WARPS;               // WARPS x HD: each warp's query head (stage B)
+    int* pos_p, float* acc, u32* counters, u32* steps, u64* best, long long* out_tok, float* part,
+    float* qbuf, float* __restrict__ logits, u64* stage_times) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* xs = (float*)(smem_raw + 2 * WCAP);  // DIM: the normalized input
+    float* res_in = xs + DIM;                   // DIM: the residual read at a stage's start
+    float* qv = res_in + DIM;                   // HD: the head's query, scaled
+    float* ovec = qv + HD;                      // HD: the head's output
+    float* rope_c = ovec + HD;                  // HD / 2 each: RoPE at this position
+    float* rope_s = rope_c + HD / 2;
+    float* S = rope_s + HD / 2;                 // SMAXPOS: the split's scores, then weights
+    float* oacc = S + SMAXPOS;                  // WARPS x HD: the warps' weighted value sums
+    float* gsm = oacc + WARPS * HD;             // CHUNK: silu(gate) * up of an MLP task
+    float* red = gsm + CHUNK;                   // WARPS: block reductions
+    int* flag = (int*)(red + WARPS);
+
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int gwarp = blockIdx.x * WARPS + warp, nwarps = gridDim.x * WARPS;
-    const int pos = *pos_p, L = pos + 1, nc = (L + CH - 1) / CH;
-    // this launch's barriers: base + gridDim.x, base + 2 gridDim.x, ... (see arrive_and_wait)
-    constexpr u64 BARRIERS = 5 * NL;
-    u64 base;
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(base) : "l"(bar) : "memory");
-    base -= base % (BARRIERS * gridDim.x);
-    u64 next = base + gridDim.x;
-#define GRID_SYNC()              \
-    arrive_and_wait(bar, next);  \
-    next += gridDim.x;
-
-    // the embedding row: every block keeps it in shared memory, block 0 also writes h
-    {
-        const u8* row = tok_embd + row_bytes(emb_type, DIM) * (usize)tok[0];
-        for (int i = threadIdx.x; i < DIM; i += THREADS) {
-            const float v = row_elem(emb_type, row, i);
-            xs[i] = v;
-            if (blockIdx.x == 0) h[i] = v;
-        }
-        if (blockIdx.x == 0 && threadIdx.x == 0) *best = 0ull;
-        __syncthreads();
+    const int pos = *pos_p, L = pos + 1;
+    const u32 par = __ldcg(steps) & 1u;
+    float* A = acc + (usize)par * ACC_N;  // res(l) = A + 2 l DIM (l >= 1), mid(l) = A + (2 l + 1) DIM
+    u32* C = counters + par * NCNT;
+    u32* qkv_cnt = C;                     // NL x NKV: q/k/v pairs done per KV head
+    u32* attn_done = qkv_cnt + NL * NKV;  // NL: heads added into mid(l)
+    u32* mlp_done = attn_done + NL;       // NL: MLP blocks added into res(l + 1)
+    u32* head_cnt = mlp_done + NL;        // NL x NH: splits done per head
+    u32* done = head_cnt + NL * NH;       // blocks finished
+    const int b = blockIdx.x;
+    if (b == 0) MARK(NMARK * NL);
+    {  // the other set, for the next launch
+        float* Z = acc + (usize)(par ^ 1u) * ACC_N;
+        u32* ZC = counters + (par ^ 1u) * NCNT;
+        for (int i = b * THREADS + threadIdx.x; i < ACC_N; i += gridDim.x * THREADS) Z[i] = 0.f;
+        for (int i = b * THREADS + threadIdx.x; i < NCNT; i += gridDim.x * THREADS) ZC[i] = 0u;
+        if (b == 0 && threadIdx.x == 0) best[par ^ 1u] = 0ull;
     }
-    MARK(0);
+    for (int i = threadIdx.x; i < HD / 2; i += THREADS) {
+        rope_c[i] = cos_t[(usize)pos * (HD / 2) + i];
+        rope_s[i] = sin_t[(usize)pos * (HD / 2) + i];
+    }
+    int ns = (L + SPLIT - 1) / SPLIT;
+    if (ns > NSMAX) ns = NSMAX;
+    const int len = (L + ns - 1) / ns;
+    // roles: attention task (head h, split s) on blocks < NH ns; MLP tasks on blocks < MLP_BLOCKS;
+    // q/k/v tasks b, b + grid, ... on every block
+    const bool att = b < NH * ns, mlp = b < MLP_BLOCKS;
+    const int h = att ? b / ns : 0, s = att ? b % ns : 0, kvh = h / GQA;
+    const int t0 = s * len, t1 = min(L, t0 + len), tc = min(t1, pos);  // cached before: [t0, tc)
 
-    for (int l = 0; l < NL; l++) {
+    // this block's rows of the output layer, prefetched into L2 during the last layers
+    constexpr int OUT_RB = (VOCAB + GRID - 1) / GRID;
+    const int out_r0 = min(VOCAB, b * OUT_RB), out_r1 = min(VOCAB, out_r0 + OUT_RB);
+    constexpr int P_QKV = 2, P_WO = 2 + 2 * MAXQ, P_MLP = P_WO + 1, NP = P_MLP + 3 * MAXCH;
+    const u8* where[2][NP];
+    auto stage_layer = [&](int l) {
         const u64* W = weights + (usize)l * W_PER_LAYER;
         const int* T = types + l * 7;
-        float* kc = cache + (usize)l * 2 * NKV * MAXSEQ * HD;
+        const u8* src[NP];
+        int bytes[NP];
+        src[0] = (const u8*)W[W_ATTN_NORM];
+        src[1] = (const u8*)W[W_FFN_NORM];
+        bytes[0] = bytes[1] = DIM * 4;
+#pragma unroll
+        for (int k = 0; k < MAXQ; k++) {  // q/k/v task: QPB RoPE pairs of one head's rows
+            const int task = b + k * gridDim.x;
+            const int pr = task * QPB, g = pr / PAIRS_G, r = pr % PAIRS_G;
+            const int seg = r / (HD / 2), i0 = r % (HD / 2);
+            const int which = seg < GQA ? W_Q : seg == GQA ? W_K : W_V;
+            const int head = seg < GQA ? g * GQA + seg : g;
+            const int rb = (int)row_bytes(T[which], DIM);
+            const u8* base = (const u8*)W[which] + (usize)head * HD * rb;
+            const bool mine = task < QKV_T;
+            src[P_QKV + 2 * k] = base + (usize)(NEOX ? i0 : 2 * i0) * rb;
+            src[P_QKV + 2 * k + 1] = base + (usize)(i0 + HD / 2) * rb;
+            bytes[P_QKV + 2 * k] = mine ? (NEOX ? QPB : 2 * QPB) * rb : 0;
+            bytes[P_QKV + 2 * k + 1] = mine && NEOX ? QPB * rb : 0;
+        }
+        const int sbo = (int)row_bytes(T[W_O], HD);
+        src[P_WO] = (const u8*)W[W_O] + (usize)h * DIM * sbo;
+        bytes[P_WO] = att ? DIM * sbo : 0;
+        const int rbg = (int)row_bytes(T[W_GATE], DIM), rbu = (int)row_bytes(T[W_UP], DIM);
+        const int sbd = (int)row_bytes(T[W_DOWN], 32);
+#pragma unroll
+        for (int ci = 0; ci < MAXCH; ci++) {
+            const int c = b + ci * MLP_BLOCKS;
+            const bool mine = mlp && c < NMLP_T;
+            src[P_MLP + 3 * ci] = (const u8*)W[W_GATE] + (usize)c * CHUNK * rbg;
+            src[P_MLP + 3 * ci + 1] = (const u8*)W[W_UP] + (usize)c * CHUNK * rbu;
+            src[P_MLP + 3 * ci + 2] = (const u8*)W[W_DOWN] + (usize)(c / 2) * DIM * sbd;
+            bytes[P_MLP + 3 * ci] = mine ? CHUNK * rbg : 0;
+            bytes[P_MLP + 3 * ci + 1] = mine ? CHUNK * rbu : 0;
+            bytes[P_MLP + 3 * ci + 2] = mine ? DIM * sbd : 0;
+        }
+        stage<NP>(src, bytes, smem_raw + (l & 1) * WCAP, WCAP, where[l & 1]);
+        if (att) {  // the split's cached keys and values into L2
+            const float* kc = cache + (usize)l * 2 * NKV * MAXSEQ * HD + ((usize)kvh * MAXSEQ) * HD;
+            const float* vc = kc + (usize)NKV * MAXSEQ * HD;
+            for (int j = threadIdx.x * 32; j < (tc - t0) * HD; j += THREADS * 32) {
+                prefetch_l2(kc + (usize)t0 * HD + j);
+                prefetch_l2(vc + (usize)t0 * HD + j);
+            }
+        }
+    };
+
+    stage_layer(0);
+    for (int l = 0; l < NL; l++) {
+        const int* T = types + l * 7;
+        float* kc = cache + (usize)l * 2 * NKV * MAXSEQ * HD;  // [NKV][MAXSEQ][HD]
         float* vc = kc + (usize)NKV * MAXSEQ * HD;
-
-        // ---- A: RmsNorm, q/k/v pairs, RoPE, KV write
-        if (l == 0) {  // xs holds the embedding row: normalize it in place
-            float ss = 0.f;
-            for (int i = threadIdx.x; i < DIM; i += THREADS) ss += xs[i] * xs[i];
-            const float r = 1.0f / sqrtf(block_sum(ss, red) / (float)DIM + EPS);
-            const float* w = (const float*)W[W_ATTN_NORM];
-            for (int i = threadIdx.x; i < DIM; i += THREADS) xs[i] = xs[i] * r * w[i];
-            __syncthreads();
+        const u8** wp = where[l & 1];
+        __syncthreads();  // the other staging area is free: stage the next layer into it
+        if (l + 1 < NL) {
+            stage_layer(l + 1);
         } else {
-            rmsnorm_to_shared<DIM>(h, (const float*)W[W_ATTN_NORM], xs, red);
+            asm volatile("cp.async.commit_group;" ::: "memory");
         }
-        for (int task = gwarp; task < QKV_PAIRS; task += nwarps) {
-            int which, pair = task;
-            if (pair < NH * HD / 2) {
-                which = W_Q;
-            } else if ((pair -= NH * HD / 2) < NKV * HD / 2) {
-                which = W_K;
-            } else {
-                pair -= NKV * HD / 2;
-                which = W_V;
-            }
-            const int head = pair / (HD / 2), i = pair % (HD / 2);
-            const int r0 = head * HD + (NEOX ? i : 2 * i), r1 = r0 + (NEOX ? HD / 2 : 1);
+        if (l == NL - OUT_PREFETCH) {
+            const usize rb = row_bytes(out_type, DIM);
+            const u8* o0 = out_w + rb * out_r0;
+            for (usize j = threadIdx.x * 128; j < rb * (out_r1 - out_r0); j += THREADS * 128) prefetch_l2(o0 + j);
+        }
+        // ---- RmsNorm of the residual, q/k/v tasks
+        if (l == 0) {
+            const u8* row = tok_embd + row_bytes(emb_type, DIM) * (usize)tok[0];
+            for (int i = threadIdx.x; i < DIM; i += THREADS) res_in[i] = row_elem(emb_type, row, i);
+        } else {
+            wait_count(mlp_done + l - 1, MLP_BLOCKS);
+            const float* r = A + 2 * l * DIM;
+            for (int i = threadIdx.x; i < DIM; i += THREADS) res_in[i] = __ldcg(r + i);
+        }
+        if (b == 0) MARK(NMARK * l);
+        staged_but_newest();
+        rmsnorm_shared(res_in, (const float*)wp[0], xs, red);
+        if (b == 0) MARK(NMARK * l + 1);
+#pragma unroll
+        for (int k = 0; k < MAXQ; k++) {
+            const int task = b + k * gridDim.x;
+            if (task >= QKV_T) break;
+            const int pr = task * QPB, g = pr / PAIRS_G, r = pr % PAIRS_G;
+            const int seg = r / (HD / 2), i0 = r % (HD / 2);
+            const int which = seg < GQA ? W_Q : seg == GQA ? W_K : W_V;
+            const int head = seg < GQA ? g * GQA + seg : g;
             const int t = T[which];
-            const u8* base = (const u8*)W[which];
             const usize rb = row_bytes(t, DIM);
-            const u8* rows[2] = {base + rb * r0, base + rb * r1};
-            float y2[2];
-            rows_dot<DIM, 2>(t, rows, xs, lane, y2);
-            float x0 = y2[0], x1 = y2[1];
-            if (lane == 0) {
-                if (which != W_V) {
-                    const float c = cos_t[(usize)pos * (HD / 2) + i], s = sin_t[(usize)pos * (HD / 2) + i];
-                    const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
-                    x0 = y0;
-                    x1 = y1;
-                }
-                if (which == W_Q) {
-                    q[r0] = x0;
-                    q[r1] = x1;
-                } else {
-                    float* dst = (which == W_K ? kc : vc) + ((usize)head * MAXSEQ + pos) * HD;
-                    dst[r0 - head * HD] = x0;
-                    dst[r1 - head * HD] = x1;
+            for (int j = warp; j < QPB; j += WARPS) {
+                const int i = i0 + j;
+                const u8* rows[2] = {NEOX ? wp[P_QKV + 2 * k] + rb * j : wp[P_QKV + 2 * k] + rb * 2 * j,
+                                     NEOX ? wp[P_QKV + 2 * k + 1] + rb * j : wp[P_QKV + 2 * k] + rb * (2 * j + 1)};
+                float y2[2];
+                rows_dot<DIM, 2, LAYER_TYPES>(t, rows, xs, lane, y2);
+                if (lane == 0) {
+                    float x0 = y2[0], x1 = y2[1];
+                    if (which != W_V) {
+                        const float c = rope_c[i], sn = rope_s[i];
+                        const float y0 = x0 * c - x1 * sn, y1 = x0 * sn + x1 * c;
+                        x0 = y0;
+                        x1 = y1;
+                    }
+                    const int r0 = NEOX ? i : 2 * i, r1 = r0 + (NEOX ? HD / 2 : 1);
+                    float* dst = which == W_Q ? qbuf + head * HD
+                                              : (which == W_K ? kc : vc) + ((usize)head * MAXSEQ + pos) * HD;
+                    dst[r0] = x0;
+                    dst[r1] = x1;
                 }
             }
+            signal_n(qkv_cnt + l * NKV + g, QPB);
         }
-        GRID_SYNC()
-        MARK(1 + 5 * l + 0);
+        if (b == 0) MARK(NMARK * l + 2);
 
-        // ---- B: attention partials, one warp per (query head, CH positions)
-        for (int task = gwarp; task < NH * nc; task += nwarps) {
-            const int hq = task / nc, c = task % nc, kvh = hq / (NH / NKV);
-            float* qw = qsh + warp * HD;  // this warp's query head, scaled
-            for (int d = lane; d < HD; d += 32) qw[d] = ldcg(q + hq * HD + d) * (1.0f / sqrtf((float)HD));
-            __syncwarp();
-            const int t = c * CH + lane;
-            float s = NEG_INF;
-            if (t < L) {
-                const float4* k = (const float4*)(kc + ((usize)kvh * MAXSEQ + t) * HD);
-                float acc = 0.f;
+        // ---- attention of head h over the split [t0, t1), its share of wo
+        if (att) {
+            const float* kh = kc + (usize)kvh * MAXSEQ * HD;
+            const float* vh = vc + (usize)kvh * MAXSEQ * HD;
+            wait_count(qkv_cnt + l * NKV + kvh, PAIRS_G);
+            if (b == 0) MARK(NMARK * l + 3);
+            const float scale = 1.0f / sqrtf((float)HD);
+            for (int d = threadIdx.x; d < HD; d += THREADS) qv[d] = __ldcg(qbuf + h * HD + d) * scale;
+            __syncthreads();
+            // eight lanes per position, each HD / 8 consecutive dims: a warp's load reads four
+            // whole 128-byte runs of key rows
+            float mx = NEG_INF;
+            {
+                const int sub = lane & 7;
+                float4 qr[HD / 32];
 #pragma unroll
-                for (int d4 = 0; d4 < HD / 4; d4++) {
-                    const float4 kk = __ldcg(k + d4);
-                    acc += qw[4 * d4] * kk.x + qw[4 * d4 + 1] * kk.y + qw[4 * d4 + 2] * kk.z +
-                           qw[4 * d4 + 3] * kk.w;
-                }
-                s = acc;
-            }
-            __syncwarp();
-            const float m = warp_max(s);
-            const float p = t < L ? expf(s - m) : 0.f;
-            const float lsum = warp_sum(p);
-            float o[HD / 32];
-#pragma unroll
-            for (int j = 0; j < HD / 32; j++) o[j] = 0.f;
-            const int n = min(CH, L - c * CH);
-            const float* v0 = vc + ((usize)kvh * MAXSEQ + c * CH) * HD;
-#pragma unroll
-            for (int tt = 0; tt < CH; tt++) {  // p is 0 past the live length: rows clamped
-                const float pt = __shfl_sync(0xffffffffu, p, tt);
-                const float* vr = v0 + (usize)min(tt, n - 1) * HD;
-#pragma unroll
-                for (int j = 0; j < HD / 32; j++) o[j] += pt * ldcg(vr + lane + 32 * j);
-            }
-            float* dst = part + ((usize)hq * NCMAX + c) * (HD + 2);
-            if (lane == 0) {
-                dst[0] = m;
-                dst[1] = lsum;
-            }
-#pragma unroll
-            for (int j = 0; j < HD / 32; j++) dst[2 + lane + 32 * j] = o[j];
-        }
-        GRID_SYNC()
-        MARK(1 + 5 * l + 1);
-
-        // ---- C: combine the partials (every block), wo rows, residual
-        for (int e = threadIdx.x; e < NH * HD; e += THREADS) {
-            const int hq = e / HD, d = e % HD;
-            const float* pp = part + (usize)hq * NCMAX * (HD + 2);
-            float M = NEG_INF;
+                for (int j = 0; j < HD / 32; j++) qr[j] = ((const float4*)qv)[sub * (HD / 32) + j];
 #pragma unroll 4
-            for (int c = 0; c < nc; c++) M = fmaxf(M, ldcg(pp + (usize)c * (HD + 2)));
-            float num = 0.f, den = 0.f;
-#pragma unroll 4
-            for (int c = 0; c < nc; c++) {
-                const float* pc = pp + (usize)c * (HD + 2);
-                const float w = expf(ldcg(pc) - M);
-                den += w * ldcg(pc + 1);
-                num += w * ldcg(pc + 2 + d);
-            }
-            xs[e] = num / den;
-        }
-        __syncthreads();
-        gemv_rows<NH * HD, DIM, 1>(T[W_O], (const u8*)W[W_O], xs, h, 1, gwarp, nwarps, lane);
-        GRID_SYNC()
-        MARK(1 + 5 * l + 2);
-
-        // ---- D: RmsNorm, gate and up, SwiGLU
-        rmsnorm_to_shared<DIM>(h, (const float*)W[W_FFN_NORM], xs, red);
-        {
-            const int tg = T[W_GATE], tu = T[W_UP];
-            const u8 *bg = (const u8*)W[W_GATE], *bu = (const u8*)W[W_UP];
-            const usize rg = row_bytes(tg, DIM), ru = row_bytes(tu, DIM);
-            for (int j = gwarp; j < NFF; j += nwarps) {
-                float ab[2];
-                if (tg == tu) {
-                    const u8* rows[2] = {bg + rg * j, bu + ru * j};
-                    rows_dot<DIM, 2>(tg, rows, xs, lane, ab);
-                } else {
-                    ab[0] = row_dot<DIM>(tg, bg + rg * j, xs, lane);
-                    ab[1] = row_dot<DIM>(tu, bu + ru * j, xs, lane);
+                for (int tb = t0 + 4 * warp; tb < t1; tb += 4 * WARPS) {  // (warp-uniform)
+                    const int t = tb + (lane >> 3);
+                    const bool ok = t < t1;
+                    const float4* k4 = (const float4*)(kh + (usize)(ok ? t : tb) * HD) + sub * (HD / 32);
+                    float sc = 0.f;
+#pragma unroll
+                    for (int j = 0; j < HD / 32; j++) {
+                        const float4 kk = __ldcg(k4 + j);
+                        sc += qr[j].x * kk.x + qr[j].y * kk.y + qr[j].z * kk.z + qr[j].w * kk.w;
+                    }
+#pragma unroll
+                    for (int o = 1; o < 8; o <<= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+                    if (ok && sub == 0) S[t - t0] = sc;
+                    if (ok) mx = fmaxf(mx, sc);
                 }
-                if (lane == 0) g[j] = ab[0] / (1.0f + expf(-ab[0])) * ab[1];
             }
+            mx = block_max(mx, red);
+            float sum = 0.f;
+            for (int t = t0 + threadIdx.x; t < t1; t += THREADS) {
+                const float p = expf(S[t - t0] - mx);
+                S[t - t0] = p;
+                sum += p;
+            }
+            sum = block_sum(sum, red);  // (its barriers also publish S)
+            if (b == 0) MARK(NMARK * l + 4);
+            {  // the weighted values as the scores: eight lanes per position, HD / 8 dims each
+                const int sub = lane & 7;
+                float4 o[HD / 32];
+#pragma unroll
+                for (int j = 0; j < HD / 32; j++) o[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+                for (int tb = t0 + 4 * warp; tb < t1; tb += 4 * WARPS) {
+                    const int t = tb + (lane >> 3);
+                    const float p = t < t1 ? S[t - t0] : 0.f;
+                    const float4* v4 = (const float4*)(vh + (usize)(t < t1 ? t : tb) * HD) + sub * (HD / 32);
+#pragma unroll
+                    for (int j = 0; j < HD / 32; j++) {
+                        const float4 vv = __ldcg(v4 + j);
+                        o[j].x += p * vv.x;
+                        o[j].y += p * vv.y;
+                        o[j].z += p * vv.z;
+                        o[j].w += p * vv.w;
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < HD / 32; j++) {  // the warp's four position groups summed
+#pragma unroll
+                    for (int off = 8; off < 32; off <<= 1) {
+                        o[j].x += __shfl_xor_sync(0xffffffffu, o[j].x, off);
+                        o[j].y += __shfl_xor_sync(0xffffffffu, o[j].y, off);
+                        o[j].z += __shfl_xor_sync(0xffffffffu, o[j].z, off);
+                        o[j].w += __shfl_xor_sync(0xffffffffu, o[j].w, off);
+                    }
+                }
+                if (lane < 8)
+#pragma unroll
+                    for (int j = 0; j < HD / 32; j++) ((float4*)(oacc + warp * HD))[sub * (HD / 32) + j] = o[j];
+            }
+            __syncthreads();
+            for (int d = threadIdx.x; d < HD; d += THREADS) {
+                float v = 0.f;
+                for (int w = 0; w < WARPS; w++) v += oacc[w * HD + d];
+                ovec[d] = ns == 1 ? v / sum : v;
+            }
+            if (b == 0) MARK(NMARK * l + 5);
+            bool merge = true;
+            if (ns > 1) {  // publish the partial; the last split of the head merges them all
+                float* P = part + ((usize)h * NSMAX + s) * (HD + 2);
+                for (int d = threadIdx.x; d < HD; d += THREADS) P[2 + d] = ovec[d];
+                if (threadIdx.x == 0) {
+                    P[0] = mx;
+                    P[1] = sum;
+                }
+                const u32 old = arrive(head_cnt + l * NH + h);
+                if (threadIdx.x == 0) *flag = old == (u32)(ns - 1);
+                __syncthreads();
+                merge = *flag;
+                if (merge) {
+                    const float* P0 = part + (usize)h * NSMAX * (HD + 2);
+                    for (int d = threadIdx.x; d < HD; d += THREADS) {
+                        float M = NEG_INF;
+                        for (int j = 0; j < ns; j++) M = fmaxf(M, __ldcg(P0 + (usize)j * (HD + 2)));
+                        float num = 0.f, den = 0.f;
+                        for (int j = 0; j < ns; j++) {
+                            const float* pj = P0 + (usize)j * (HD + 2);
+                            const float w = expf(__ldcg(pj) - M);
+                            den += w * __ldcg(pj + 1);
+                            num += w * __ldcg(pj + 2 + d);
+                        }
+                        ovec[d] = num / den;
+                    }
+                }
+            }
+            __syncthreads();
+            if (merge) {
+                const int to = T[W_O];
+                slab_rows_add<HD>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
+                                  A + (2 * l + 1) * DIM);
+                signal(attn_done + l);
+            }
+            if (b == 0) MARK(NMARK * l + 6);
         }
-        GRID_SYNC()
-        MARK(1 + 5 * l + 3);
 
-        // ---- E: down rows, residual
-        for (int i = threadIdx.x; i < NFF; i += THREADS) xs[i] = ldcg(g + i);
-        __syncthreads();
-        gemv_rows<NFF, DIM, 1>(T[W_DOWN], (const u8*)W[W_DOWN], xs, h, 1, gwarp, nwarps, lane);
-        GRID_SYNC()
-        MARK(1 + 5 * l + 4);
+        // ---- MLP tasks: RmsNorm, gate and up of CHUNK units, SwiGLU, their share of down
+        if (mlp) {
+            wait_count(attn_done + l, NH);
+            if (b == 0) MARK(NMARK * l + 7);
+            const float* mid = A + (2 * l + 1) * DIM;
+            for (int i = threadIdx.x; i < DIM; i += THREADS) res_in[i] = __ldcg(mid + i);
+            rmsnorm_shared(res_in, (const float*)wp[1], xs, red);
+            const int tg = T[W_GATE], tu = T[W_UP], td = T[W_DOWN];
+            const usize rg = row_bytes(tg, DIM), ru = row_bytes(tu, DIM), sbd = row_bytes(td, 32);
+#pragma unroll
+            for (int ci = 0; ci < MAXCH; ci++) {
+                const int c = b + ci * MLP_BLOCKS;
+                if (c >= NMLP_T) break;
+                const u8 *gw = wp[P_MLP + 3 * ci], *uw = wp[P_MLP + 3 * ci + 1];
+                for (int u = warp; u < CHUNK; u += WARPS) {
+                    float ab[2];
+                    if (tg == tu) {
+                        const u8* rows[2] = {gw + rg * u, uw + ru * u};
+                        rows_dot<DIM, 2, LAYER_TYPES>(tg, rows, xs, lane, ab);
+                    } else {
+                        ab[0] = row_dot<DIM, LAYER_TYPES>(tg, gw + rg * u, xs, lane);
+                        ab[1] = row_dot<DIM, LAYER_TYPES>(tu, uw + ru * u, xs, lane);
+                    }
+                    if (lane == 0) gsm[u] = ab[0] / (1.0f + expf(-ab[0])) * ab[1];
+                }
+                __syncthreads();
+                if (b == 0 && ci == 0) MARK(NMARK * l + 8);
+                slab_rows_add<CHUNK>(td, wp[P_MLP + 3 * ci + 2], sbd, CHUNK * (c & 1), gsm,
+                                     c == 0 ? res_in : nullptr, A + 2 * (l + 1) * DIM);
+                __syncthreads();
+            }
+            signal(mlp_done + l);
+            if (b == 0) MARK(NMARK * l + 9);
+        }
     }
+    asm volatile("cp.async.wait_all;" ::: "memory");
 
-    // ---- the output layer and the argmax
-    rmsnorm_to_shared<DIM>(h, out_norm, xs, red);
-    const u64 mine =  // 4 rows per warp task: their loads overlap
-        gemv_rows<DIM, VOCAB, 4, true>(out_type, out_w, xs, logits, 0, gwarp, nwarps, lane);
-    if (lane == 0 && mine) atomicMax(best, mine);
-    MARK(1 + 5 * NL);
+    // ---- every block: the output layer and the argmax
+    wait_count(mlp_done + NL - 1, MLP_BLOCKS);
+    {
+        const float* r = A + 2 * NL * DIM;
+        for (int i = threadIdx.x; i < DIM; i += THREADS) res_in[i] = __ldcg(r + i);
+    }
+    rmsnorm_shared(res_in, out_norm, xs, red);
+    const u64 mine = output_rows<DIM, 4, OUT_TYPES>(out_type, out_w, xs, logits, out_r0, out_r1, warp, lane);
+    if (lane == 0 && mine) atomicMax(best + par, mine);
+    const u32 old = arrive(done);
+    if (threadIdx.x == 0 && old == gridDim.x - 1) {  // the last block: every argmax is in
+        u64 key;
+        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(key) : "l"(best + par) : "memory");
+        *out_tok = (long long)(0xffffffffu - (u32)(key & 0xffffffffu));
+        *pos_p = pos + 1;
+        MARK(NMARK * NL + 1);
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(steps) : "memory");
+    }
 }

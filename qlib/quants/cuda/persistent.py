@@ -6,7 +6,7 @@ CUDA driver API and launches it on torch's current stream, so the launch can be 
 CUDA graph like any other. Both libraries are reached through ctypes: NVRTC from the
 ``nvidia-cuda-nvrtc`` wheel that CUDA builds of torch depend on (``$QLIB_NVRTC`` names another),
 the driver from ``libcuda.so.1``; nothing else is needed. The grid is one block per SM, all
-resident at once, which the kernel's grid-wide barriers require.
+resident at once, which the kernel's waits on other blocks' counters require.
 
 The weights are the GGUF blocks as in the file (``SUPPORTED``: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1,
 Q8_0), each tensor a device copy of its bytes; ``unsupported(types)`` says why a model cannot
@@ -26,11 +26,27 @@ import torch
 SOURCE = Path(__file__).with_name("persistent.cu")
 SUPPORTED = ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
-THREADS = 384  # measured best of 256 / 384 / 512 on the H200 (docs/gpu.md)
-CH = 32  # cached positions per attention task (persistent.cu)
+THREADS = 512  # threads per block
+CHUNK = 16  # hidden units per MLP task (persistent.cu)
+SPLIT = 512  # cached positions per attention split, at most NSMAX splits (persistent.cu)
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 NORMS = ("attn_norm", "ffn_norm")
+# the spans of a layer that ``stage_times_ns`` reports, each ending at a mark of persistent.cu
+MARKS = (
+    "layer: wait",
+    "norm",
+    "qkv+signal",
+    "att: wait qkv",
+    "att: scores",
+    "att: values",
+    "att: wo+signal",
+    "mlp: wait",
+    "mlp: norm+gate/up",
+    "mlp: down+signal",
+)
+N_MARKS = len(MARKS)
 _SHARED_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_SHARED_OPTIN_ATTR = 97  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 
 
 class PersistentError(RuntimeError):
@@ -133,32 +149,75 @@ class Kernel:
         self._check(rc, "launch")
 
 
+def _slabs(t, width: int) -> torch.Tensor:
+    """The bytes of matrix ``t`` (rows x k) re-laid as k / width slabs: slab j holds columns
+    [j width, (j + 1) width) of every row, contiguous (the kernel's wo and down)."""
+    rows, k = t.shape
+    per = t.dtype.row_bytes(width)
+    return t.data.reshape(rows, k // width, per).transpose(0, 1).contiguous()
+
+
+def _device_attribute(device: torch.device, attribute: int) -> int:
+    cu = _driver()
+    dev, value = ctypes.c_int(), ctypes.c_int()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if cu.cuDeviceGet(ctypes.byref(dev), index) or cu.cuDeviceGetAttribute(
+        ctypes.byref(value), attribute, dev
+    ):
+        raise PersistentError(f"cannot read device attribute {attribute}")
+    return value.value
+
+
 class PersistentDecoder:
     """One decode step of a llama model in one kernel launch, on the buffers of a fast model.
 
     ``layers``: per layer the 7 matrices (``MATRICES``) and 2 norms (``NORMS``) as device
     tensors (GGUF block bytes; float32 norms) with their type names; the KV cache, RoPE
-    tables, token / position / logits buffers are the fast engine's own.
+    tables, token / position / logits buffers are the fast engine's own. A step advances the
+    position itself (``advances_position``).
     """
+
+    advances_position = True
 
     def __init__(self, config, layers: list[dict], tok_embd, output, out_norm: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
-                 device: torch.device, *, threads: int = THREADS,
+                 device: torch.device, *, threads: int = THREADS, split: int = SPLIT,
                  stage_times: bool = False):  # fmt: skip
         c = config
-        n_ff = layers[0]["ffn_gate"].shape[0]
+        n_ff, dim = layers[0]["ffn_gate"].shape
+        hd, nh, nl = c.head_dim, c.head_count, c.block_count
         vocab = output.shape[0]
         max_seq = cache.shape[3]
-        self.macros = dict(THREADS=threads, DIM=c.embedding_length, NFF=n_ff, NH=c.head_count,
-                           NKV=c.head_count_kv, HD=c.head_dim, NL=c.block_count, VOCAB=vocab,
-                           MAXSEQ=max_seq, EPS=f"{c.rms_norm_eps!r}f",
-                           NEOX=int(c.rope_is_neox))  # fmt: skip
-        if stage_times:  # block 0 notes the time after every stage (``stage_times_ns``)
+        if dim % 32 or n_ff % 32:
+            raise PersistentError(f"the persistent kernel needs the embedding ({dim}) and the "
+                                  f"feed-forward size ({n_ff}) multiples of 32")  # fmt: skip
+        blocks = torch.cuda.get_device_properties(device).multi_processor_count
+        mlp_blocks = min(n_ff // CHUNK, blocks)
+        ns_max = blocks // nh
+        if ns_max < 1:
+            raise PersistentError(f"the persistent kernel needs {nh} blocks resident at once; "
+                                  f"this GPU has {blocks} SMs")  # fmt: skip
+        pairs = (nh + 2 * c.head_count_kv) * hd // 2
+        qpb = 1  # RoPE pairs per q/k/v task: the fewest that give every block at most one
+        while qpb < hd // 2 and pairs > qpb * blocks:
+            qpb *= 2
+        warps = threads // 32
+        smax_pos = max(split, -(-max_seq // ns_max))
+        floats = 2 * dim + 3 * hd + smax_pos + warps * hd + CHUNK + warps + 1
+        optin = _device_attribute(device, _SHARED_OPTIN_ATTR)
+        wcap = (optin - 4 * floats - 256) // 32 * 16  # two staging areas
+        shared = 2 * wcap + 4 * floats
+        self.macros = dict(THREADS=threads, DIM=dim, NFF=n_ff, NH=nh, NKV=c.head_count_kv,
+                           HD=hd, NL=nl, VOCAB=vocab, MAXSEQ=max_seq,
+                           EPS=f"{c.rms_norm_eps!r}f", NEOX=int(c.rope_is_neox), GRID=blocks,
+                           MLP_BLOCKS=mlp_blocks, NSMAX=ns_max, SPLIT=split, QPB=qpb,
+                           SMAXPOS=smax_pos, WCAP=wcap,
+                           LAYER_TYPES=sum({1 << TYPE_IDS[ly[n].dtype.name]
+                                            for ly in layers for n in MATRICES}),
+                           OUT_TYPES=1 << TYPE_IDS[output.dtype.name])  # fmt: skip
+        if stage_times:  # marks of the first ATT and MLP blocks (``stage_times_ns``)
             self.macros["QLIB_STAGE_TIMES"] = 1
         major, minor = torch.cuda.get_device_capability(device)
-        warps = threads // 32
-        smem_floats = max(c.embedding_length, n_ff, c.head_count * c.head_dim)
-        shared = 4 * (smem_floats + warps + warps * c.head_dim)
         self.kernel = Kernel(compile_cubin(self.macros, f"sm_{major}{minor}"), shared, device,
                              threads)  # fmt: skip
         self.keep: list[torch.Tensor] = []  # every tensor the kernel reads by address
@@ -166,9 +225,14 @@ class PersistentDecoder:
         for ly in layers:
             for name in MATRICES:
                 t = ly[name]
-                ptrs.append(t.data.data_ptr())
+                data = t.data
+                if name == "attn_output":
+                    data = _slabs(t, hd)
+                elif name == "ffn_down":
+                    data = _slabs(t, 32)  # (an MLP task reads half of a slab)
+                ptrs.append(data.data_ptr())
                 types.append(TYPE_IDS[t.dtype.name])
-                self.keep.append(t.data)
+                self.keep.append(data)
             for name in NORMS:
                 ptrs.append(ly[name].data_ptr())
                 self.keep.append(ly[name])
@@ -176,20 +240,23 @@ class PersistentDecoder:
         self.types = torch.tensor(types, dtype=torch.int32, device=device)
         self.tok_embd, self.output = tok_embd, output
         self.keep += [tok_embd.data, output.data, out_norm, cos, sin, cache]
-        nc_max = (max_seq + CH - 1) // CH
-        self.h = torch.empty(c.embedding_length, device=device)
-        self.q = torch.empty(c.head_count * c.head_dim, device=device)
-        self.part = torch.empty(c.head_count * nc_max * (c.head_dim + 2), device=device)
-        self.g = torch.empty(n_ff, device=device)
-        self.best = torch.zeros(1, dtype=torch.int64, device=device)
-        self.bar = torch.zeros(1, dtype=torch.int64, device=device)  # the barrier count
-        n_marks = 5 * c.block_count + 2
-        self.stage_times = torch.zeros(n_marks, dtype=torch.int64, device=device)
+        acc_n = (2 * nl + 1) * dim
+        n_counters = nl * (c.head_count_kv + 2 + nh) + 1
+        self.acc = torch.zeros(2 * acc_n, device=device)  # two sets, by the step's parity
+        self.counters = torch.zeros(2 * n_counters, dtype=torch.int32, device=device)
+        self.steps = torch.zeros(1, dtype=torch.int32, device=device)
+        self.best = torch.zeros(2, dtype=torch.int64, device=device)
+        self.out_tok = torch.zeros(1, dtype=torch.int64, device=device)
+        self.part = torch.empty(nh * ns_max * (hd + 2), device=device)
+        self.q = torch.empty(nh * hd, device=device)
+        self.stage_times = torch.zeros(N_MARKS * nl + 2, dtype=torch.int64, device=device)
         self.out_norm, self.cos, self.sin, self.cache = out_norm, cos, sin, cache
+        self.blocks, self.mlp_blocks, self.ns_max = blocks, mlp_blocks, ns_max
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor) -> None:
         """Enqueue one step: token ``tok`` (int64 [1]) at position ``pos`` (int32 [1]) ->
-        ``logits`` (float32, vocab) and ``best`` (the argmax key); the cache gets the position."""
+        ``logits`` (float32, vocab) and the argmax (``next_token``); the cache gets the
+        position, and ``pos`` moves to the next one."""
         p = ctypes.c_uint64
         i = ctypes.c_int32
         args = [
@@ -198,24 +265,26 @@ class PersistentDecoder:
             p(self.output.data.data_ptr()), i(TYPE_IDS[self.output.dtype.name]),
             p(self.out_norm.data_ptr()), p(self.cos.data_ptr()), p(self.sin.data_ptr()),
             p(self.cache.data_ptr()), p(tok.data_ptr()), p(pos.data_ptr()),
-            p(self.h.data_ptr()), p(self.q.data_ptr()), p(self.part.data_ptr()),
-            p(self.g.data_ptr()), p(logits.data_ptr()), p(self.best.data_ptr()),
-            p(self.bar.data_ptr()), p(self.stage_times.data_ptr()),
+            p(self.acc.data_ptr()), p(self.counters.data_ptr()), p(self.steps.data_ptr()),
+            p(self.best.data_ptr()), p(self.out_tok.data_ptr()), p(self.part.data_ptr()),
+            p(self.q.data_ptr()), p(logits.data_ptr()), p(self.stage_times.data_ptr()),
         ]  # fmt: skip
         self.kernel.launch(args)
 
     def stage_times_ns(self) -> dict[str, float]:
-        """With ``stage_times=True``: the last step's ns per stage (A .. E summed over the
-        layers; ``output``: the output layer and argmax), from block 0's clock."""
+        """With ``stage_times=True``: the last step's ns, summed over the layers, along the
+        dependency chain of the first ATT and the first MLP block (``MARKS``: each names the
+        span that ends at its mark); ``output``: the output layer and argmax; ``total``."""
         t = self.stage_times.cpu().double()
-        d = t[1:] - t[:-1]
-        layers = d[:-1].view(-1, 5).sum(0)
-        names = ("A qkv+rope", "B attention", "C combine+wo", "D gate/up", "E down")
-        out = dict(zip(names, layers.tolist(), strict=True))
-        out["output"] = float(d[-1])
-        out["total"] = float(t[-1] - t[0])
+        nl = (t.numel() - 2) // N_MARKS
+        start, end = t[N_MARKS * nl], t[N_MARKS * nl + 1]
+        m = t[: N_MARKS * nl].view(nl, N_MARKS)
+        prev = torch.cat([start.view(1), m[:-1, -1]])
+        spans = torch.cat([(m[:, 0] - prev).view(-1, 1), m[:, 1:] - m[:, :-1]], 1).sum(0)
+        out = dict(zip(MARKS, spans.tolist(), strict=True))
+        out.update(output=float(end - m[-1, -1]), total=float(end - start))
         return out
 
     def next_token(self) -> torch.Tensor:
         """The argmax of the last step's logits (int64 [1], on the device; no read-back)."""
-        return 0xFFFFFFFF - (self.best & 0xFFFFFFFF)
+        return self.out_tok.clone()

@@ -13,9 +13,10 @@ token read back to the host every step) on a different way of driving the GPU:
 * ``merged, CUDA graph + PDL``: five kernels a layer instead of six (the attention's combine
   in the output projection's kernel, the heads' shares summed with float atomics:
   ``decode="merged"``), in the same PDL graph;
-* ``persistent``: one resident kernel walking the layers with grid-wide barriers between the
-  stages (``qlib.quants.cuda.persistent``), in a CUDA graph too; where it cannot run (a type
-  it has no code for, no NVRTC) the rung reports why instead of a time.
+* ``persistent``: one resident kernel walking the layers, its blocks waiting only on counters
+  of the work they read, no grid-wide barrier (``qlib.quants.cuda.persistent``), in a CUDA
+  graph too; where it cannot run (a type it has no code for, no NVRTC) the rung reports why
+  instead of a time.
 
 Per rung: kernels executed per token and the host's launches per token (torch profiler over
 a few steps), host time per step (the ``forward`` call returning: the enqueueing), GPU busy
