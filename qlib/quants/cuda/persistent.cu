@@ -1,36 +1,39 @@
 // qlib's persistent decode kernel: one launch runs a whole llama decode step.
 //
-// A resident grid (one block per SM, all co-resident) walks the layers as a dataflow: blocks
-// wait only on counters of the work they read, never on a grid-wide barrier. Roles are fixed
-// for the launch:
-//   MLP blocks  (0 .. MLP_BLOCKS-1): chunks of CHUNK hidden units. Per layer: wait until every
-//       head's attention has been added into the residual, RmsNorm, the chunk's gate and up
-//       rows, g = silu(gate) * up, and the chunk's share of the down projection (its CHUNK
-//       columns, all DIM rows) added into the next residual with float atomics.
-//   ATT blocks  (then NH x ns of them): query head h, split s of the cached positions. Per layer:
-//       wait until every MLP block has added its share (layer 0: the embedding row), RmsNorm, the
-//       head's q rows (and, in the last split, its KV head's k and v rows: each block computes
-//       them itself, so no block waits on another's), RoPE, the KV write (one block per KV head),
-//       attention over the split, and the head's share of the output projection (its HD
-//       columns of wo) added into the residual with float atomics. With ns > 1 splits the last
-//       split to finish (an arrival counter per head) merges the partial softmaxes first.
-//   every block, at the end: RmsNorm, its rows of the output layer, the argmax as one 64-bit
-//       atomicMax of (order-preserving float bits, inverted index): the first maximum wins, as
-//       torch.argmax. The last block to finish writes the token and advances the position.
-// Each block stages the weights of its next layer's task into shared memory with cp.async
-// right after finishing the current one, before waiting (what does not fit is prefetched into
-// L2), so a wait is followed by arithmetic on data already at hand.
+// A resident grid (GRID blocks, one per SM, all co-resident) walks the layers as a dataflow:
+// a block waits only on counters of the work it reads, never on a grid-wide barrier. Per
+// layer, in every block (roles fixed for the launch):
+//   q/k/v task (tasks b, b + GRID, ...: QPB RoPE pairs of one head's rows): wait until every
+//       MLP block has added its share into the residual (layer 0: the embedding row, which
+//       each block looks up itself), RmsNorm, the pairs' rows, RoPE, q into qbuf, k and v into
+//       the KV cache at the position; the pairs done are added to the KV head's counter.
+//   attention task (blocks < NH x ns: head h, split s of the positions): wait until the KV
+//       head's q, k and v are all done, scores, softmax and weighted values over the split,
+//       then the head's HD columns of wo times its output, added into the residual with float
+//       atomics (head 0 adds the residual itself). With ns > 1 splits the last split of a head
+//       to finish (an arrival counter) merges the partial softmaxes first.
+//   MLP task (blocks < MLP_BLOCKS: CHUNK hidden units each): wait until every head has added
+//       its share, RmsNorm, the units' gate and up rows, g = silu(gate) * up, and their CHUNK
+//       columns of down, added into the next residual with float atomics.
+// Then every block: RmsNorm, its rows of the output layer, the argmax as one 64-bit atomicMax
+// of (order-preserving float bits, inverted index): the first maximum wins, as torch.argmax.
+// The last block to finish writes the token and advances the position.
 //
-// The sums a layer accumulates (residual after attention, after the MLP) live in two sets,
-// chosen by the parity of a step counter; a launch zeroes the other set (and its counters) for
-// the next launch, so nothing is reset between launches and the launch can sit in a CUDA graph.
+// Before waiting, a block stages the weights of its next layer's tasks into the other half of
+// its shared memory with cp.async (what does not fit, or is not 16-byte aligned, is prefetched
+// into L2), so a wait is followed by arithmetic on data already at hand.
+//
+// The sums a layer accumulates (residual after attention, after the MLP) and the counters
+// live in two sets, chosen by the parity of a step counter; a launch zeroes the other set for
+// the next launch, so nothing is reset from the host and the launch replays from a CUDA graph.
 //
 // Weights are the GGUF blocks as they are in the file (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1,
 // Q8_0), dequantized exactly (d * q (+ m) in float32) and accumulated in float32: the numerics
 // of qlib's fast CUDA path, summed in another order (the atomics' order varies run to run, so
 // the last bits do). wo and down come re-laid as slabs: slab j holds columns [j w, j w + w) of
-// every row, contiguous. Activations written by other blocks are read with ld.global.cg (L2,
-// never a stale L1 line). Model sizes come in as macros, so every loop bound is a constant.
+// every row, contiguous (w = HD for wo, 32 for down). Activations written by other blocks are
+// read with ld.global.cg (L2, never a stale L1 line). Model sizes come in as macros, so every
+// loop bound is a constant.
 
 #ifndef DIM
 #error "compile with -DDIM=... -DNFF=... -DNH=... -DNKV=... -DHD=... -DNL=... -DVOCAB=... -DMAXSEQ=... -DEPS=... -DNEOX=... and the launch shape macros"
@@ -54,8 +57,8 @@
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8 };
 
 // LAYER_TYPES, OUT_TYPES: bit masks (1 << type) of the types of the layers' matrices and of the
-// output matrix. Only their code is compiled: seven types' unrolled products do not fit the
-// instruction cache, and a kernel that misses it stalls at every stage.
+// output matrix. Only their code is compiled (all seven types' unrolled products made 380 KB
+// of code, one type 151 KB: 4-5% faster on the H200).
 #define QLIB_CASE(MASK, TT, ...) \
     case TT:                       \
         if constexpr (((MASK) >> TT) & 1) { \

@@ -26,7 +26,7 @@ import torch
 SOURCE = Path(__file__).with_name("persistent.cu")
 SUPPORTED = ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
-THREADS = 512  # threads per block
+THREADS = 512  # threads per block (against 384 and 768 on the H200: docs/gpu.md)
 CHUNK = 16  # hidden units per MLP task (persistent.cu)
 SPLIT = 512  # cached positions per attention split, at most NSMAX splits (persistent.cu)
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -174,10 +174,8 @@ class PersistentDecoder:
     ``layers``: per layer the 7 matrices (``MATRICES``) and 2 norms (``NORMS``) as device
     tensors (GGUF block bytes; float32 norms) with their type names; the KV cache, RoPE
     tables, token / position / logits buffers are the fast engine's own. A step advances the
-    position itself (``advances_position``).
+    position itself.
     """
-
-    advances_position = True
 
     def __init__(self, config, layers: list[dict], tok_embd, output, out_norm: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
@@ -215,7 +213,7 @@ class PersistentDecoder:
                            LAYER_TYPES=sum({1 << TYPE_IDS[ly[n].dtype.name]
                                             for ly in layers for n in MATRICES}),
                            OUT_TYPES=1 << TYPE_IDS[output.dtype.name])  # fmt: skip
-        if stage_times:  # marks of the first ATT and MLP blocks (``stage_times_ns``)
+        if stage_times:  # block 0 notes the time at every mark (``stage_times_ns``)
             self.macros["QLIB_STAGE_TIMES"] = 1
         major, minor = torch.cuda.get_device_capability(device)
         self.kernel = Kernel(compile_cubin(self.macros, f"sm_{major}{minor}"), shared, device,
@@ -251,7 +249,6 @@ class PersistentDecoder:
         self.q = torch.empty(nh * hd, device=device)
         self.stage_times = torch.zeros(N_MARKS * nl + 2, dtype=torch.int64, device=device)
         self.out_norm, self.cos, self.sin, self.cache = out_norm, cos, sin, cache
-        self.blocks, self.mlp_blocks, self.ns_max = blocks, mlp_blocks, ns_max
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor) -> None:
         """Enqueue one step: token ``tok`` (int64 [1]) at position ``pos`` (int32 [1]) ->
@@ -272,8 +269,8 @@ class PersistentDecoder:
         self.kernel.launch(args)
 
     def stage_times_ns(self) -> dict[str, float]:
-        """With ``stage_times=True``: the last step's ns, summed over the layers, along the
-        dependency chain of the first ATT and the first MLP block (``MARKS``: each names the
+        """With ``stage_times=True``: the last step's ns, summed over the layers, as block 0
+        (a q/k/v, an attention and an MLP task each layer) saw them (``MARKS``: each names the
         span that ends at its mark); ``output``: the output layer and argmax; ``total``."""
         t = self.stage_times.cpu().double()
         nl = (t.numel() - 2) // N_MARKS
