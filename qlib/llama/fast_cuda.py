@@ -355,7 +355,8 @@ class CudaFastModel(StaticKVState):
         the output projection's kernel, float atomics summing the heads' shares, so the last
         bits vary run to run) or ``persistent`` (the whole step in one kernel,
         ``qlib.quants.cuda.persistent``: a device copy of the GGUF blocks as well;
-        ``decode_options`` go to its ``PersistentDecoder``: ``threads``, ``stage_times``);
+        ``decode_options`` go to its ``PersistentDecoder``: ``threads``, ``split``,
+        ``stage_times``);
         ``pdl``: programmatic dependent launch of the fused kernels (None: on where the device
         and Triton have it, ``fused.pdl_available()``)."""
         dev = as_device(device)
