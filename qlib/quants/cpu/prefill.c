@@ -584,14 +584,15 @@ static inline __attribute__((always_inline)) int fa_softmax_i8(const int NQ, __m
         const __m512 mn = _mm512_max_ps(mo, bm);
         _mm512_mask_storeu_ps(m, all, mn);
         _mm512_storeu_ps(mnew, mn);
-        _mm512_storeu_ps(alpha, exp16(_mm512_sub_ps(mo, mn)));
-        _mm512_storeu_ps(pmax, exp16(_mm512_sub_ps(bm, mn)));
+        const __m512 mnl = _mm512_mul_ps(mn, _mm512_set1_ps(1.44269504f));
+        _mm512_storeu_ps(alpha, exp16_diff(mo, mnl));
+        _mm512_storeu_ps(pmax, exp16_diff(bm, mnl));
     }
     for (int j = 0; j < NQ; j++) {
-        const __m512 mv = _mm512_set1_ps(mnew[j]);
+        const __m512 ml = _mm512_set1_ps(mnew[j] * 1.44269504f);
         __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lvec + 16 * j), _mm512_set1_ps(alpha[j]));
         for (int c = 0; c < 4; c++) {
-            __m512 pz = exp16(_mm512_sub_ps(s[j][c], mv));
+            __m512 pz = exp16_diff(s[j][c], ml);
             if (!whole) pz = _mm512_maskz_mov_ps(km[j][c], pz);
             _mm512_storeu_ps(pbuf + j * FA_BK + 16 * c, pz);
             sum = _mm512_add_ps(sum, pz);

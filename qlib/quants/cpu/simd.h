@@ -60,6 +60,24 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* e^(s - m) for s <= m (a softmax's weights), float32 to ~2.4e-6 relative, for the int8
+ * attention whose weights become 8-bit codes next: in base 2, t = s log2(e) - m log2(e)
+ * (mlog2e: one FMA) = n + f with |f| <= 1/2, 2^f by its degree-5 Taylor polynomial, times
+ * 2^n; t clamped below at -125 (2^-125 is still a normal float). */
+static inline __m512 exp16_diff(__m512 s, __m512 mlog2e) {
+    const __m512 t = _mm512_max_ps(_mm512_fmsub_ps(s, _mm512_set1_ps(1.44269504f), mlog2e),
+                                   _mm512_set1_ps(-125.0f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.33335581e-3f); /* ln2^k / k! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61812911e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* silu(x) = x / (1 + e^-x), the division as rcp14 and one Newton step (~2^-23 relative). */
 static inline __m512 silu16(__m512 x) {
     const __m512 y =
