@@ -111,6 +111,25 @@ def test_exp_kernel():
     assert cpu.exp(torch.full((16,), -1e4)).max() <= 2e-38  # clamped, no inf/nan/denormal
 
 
+@needs_kernels
+def test_exp_diff_kernel():
+    """The int8 attention's e^(s - m) (base 2, degree-5 polynomial) over the range a softmax
+    sees. Bounds: the polynomial's truncation on |f| <= 1/2 ((ln 2 / 2)^6 / 6! * sqrt 2 =
+    3.4e-6 relative) plus the rounding of the base-2 argument t = (s - m) log2(e), half an ulp
+    of t, i.e. 2^-24 |t| ln 2 relative. So it is within 3.5e-6 of the row's maximum weight (1)
+    everywhere; the weights are rounded to 8-bit codes of that maximum next. And 0 (not inf,
+    nan or a denormal) far below the maximum."""
+    m = 12.5
+    x = -torch.linspace(0, 86, 16 * 500)
+    s = m + x
+    x = (s - m).double()  # as rounded into s
+    ref, got = torch.exp(x), cpu.exp_diff(s, m).double()
+    assert (got - ref).abs().max() <= 3.5e-6
+    assert ((got - ref).abs() / ref <= 3.5e-6 + 2**-24 * x.abs() * 1.4427 * 0.6932).all()
+    far = cpu.exp_diff(torch.full((16,), -1e4), m)
+    assert far.max() <= 2.4e-38 and torch.isfinite(far).all()
+
+
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distance in bf16 units of the last place (same-sign finite values)."""
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()

@@ -67,6 +67,7 @@ _SIGNATURES = {
     "qlib_swiglu_f32": ([_p, _i, _i, _p], None),
     "qlib_attn_set_rows": ([_i], None),
     "qlib_exp": ([_p, _i, _p], None),
+    "qlib_exp_diff": ([_p, _i, _f, _p], None),
     "qlib_decode_run": ([_p, _i, _i], _i),
     "qlib_amx_init": ([], _i),
     "qlib_amx_gemm": ([_p, _i, _i, _i, _p, _p, _p, _i, _i, _p, _i], _i),
@@ -671,6 +672,17 @@ def exp(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("exp: numel % 16 == 0 needed")
     y = torch.empty_like(x)
     lib.qlib_exp(x.data_ptr(), x.numel(), y.data_ptr())
+    return y
+
+
+def exp_diff(s: torch.Tensor, m: float) -> torch.Tensor:
+    """The int8 attention's ``e^(s - m)`` for ``s <= m`` (float32, numel % 16 == 0), for tests."""
+    lib = _lib()
+    s = s.contiguous().float()
+    if s.numel() % 16:
+        raise ValueError("exp_diff: numel % 16 == 0 needed")
+    y = torch.empty_like(s)
+    lib.qlib_exp_diff(s.data_ptr(), s.numel(), float(m), y.data_ptr())
     return y
 
 

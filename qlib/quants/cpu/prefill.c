@@ -28,6 +28,12 @@ void qlib_exp(const float *x, int n, float *y) {
     for (int i = 0; i < n; i += 16) _mm512_storeu_ps(y + i, exp16(_mm512_loadu_ps(x + i)));
 }
 
+/* Test hook: y[i] = e^(s[i] - m) by the int8 attention's exp16_diff (s[i] <= m, n % 16 == 0). */
+void qlib_exp_diff(const float *s, int n, float m, float *y) {
+    const __m512 ml = _mm512_set1_ps(m * 1.44269504f);
+    for (int i = 0; i < n; i += 16) _mm512_storeu_ps(y + i, exp16_diff(_mm512_loadu_ps(s + i), ml));
+}
+
 /* For rows i < t of h [t, k] float32: h += delta (bf16 [t, k], when not NULL); then
  * out[i] = h[i] / sqrt(mean(h[i]^2) + eps) * w, stored as bf16 (out_bf16) or float32. */
 /* Row x of k floats: x += delta (bf16, when not NULL); out = x / sqrt(mean(x^2) + eps) * w,
