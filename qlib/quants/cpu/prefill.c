@@ -569,10 +569,11 @@ static inline __attribute__((always_inline)) void fa_scores_i8(
     }
 }
 
-/* fa_softmax for the int8 products: the same maxima, rescale factors and weights p, but
- * the sums l kept as one vector a query vector (lvec[j][16], summed once at the end), no
- * masks in a block that every vector of the group sees whole, and pmax[j] = e^(block max -
- * m'), the bound of the vector's weights in the block. */
+/* fa_softmax for the int8 products: the same maxima, rescale factors and weights p (e^x by
+ * exp16_diff: the weights become 8-bit codes next), but the sums l kept as one vector a
+ * query vector (lvec[j][16], summed once at the end), no masks in a block that every vector
+ * of the group sees whole, and pmax[j] = e^(block max - m'), the bound of the vector's
+ * weights in the block. */
 static inline __attribute__((always_inline)) int fa_softmax_i8(const int NQ, __m512 s[FA_NQ][4],
                                                                const int *lim, int l0, float *m,
                                                                float *lvec, float *pbuf,
