@@ -124,6 +124,38 @@ __device__ __forceinline__ void nibbles8(const u8* qs, int p, u32 qh, int five, 
     }
 }
 
+// d * (the dot of the 8 codes of part p of a legacy block with xx[0..8)) (+ m * sum xx): the
+// block's dequantized elements 8p .. 8p+7 times xx, as ggml's d * q (+ m).
+template <int T>
+__device__ __forceinline__ float unit_dot(const u8* blk, int p, const float* xx) {
+    constexpr int has_m = T == T_Q4_1 || T == T_Q5_1;
+    constexpr int five = T == T_Q5_0 || T == T_Q5_1;
+    constexpr float offset = T == T_Q4_0 ? 8.f : T == T_Q5_0 ? 16.f : 0.f;
+    const float d = h2f(ld16(blk));
+    if (T == T_Q8_0) {
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u16 w = ld16(blk + 2 + 8 * p + 2 * i);
+            s += (float)(signed char)(w & 0xff) * xx[2 * i] + (float)(signed char)(w >> 8) * xx[2 * i + 1];
+        }
+        return d * s;
+    }
+    const float m = has_m ? h2f(ld16(blk + 2)) : 0.f;
+    const u8* after = blk + (has_m ? 4 : 2);
+    u32 qh = 0;
+    if (five) qh = (u32)ld16(after) | ((u32)ld16(after + 2) << 16);
+    float q[8];
+    nibbles8(after + (five ? 4 : 0), p, qh, five, q);
+    float s = 0.f, sx = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        s += q[i] * xx[i];
+        sx += xx[i];
+    }
+    return d * (s - offset * sx) + m * sx;
+}
+
 // One lane's share of the dot of a weight row of type T (K elements) with x (shared
 // memory): lanes take 8 consecutive elements at a time; the loop is unrolled, so all of a
 // lane's loads are in flight together.
@@ -139,41 +171,11 @@ __device__ __forceinline__ float partial(const u8* row, const float* x, int lane
         return acc;
     }
     constexpr int bb = T == T_Q8_0 ? 34 : T == T_Q4_0 ? 18 : T == T_Q4_1 ? 20 : T == T_Q5_0 ? 22 : 24;
-    constexpr int has_m = T == T_Q4_1 || T == T_Q5_1;
-    constexpr int five = T == T_Q5_0 || T == T_Q5_1;
-    constexpr float offset = T == T_Q4_0 ? 8.f : T == T_Q5_0 ? 16.f : 0.f;
 #pragma unroll
     for (int it = 0; it < (K / 8 + 31) / 32; it++) {
         const int u = lane + 32 * it;
         if (u >= K / 8) break;
-        const int b = u >> 2, p = u & 3;
-        const u8* blk = row + bb * b;
-        const float d = h2f(ld16(blk));
-        const float* xx = x + 32 * b + 8 * p;
-        if (T == T_Q8_0) {
-            float s = 0.f;
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const u16 w = ld16(blk + 2 + 8 * p + 2 * i);
-                s += (float)(signed char)(w & 0xff) * xx[2 * i] +
-                     (float)(signed char)(w >> 8) * xx[2 * i + 1];
-            }
-            acc += d * s;
-        } else {
-            const float m = has_m ? h2f(ld16(blk + 2)) : 0.f;
-            const u8* after = blk + (has_m ? 4 : 2);
-            u32 qh = 0;
-            if (five) qh = (u32)ld16(after) | ((u32)ld16(after + 2) << 16);
-            float q[8];
-            nibbles8(after + (five ? 4 : 0), p, qh, five, q);
-            float s = 0.f, sx = 0.f;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                s += q[i] * xx[i];
-                sx += xx[i];
-            }
-            acc += d * (s - offset * sx) + m * sx;
-        }
+        acc += unit_dot<T>(row + bb * (u >> 2), u & 3, x + 8 * u);
     }
     return acc;
 }
@@ -298,38 +300,10 @@ __device__ __forceinline__ float slab_dot_t(const u8* row, int e0, const float* 
         return acc;
     }
     constexpr int bb = T == T_Q8_0 ? 34 : T == T_Q4_0 ? 18 : T == T_Q4_1 ? 20 : T == T_Q5_0 ? 22 : 24;
-    constexpr int has_m = T == T_Q4_1 || T == T_Q5_1;
-    constexpr int five = T == T_Q5_0 || T == T_Q5_1;
-    constexpr float offset = T == T_Q4_0 ? 8.f : T == T_Q5_0 ? 16.f : 0.f;
 #pragma unroll
     for (int k = 0; k < W / 8; k++) {
-        const int u = e0 / 8 + k, p = u & 3;
-        const u8* blk = row + bb * (u >> 2);
-        const float* vv = v + 8 * k;
-        const float d = h2f(ld16(blk));
-        if (T == T_Q8_0) {
-            float s = 0.f;
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const u16 w = ld16(blk + 2 + 8 * p + 2 * i);
-                s += (float)(signed char)(w & 0xff) * vv[2 * i] + (float)(signed char)(w >> 8) * vv[2 * i + 1];
-            }
-            acc += d * s;
-        } else {
-            const float m = has_m ? h2f(ld16(blk + 2)) : 0.f;
-            const u8* after = blk + (has_m ? 4 : 2);
-            u32 qh = 0;
-            if (five) qh = (u32)ld16(after) | ((u32)ld16(after + 2) << 16);
-            float q[8];
-            nibbles8(after + (five ? 4 : 0), p, qh, five, q);
-            float s = 0.f, sx = 0.f;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                s += q[i] * vv[i];
-                sx += vv[i];
-            }
-            acc += d * (s - offset * sx) + m * sx;
-        }
+        const int u = e0 / 8 + k;
+        acc += unit_dot<T>(row + bb * (u >> 2), u & 3, v + 8 * k);
     }
     return acc;
 }
