@@ -664,26 +664,25 @@ def swiglu(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
-def exp(x: torch.Tensor) -> torch.Tensor:
-    """The kernels' vector ``e^x`` (float32, numel % 16 == 0), for tests."""
+def _vector_hook(name: str, x: torch.Tensor, *scalars: float) -> torch.Tensor:
+    """y = the C test hook ``name`` over float32 x (numel % 16 == 0), with its scalar args."""
     lib = _lib()
     x = x.contiguous().float()
     if x.numel() % 16:
-        raise ValueError("exp: numel % 16 == 0 needed")
+        raise ValueError(f"{name.removeprefix('qlib_')}: numel % 16 == 0 needed")
     y = torch.empty_like(x)
-    lib.qlib_exp(x.data_ptr(), x.numel(), y.data_ptr())
+    getattr(lib, name)(x.data_ptr(), x.numel(), *scalars, y.data_ptr())
     return y
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' vector ``e^x`` (float32, numel % 16 == 0), for tests."""
+    return _vector_hook("qlib_exp", x)
 
 
 def exp_diff(s: torch.Tensor, m: float) -> torch.Tensor:
     """The int8 attention's ``e^(s - m)`` for ``s <= m`` (float32, numel % 16 == 0), for tests."""
-    lib = _lib()
-    s = s.contiguous().float()
-    if s.numel() % 16:
-        raise ValueError("exp_diff: numel % 16 == 0 needed")
-    y = torch.empty_like(s)
-    lib.qlib_exp_diff(s.data_ptr(), s.numel(), float(m), y.data_ptr())
-    return y
+    return _vector_hook("qlib_exp_diff", s, float(m))
 
 
 # -- prefill.c with AMX: the GEMM and the whole layer ----------------------------------------

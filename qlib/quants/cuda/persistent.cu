@@ -390,7 +390,8 @@ __device__ __forceinline__ u32 arrive(u32* c) {
     return old;
 }
 
-// QLIB_STAGE_TIMES: %globaltimer (ns) at marks of the first ATT and the first MLP block.
+// QLIB_STAGE_TIMES: block 0 (a q/k/v, an attention and an MLP task each layer) records
+// %globaltimer (ns) at NMARK marks a layer, and at the start and the end of the step.
 #ifdef QLIB_STAGE_TIMES
 #define MARK(i)                                                  \
     if (threadIdx.x == 0) {                                      \
