@@ -12,16 +12,20 @@
 //       then the head's HD columns of wo times its output, added into the residual with float
 //       atomics (head 0 adds the residual itself). With ns > 1 splits the last split of a head
 //       to finish (an arrival counter) merges the partial softmaxes first.
-//   MLP task (blocks < MLP_BLOCKS: CHUNK hidden units each): wait until every head has added
+//   MLP task (the last MLP_BLOCKS blocks, apart from the attention blocks while the heads fit
+//       beside them: CHUNK hidden units each): wait until every head has added
 //       its share, RmsNorm, the units' gate and up rows, g = silu(gate) * up, and their CHUNK
 //       columns of down, added into the next residual with float atomics.
 // Then every block: RmsNorm, its rows of the output layer, the argmax as one 64-bit atomicMax
 // of (order-preserving float bits, inverted index): the first maximum wins, as torch.argmax.
 // The last block to finish writes the token and advances the position.
 //
-// Before waiting, a block stages the weights of its next layer's tasks into the other half of
-// its shared memory with cp.async (what does not fit, or is not 16-byte aligned, is prefetched
-// into L2), so a wait is followed by arithmetic on data already at hand.
+// A block stages the weights of its next layer's tasks into the other half of its shared memory
+// with cp.async (what does not fit, or is not 16-byte aligned, is prefetched into L2) where it
+// would wait anyway: after its q/k/v task when it has no attention task, after its wo when it
+// has no MLP task, else after its MLP task. Issuing the copies stalls a block for 1.5-4 us
+// (tens of KB a block, a few KB in flight per SM at a time): at the layer's start it was the
+// critical path's longest hop. So a wait is followed by arithmetic on data already at hand.
 //
 // The sums a layer accumulates (residual after attention, after the MLP) and the counters
 // live in two sets, chosen by the parity of a step counter; a launch zeroes the other set for
@@ -44,10 +48,11 @@
 #define CHUNK 16                     // hidden units per MLP task (half a quant block of down)
 #define NMLP_T (NFF / CHUNK)         // MLP tasks per layer
 #define MAXCH ((NMLP_T + MLP_BLOCKS - 1) / MLP_BLOCKS)  // MLP tasks per MLP block
+#define MLP_FIRST (GRID - MLP_BLOCKS)  // the MLP blocks are the last ones, apart from attention
 #define PAIRS_G ((GQA + 2) * HD / 2)  // RoPE pairs of one KV head's q, k and v rows
 #define QKV_T (NKV * PAIRS_G / QPB)   // q/k/v tasks per layer, QPB pairs each
 #define MAXQ ((QKV_T + GRID - 1) / GRID)  // q/k/v tasks per block
-#define ACC_N ((2 * NL + 1) * DIM)   // one set of residual sums
+#define ACC_N ((2 * NL + 1) * DIM)  // one set of residual sums
 #define NCNT (NL * (NKV + 2 + NH) + 1)  // one set of counters
 #ifndef OUT_PREFETCH
 #define OUT_PREFETCH 2  // layers before the end at which the output rows are prefetched into L2
@@ -98,6 +103,12 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+}
+
+// Sum idx of a set (res(l): 2 l, mid(l): 2 l + 1), read from L2 into dst.
+__device__ __forceinline__ float* sum_at(float* A, int idx) { return A + (usize)idx * DIM; }
+__device__ __forceinline__ void read_sum(const float* r, float* dst) {
+    for (int i = threadIdx.x; i < DIM; i += THREADS) dst[i] = __ldcg(r + i);
 }
 
 __device__ __forceinline__ int block_bytes(int t) {
@@ -351,9 +362,9 @@ __device__ __forceinline__ void stage(const u8* const (&src)[N], const int (&byt
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
-// Every commit group but the newest one has landed (the previous layer's staging is in).
-__device__ __forceinline__ void staged_but_newest() {
-    asm volatile("cp.async.wait_group 1;" ::: "memory");
+// This layer's staging (issued during the layer before) has landed: every commit group.
+__device__ __forceinline__ void staged() {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();
 }
 
@@ -390,8 +401,8 @@ __device__ __forceinline__ u32 arrive(u32* c) {
     return old;
 }
 
-// QLIB_STAGE_TIMES: block 0 (a q/k/v, an attention and an MLP task each layer) records
-// %globaltimer (ns) at NMARK marks a layer, and at the start and the end of the step.
+// QLIB_STAGE_TIMES: block 0 (a q/k/v and an attention task each layer) and the first MLP block
+// (marks 7-9) record %globaltimer (ns) at NMARK marks a layer, and at the step's start and end.
 #ifdef QLIB_STAGE_TIMES
 #define MARK(i)                                                  \
     if (threadIdx.x == 0) {                                      \
@@ -399,8 +410,18 @@ __device__ __forceinline__ u32 arrive(u32* c) {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_)); \
         stage_times[i] = now_;                                   \
     }
+// BLOCK_MARK(i): every block's time at six points of the middle layer (NL / 2): its residual
+// in, its q/k/v task done, every head in, its MLP task done, the next layer's staging issued,
+// the residual's count seen.
+#define BLOCK_MARK(i)                                                          \
+    if (threadIdx.x == 0 && l == NL / 2) {                                     \
+        u64 now_;                                                              \
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_));               \
+        stage_times[NMARK * NL + 2 + 6 * b + (i)] = now_;                      \
+    }
 #else
 #define MARK(i)
+#define BLOCK_MARK(i)
 #endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
@@ -427,7 +448,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pos = *pos_p, L = pos + 1;
     const u32 par = __ldcg(steps) & 1u;
-    float* A = acc + (usize)par * ACC_N;  // res(l) = A + 2 l DIM (l >= 1), mid(l) = A + (2 l + 1) DIM
+    float* A = acc + (usize)par * ACC_N;  // res(l) = sum_at(A, 2 l) (l >= 1), mid(l) = sum_at(A, 2 l + 1)
     u32* C = counters + par * NCNT;
     u32* qkv_cnt = C;                     // NL x NKV: q/k/v pairs done per KV head
     u32* attn_done = qkv_cnt + NL * NKV;  // NL: heads added into mid(l)
@@ -450,9 +471,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     int ns = (L + SPLIT - 1) / SPLIT;
     if (ns > NSMAX) ns = NSMAX;
     const int len = (L + ns - 1) / ns;
-    // roles: attention task (head h, split s) on blocks < NH ns; MLP tasks on blocks < MLP_BLOCKS;
-    // q/k/v tasks b, b + grid, ... on every block
-    const bool att = b < NH * ns, mlp = b < MLP_BLOCKS;
+    // roles: attention task (head h, split s) on blocks < NH ns; MLP tasks on the last
+    // MLP_BLOCKS blocks; q/k/v tasks b, b + grid, ... on every block
+    const bool att = b < NH * ns, mlp = b >= MLP_FIRST && b < MLP_FIRST + MLP_BLOCKS;
+    const int mb = b - MLP_FIRST;  // the MLP block's index
     const int h = att ? b / ns : 0, s = att ? b % ns : 0, kvh = h / GQA;
     const int t0 = s * len, t1 = min(L, t0 + len), tc = min(t1, pos);  // cached before: [t0, tc)
 
@@ -491,7 +513,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
         const int sbd = (int)row_bytes(T[W_DOWN], 32);
 #pragma unroll
         for (int ci = 0; ci < MAXCH; ci++) {
-            const int c = b + ci * MLP_BLOCKS;
+            const int c = mb + ci * MLP_BLOCKS;
             const bool mine = mlp && c < NMLP_T;
             src[P_MLP + 3 * ci] = (const u8*)W[W_GATE] + (usize)c * CHUNK * rbg;
             src[P_MLP + 3 * ci + 1] = (const u8*)W[W_UP] + (usize)c * CHUNK * rbu;
@@ -517,12 +539,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
         float* kc = cache + (usize)l * 2 * NKV * MAXSEQ * HD;  // [NKV][MAXSEQ][HD]
         float* vc = kc + (usize)NKV * MAXSEQ * HD;
         const u8** wp = where[l & 1];
-        __syncthreads();  // the other staging area is free: stage the next layer into it
-        if (l + 1 < NL) {
-            stage_layer(l + 1);
-        } else {
-            asm volatile("cp.async.commit_group;" ::: "memory");
-        }
+        // the other staging area is free (layer l - 1 is done with it): the next layer into it
+        auto stage_next = [&]() {
+            __syncthreads();
+            if (l + 1 < NL) {
+                stage_layer(l + 1);
+            } else {
+                asm volatile("cp.async.commit_group;" ::: "memory");
+            }
+            BLOCK_MARK(4)
+        };
         if (l == NL - OUT_PREFETCH) {
             const usize rb = row_bytes(out_type, DIM);
             const u8* o0 = out_w + rb * out_r0;
@@ -534,11 +560,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             for (int i = threadIdx.x; i < DIM; i += THREADS) res_in[i] = row_elem(emb_type, row, i);
         } else {
             wait_count(mlp_done + l - 1, MLP_BLOCKS);
-            const float* r = A + 2 * l * DIM;
-            for (int i = threadIdx.x; i < DIM; i += THREADS) res_in[i] = __ldcg(r + i);
+            BLOCK_MARK(5)
+            read_sum(sum_at(A, 2 * l), res_in);
         }
         if (b == 0) MARK(NMARK * l);
-        staged_but_newest();
+        BLOCK_MARK(0)
+        staged();
         rmsnorm_shared(res_in, (const float*)wp[0], xs, red);
         if (b == 0) MARK(NMARK * l + 1);
 #pragma unroll
@@ -575,6 +602,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             signal_n(qkv_cnt + l * NKV + g, QPB);
         }
         if (b == 0) MARK(NMARK * l + 2);
+        BLOCK_MARK(1)
+        if (!att) stage_next();  // (it waits for the heads next)
 
         // ---- attention of head h over the split [t0, t1), its share of wo
         if (att) {
@@ -691,24 +720,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             if (merge) {
                 const int to = T[W_O];
                 slab_rows_add<HD>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
-                                  A + (2 * l + 1) * DIM);
+                                  sum_at(A, 2 * l + 1));
                 signal(attn_done + l);
             }
             if (b == 0) MARK(NMARK * l + 6);
+            if (!mlp) stage_next();  // (it waits for the next layer's residual next)
         }
 
         // ---- MLP tasks: RmsNorm, gate and up of CHUNK units, SwiGLU, their share of down
         if (mlp) {
             wait_count(attn_done + l, NH);
-            if (b == 0) MARK(NMARK * l + 7);
-            const float* mid = A + (2 * l + 1) * DIM;
-            for (int i = threadIdx.x; i < DIM; i += THREADS) res_in[i] = __ldcg(mid + i);
+            if (b == MLP_FIRST) MARK(NMARK * l + 7);
+            BLOCK_MARK(2)
+            read_sum(sum_at(A, 2 * l + 1), res_in);
             rmsnorm_shared(res_in, (const float*)wp[1], xs, red);
             const int tg = T[W_GATE], tu = T[W_UP], td = T[W_DOWN];
             const usize rg = row_bytes(tg, DIM), ru = row_bytes(tu, DIM), sbd = row_bytes(td, 32);
 #pragma unroll
             for (int ci = 0; ci < MAXCH; ci++) {
-                const int c = b + ci * MLP_BLOCKS;
+                const int c = mb + ci * MLP_BLOCKS;
                 if (c >= NMLP_T) break;
                 const u8 *gw = wp[P_MLP + 3 * ci], *uw = wp[P_MLP + 3 * ci + 1];
                 for (int u = warp; u < CHUNK; u += WARPS) {
@@ -723,23 +753,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                     if (lane == 0) gsm[u] = ab[0] / (1.0f + expf(-ab[0])) * ab[1];
                 }
                 __syncthreads();
-                if (b == 0 && ci == 0) MARK(NMARK * l + 8);
+                if (b == MLP_FIRST && ci == 0) MARK(NMARK * l + 8);
                 slab_rows_add<CHUNK>(td, wp[P_MLP + 3 * ci + 2], sbd, CHUNK * (c & 1), gsm,
-                                     c == 0 ? res_in : nullptr, A + 2 * (l + 1) * DIM);
+                                     c == 0 ? res_in : nullptr, sum_at(A, 2 * (l + 1)));
                 __syncthreads();
             }
             signal(mlp_done + l);
-            if (b == 0) MARK(NMARK * l + 9);
+            if (b == MLP_FIRST) MARK(NMARK * l + 9);
+            BLOCK_MARK(3)
+            if (att) stage_next();
         }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
 
     // ---- every block: the output layer and the argmax
     wait_count(mlp_done + NL - 1, MLP_BLOCKS);
-    {
-        const float* r = A + 2 * NL * DIM;
-        for (int i = threadIdx.x; i < DIM; i += THREADS) res_in[i] = __ldcg(r + i);
-    }
+    read_sum(sum_at(A, 2 * NL), res_in);
     rmsnorm_shared(res_in, out_norm, xs, red);
     const u64 mine = output_rows<DIM, 4, OUT_TYPES>(out_type, out_w, xs, logits, out_r0, out_r1, warp, lane);
     if (lane == 0 && mine) atomicMax(best + par, mine);

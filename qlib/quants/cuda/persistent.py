@@ -247,7 +247,9 @@ class PersistentDecoder:
         self.out_tok = torch.zeros(1, dtype=torch.int64, device=device)
         self.part = torch.empty(nh * ns_max * (hd + 2), device=device)
         self.q = torch.empty(nh * hd, device=device)
-        self.stage_times = torch.zeros(N_MARKS * nl + 2, dtype=torch.int64, device=device)
+        self.stage_times = torch.zeros(N_MARKS * nl + 2 + 6 * blocks, dtype=torch.int64,
+                                       device=device)  # fmt: skip
+        self.n_layers = nl
         self.out_norm, self.cos, self.sin, self.cache = out_norm, cos, sin, cache
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor) -> None:
@@ -269,11 +271,12 @@ class PersistentDecoder:
         self.kernel.launch(args)
 
     def stage_times_ns(self) -> dict[str, float]:
-        """With ``stage_times=True``: the last step's ns, summed over the layers, as block 0
-        (a q/k/v, an attention and an MLP task each layer) saw them (``MARKS``: each names the
-        span that ends at its mark); ``output``: the output layer and argmax; ``total``."""
+        """With ``stage_times=True``: the last step's ns, summed over the layers, as block 0 (a
+        q/k/v and an attention task each layer) and the first MLP block (the ``mlp:`` marks) saw
+        them (``MARKS``: each names the span that ends at its mark); ``output``: the output
+        layer and argmax; ``total``."""
         t = self.stage_times.cpu().double()
-        nl = (t.numel() - 2) // N_MARKS
+        nl = self.n_layers
         start, end = t[N_MARKS * nl], t[N_MARKS * nl + 1]
         m = t[: N_MARKS * nl].view(nl, N_MARKS)
         prev = torch.cat([start.view(1), m[:-1, -1]])
@@ -281,6 +284,14 @@ class PersistentDecoder:
         out = dict(zip(MARKS, spans.tolist(), strict=True))
         out.update(output=float(end - m[-1, -1]), total=float(end - start))
         return out
+
+    def block_times_ns(self) -> torch.Tensor:
+        """With ``stage_times=True``: per block, the ns at six points of the last step's middle
+        layer (residual in, q/k/v task done, every head in, MLP task done, the next layer's
+        staging issued, the residual's count seen; 0 where a block has no such point), from
+        block 0's first point."""
+        t = self.stage_times[N_MARKS * self.n_layers + 2 :].view(-1, 6).cpu()
+        return torch.where(t > 0, t - t[0, 0], torch.zeros_like(t))
 
     def next_token(self) -> torch.Tensor:
         """The argmax of the last step's logits (int64 [1], on the device; no read-back)."""
