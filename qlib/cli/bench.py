@@ -26,6 +26,7 @@ from .common import (
     apply_seed_and_threads,
     existing_file,
     positive_int,
+    positive_ints,
 )
 
 FORMATS = ("md", "csv", "json")
@@ -56,10 +57,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--context",
-        type=positive_int,
+        type=positive_ints,
         default=None,
+        metavar="N[,M,...]",
         help="long context: prefill N tokens (the prompt file's tokens repeated to N; "
-        "replaces --prompt-tokens), then time --steps decode steps from position N",
+        "replaces --prompt-tokens), then time --steps decode steps from position N; several "
+        "points run in one process, alternating in each rep, with their decode ratios printed",
     )
     p.add_argument(
         "--steps",
@@ -192,7 +195,8 @@ def _runtime_of(r: dict) -> str:
 
 
 def rows(results: list[dict]) -> list[dict]:
-    """Two rows per configuration (ppN: the prefill, tgN: the decode steps), CSV names."""
+    """Two rows per configuration and context (ppN: the prefill, tgN: the decode steps; with
+    several contexts tgN @ dC: the steps after C prompt tokens), CSV names."""
     facts: dict[str, dict] = {}
     out = []
     for r in results:
@@ -203,15 +207,36 @@ def rows(results: list[dict]) -> list[dict]:
         common = {**f, "runtime": r["runtime"], "variant": variant(r), "device": r["device"],
                   "threads": r["threads"], "peak_rss_mb": r["peak_rss_mb"],
                   "load_ms": r.get("load_ms")}  # fmt: skip
-        for test, n, ms, tok_s, first in (
-            ("pp", r["prompt_tokens"], "prefill_ms", "prefill_tok_s", "prefill_ms"),
-            ("tg", r["steps"], "decode_ms_per_token", "decode_tok_s", "decode_ms_per_token"),
-        ):
-            out.append({**common, "test": f"{test}{n}", "tokens": n,
-                        "tok_s_median": r[tok_s]["median"], "tok_s_max": r[tok_s]["max"],
-                        "ms_median": r[ms]["median"], "ms_min": r[ms]["min"],
-                        "first_run_ms": r["first_run"][first]})  # fmt: skip
+        points = r.get("curve") or [{**r, "context": None}]
+        for p in points:
+            n = p["context"] or r["prompt_tokens"]
+            depth = f" @ d{p['context']}" if r.get("curve") else ""
+            for test, ms, tok_s, first in (
+                (f"pp{n}", "prefill_ms", "prefill_tok_s", "prefill_ms"),
+                (f"tg{r['steps']}{depth}", "decode_ms_per_token", "decode_tok_s",
+                 "decode_ms_per_token"),
+            ):  # fmt: skip
+                out.append({**common, "test": test, "tokens": n if test[1] == "p" else r["steps"],
+                            "tok_s_median": p[tok_s]["median"], "tok_s_max": p[tok_s]["max"],
+                            "ms_median": p[ms]["median"], "ms_min": p[ms]["min"],
+                            "first_run_ms": p["first_run"][first]})  # fmt: skip
     return out
+
+
+def curve_ratios(result: dict) -> list[str]:
+    """With several contexts: each one's decode time (min) over the first context's, measured
+    in the one process."""
+    curve = result.get("curve") or []
+    if len(curve) < 2:
+        return []
+    base = curve[0]
+    parts = [
+        f"d{p['context']} / d{base['context']} x"
+        f"{p['decode_ms_per_token']['min'] / base['decode_ms_per_token']['min']:.3f}"
+        for p in curve[1:]
+    ]
+    return [f"{result['runtime']} decode time, contexts alternating in one process: "
+            + ", ".join(parts)]  # fmt: skip
 
 
 def _size(n: int | None) -> str:
@@ -236,9 +261,10 @@ def markdown(results: list[dict], ratios: dict | None = None) -> str:
                  f"{rw['ms_median']:.2f}{unit}", f"{rw['first_run_ms']:.2f}{unit}",
                  f"{rw['peak_rss_mb']:.0f} MB")  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    loads = [f"{rw['runtime']} {rw['load_ms']:.0f} ms" for rw in table[::2] if rw["load_ms"]]
+    loads = [f"{r['runtime']} {r['load_ms']:.0f} ms" for r in results if r.get("load_ms")]
     notes = [f"\nload (read + build): {', '.join(loads)}"] if loads else []
     notes += [f"{rw['runtime']}: FAILED {rw['error']}" for rw in rows(results) if "error" in rw]
+    notes += [line for r in results if "error" not in r for line in curve_ratios(r)]
     for peer, r in (ratios or {}).items():
         notes.append(
             f"qlib / {peer}: prefill time x{r['prefill']:.2f}, decode time x{r['decode']:.2f}, "
@@ -266,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
     args.model = args.model or models.path()
     args.prompt_file = args.prompt_file or models.data_file("passage.txt")
     if args.context:
-        args.prompt_tokens = args.context
+        args.prompt_tokens = args.context[0]
     if not args.peers:
         apply_seed_and_threads(args)
         result = run_config(args)

@@ -33,6 +33,19 @@ positive_int = at_least(1)
 non_negative_int = at_least(0)
 
 
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1, each once (``256,1024``)."""
+    try:
+        values = [positive_int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of integers: {text!r}"
+        ) from None
+    if len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"a value repeats in {text!r}")
+    return values
+
+
 def non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:  # NaN too

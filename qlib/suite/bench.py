@@ -14,8 +14,11 @@ this same module, and prints qlib / peer ratios from that one invocation.
 Long context (``--context N``): the prompt is the passage's tokens repeated to N (the same
 ids for every runtime, each through its own tokenizer), so one invocation measures one point
 of the decode-cost-against-context curve: prefill N tokens, then ``steps`` decode steps at
-positions N .. N + steps - 1. ``--kv-type`` picks the KV cache's element type for qlib's fast
-engine and llama.cpp alike (llama.cpp's default is f16; the fast engine's f32).
+positions N .. N + steps - 1. ``--context N,M,...`` measures several points in one process,
+the contexts alternating within each rep, so their ratios are side by side (the result's
+``curve``; its top level is the first context's). ``--kv-type`` picks the KV cache's element
+type for qlib's fast engine and llama.cpp alike (llama.cpp's default is f16; the fast
+engine's f32).
 """
 
 from __future__ import annotations
@@ -66,14 +69,47 @@ def prompt_ids(
     return ids[:n]
 
 
-def _repeat(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "context", None))
+def contexts(args: argparse.Namespace) -> list[int]:
+    """The ``--context`` points (none: the protocol's prompt)."""
+    return list(getattr(args, "context", None) or [])
+
+
+def max_prompt_tokens(args: argparse.Namespace) -> int:
+    """The longest prompt of this configuration (a runtime's context size)."""
+    return max(contexts(args) or [args.prompt_tokens])
 
 
 def measure(run_once: Callable[[], tuple[float, float]], reps: int) -> dict:
     """``run_once() -> (prefill_ms, decode_ms_per_token)``: first run, then ``reps`` timed."""
     first = run_once()
-    runs = [run_once() for _ in range(reps)]
+    return _stats(first, [run_once() for _ in range(reps)])
+
+
+def measure_prompts(
+    run_once: Callable[[list[int]], tuple[float, float]],
+    encode: Callable[[str], list[int]],
+    args: argparse.Namespace,
+) -> dict:
+    """``run_once(ids)`` with the protocol's prompt, or at each ``--context`` point: with
+    several, one untimed run of each, then ``reps`` rounds that run every context in turn;
+    the first context's statistics at the top, every context's in ``curve``."""
+    points = contexts(args)
+    if len(points) <= 1:
+        ids = prompt_ids(encode, args.prompt_tokens, args.prompt_file, repeat=bool(points))
+        return measure(lambda: run_once(ids), args.reps)
+    prompts = {n: prompt_ids(encode, n, args.prompt_file, repeat=True) for n in points}
+    first = {n: run_once(ids) for n, ids in prompts.items()}
+    runs: dict[int, list[tuple[float, float]]] = {n: [] for n in prompts}
+    for _ in range(args.reps):
+        for n, ids in prompts.items():
+            runs[n].append(run_once(ids))
+    curve = [{"context": n, **_stats(first[n], runs[n])} for n in prompts]
+    for point in curve:
+        point.update(tokens_per_s({**point, "prompt_tokens": point["context"]}))
+    return {**{k: v for k, v in curve[0].items() if k != "context"}, "curve": curve}
+
+
+def _stats(first: tuple[float, float], runs: list[tuple[float, float]]) -> dict:
     prefill = [r[0] for r in runs]
     decode = [r[1] for r in runs]
     return {
@@ -106,10 +142,9 @@ def bench_qlib(args: argparse.Namespace) -> dict:
     )
     load_ms = times["read_ms"] + times["build_ms"]
     tokenizer = Tokenizer.from_metadata(content.metadata)
-    ids = prompt_ids(tokenizer.encode, args.prompt_tokens, args.prompt_file, _repeat(args))
     device = model.device
 
-    def run_once() -> tuple[float, float]:
+    def run_once(ids: list[int]) -> tuple[float, float]:
         model.clear_kv_cache()
         with torch.inference_mode():
             t0 = time.perf_counter()
@@ -124,7 +159,7 @@ def bench_qlib(args: argparse.Namespace) -> dict:
             t2 = time.perf_counter()
         return (t1 - t0) * 1e3, (t2 - t1) * 1e3 / args.steps
 
-    result = measure(run_once, args.reps)
+    result = measure_prompts(run_once, tokenizer.encode, args)
     engine, form = resolve(args.engine, args.form)
     result.update(runtime="qlib", engine=engine, form=form or "default", load_ms=load_ms)
     if engine == "fast":
@@ -150,30 +185,24 @@ def bench_transformers(args: argparse.Namespace) -> dict:
         .eval()
     )
     load_ms = (time.perf_counter() - start) * 1e3
-    ids = prompt_ids(
-        lambda t: tok(t, add_special_tokens=False)["input_ids"],
-        args.prompt_tokens,
-        args.prompt_file,
-        _repeat(args),
-    )
-    prompt = torch.tensor([ids], device=args.device)
 
     def next_token(x, cache) -> int:
         out = model(x, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return int(out.logits[0, -1].argmax())
 
-    def run_once() -> tuple[float, float]:
+    def run_once(ids: list[int]) -> tuple[float, float]:
         with torch.inference_mode():
             cache = DynamicCache()
             t0 = time.perf_counter()
-            token = next_token(prompt, cache)
+            token = next_token(torch.tensor([ids], device=args.device), cache)
             t1 = time.perf_counter()
             for _ in range(args.steps):
                 token = next_token(torch.tensor([[token]], device=args.device), cache)
             t2 = time.perf_counter()
         return (t1 - t0) * 1e3, (t2 - t1) * 1e3 / args.steps
 
-    result = measure(run_once, args.reps)
+    encode = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    result = measure_prompts(run_once, encode, args)
     result.update(runtime="transformers", dtype=args.dtype, load_ms=load_ms)
     return result
 
@@ -188,7 +217,7 @@ def bench_llama_cpp(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     llm = llama_cpp.Llama(
         model_path=str(args.model),
-        n_ctx=args.prompt_tokens + args.steps + 8,
+        n_ctx=max_prompt_tokens(args) + args.steps + 8,
         n_batch=512,
         n_threads=args.threads or os.cpu_count(),
         n_threads_batch=args.threads or os.cpu_count(),
@@ -197,12 +226,6 @@ def bench_llama_cpp(args: argparse.Namespace) -> dict:
         **kv,
     )
     load_ms = (time.perf_counter() - start) * 1e3
-    ids = prompt_ids(
-        lambda t: llm.tokenize(t.encode(), add_bos=False, special=False),
-        args.prompt_tokens,
-        args.prompt_file,
-        _repeat(args),
-    )
     n_vocab = llm.n_vocab()
 
     def argmax_last() -> int:
@@ -211,7 +234,7 @@ def bench_llama_cpp(args: argparse.Namespace) -> dict:
         logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
         return int(logits.argmax())
 
-    def run_once() -> tuple[float, float]:
+    def run_once(ids: list[int]) -> tuple[float, float]:
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(ids)
@@ -223,7 +246,8 @@ def bench_llama_cpp(args: argparse.Namespace) -> dict:
         t2 = time.perf_counter()
         return (t1 - t0) * 1e3, (t2 - t1) * 1e3 / args.steps
 
-    result = measure(run_once, args.reps)
+    encode = lambda t: llm.tokenize(t.encode(), add_bos=False, special=False)  # noqa: E731
+    result = measure_prompts(run_once, encode, args)
     result.update(runtime="llama.cpp", version=llama_cpp.__version__, load_ms=load_ms,
                   kv_type=args.kv_type or "f16")  # fmt: skip
     return result
@@ -243,7 +267,7 @@ def run_config(args: argparse.Namespace) -> dict:
         device=args.device,
         threads=args.threads or os.cpu_count(),
         prompt_tokens=args.prompt_tokens,
-        context=getattr(args, "context", None),
+        context=(contexts(args) or [None])[0],
         steps=args.steps,
         reps=args.reps,
         model=str(args.model),
@@ -283,8 +307,8 @@ def protocol_argv(args: argparse.Namespace) -> list[str]:
             "--reps", str(args.reps), "--device", args.device]  # fmt: skip
     if args.threads:
         argv += ["--threads", str(args.threads)]
-    if getattr(args, "context", None):
-        argv += ["--context", str(args.context)]
+    if contexts(args):
+        argv += ["--context", ",".join(map(str, contexts(args)))]
     if getattr(args, "kv_type", None):
         argv += ["--kv-type", args.kv_type]
     return argv
