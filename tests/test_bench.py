@@ -37,3 +37,21 @@ def test_variant_names_the_engine_options():
     assert variant({"runtime": "llama.cpp", "version": "0.3.36", "kv_type": "f16"}) == (
         "v0.3.36, f16 KV"
     )
+
+
+def test_several_contexts_run_in_one_process():
+    """``--context 8,16``: both points measured in one process (a curve, the first point's
+    statistics at the top), two rows each, and their decode ratio in the table's notes."""
+    from qlib.cli.bench import markdown, rows
+
+    r = run_in_subprocess(["--context", "8,16", "--steps", "2", "--reps", "2", "-t", "1"])
+    assert "error" not in r, r
+    assert [p["context"] for p in r["curve"]] == [8, 16]
+    assert r["prefill_ms"] == r["curve"][0]["prefill_ms"] and r["context"] == 8
+    for p in r["curve"]:
+        assert len(p["runs"]) == 2 and p["decode_ms_per_token"]["min"] > 0
+    assert [rw["test"] for rw in rows([r])] == ["pp8", "tg2 @ d8", "pp16", "tg2 @ d16"]
+    ratio = (
+        r["curve"][1]["decode_ms_per_token"]["min"] / r["curve"][0]["decode_ms_per_token"]["min"]
+    )
+    assert f"d16 / d8 x{ratio:.3f}" in markdown([r])

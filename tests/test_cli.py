@@ -52,6 +52,8 @@ CASES = [  # argv (with {d} for the folder of bad files), words the message must
     (["convert", "--in", "{d}/missing", "--out", "{d}/o"], "no such file"),
     (["bench", "-m", "{d}/text.gguf"], "not a GGUF file"),
     (["bench", "--steps", "0"], "at least 1"),
+    (["bench", "--context", "256,256"], "a value repeats"),
+    (["bench", "--context", "256,x"], "comma-separated list"),
     (["models", "path", "nothing-here.gguf"], "not in"),
 ]
 if not torch.cuda.is_available():
