@@ -79,30 +79,28 @@ def max_prompt_tokens(args: argparse.Namespace) -> int:
     return max(contexts(args) or [args.prompt_tokens])
 
 
-def measure(run_once: Callable[[], tuple[float, float]], reps: int) -> dict:
-    """``run_once() -> (prefill_ms, decode_ms_per_token)``: first run, then ``reps`` timed."""
-    first = run_once()
-    return _stats(first, [run_once() for _ in range(reps)])
-
-
 def measure_prompts(
     run_once: Callable[[list[int]], tuple[float, float]],
     encode: Callable[[str], list[int]],
     args: argparse.Namespace,
 ) -> dict:
-    """``run_once(ids)`` with the protocol's prompt, or at each ``--context`` point: with
-    several, one untimed run of each, then ``reps`` rounds that run every context in turn;
-    the first context's statistics at the top, every context's in ``curve``."""
+    """``run_once(ids) -> (prefill_ms, decode_ms_per_token)`` with the protocol's prompt, or at
+    each ``--context`` point: one untimed run of each (``first_run``), then ``reps`` rounds
+    that run every prompt in turn. With several contexts the first one's statistics are at the
+    top and every context's in ``curve``."""
     points = contexts(args)
-    if len(points) <= 1:
-        ids = prompt_ids(encode, args.prompt_tokens, args.prompt_file, repeat=bool(points))
-        return measure(lambda: run_once(ids), args.reps)
-    prompts = {n: prompt_ids(encode, n, args.prompt_file, repeat=True) for n in points}
+    if points:
+        prompts = {n: prompt_ids(encode, n, args.prompt_file, repeat=True) for n in points}
+    else:
+        prompts = {args.prompt_tokens: prompt_ids(encode, args.prompt_tokens, args.prompt_file)}
     first = {n: run_once(ids) for n, ids in prompts.items()}
     runs: dict[int, list[tuple[float, float]]] = {n: [] for n in prompts}
     for _ in range(args.reps):
         for n, ids in prompts.items():
             runs[n].append(run_once(ids))
+    if len(prompts) == 1:
+        (n,) = prompts
+        return _stats(first[n], runs[n])
     curve = [{"context": n, **_stats(first[n], runs[n])} for n in prompts]
     for point in curve:
         point.update(tokens_per_s({**point, "prompt_tokens": point["context"]}))
