@@ -16,14 +16,14 @@ from synthetic import greedy, write_tiny_llama
 
 from qlib import models
 from qlib.gguf import Content
-from qlib.llama.errors import ModelError
 from qlib.llama.faithful import ModelWeights
 from qlib.quants.cuda import persistent
+from qlib.quants.qtensor import QTensor
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 TOL = 1e-5
-TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
 def load(path, **options):
@@ -44,24 +44,31 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> None:
 
 def test_unsupported_reasons():
     assert persistent.unsupported({"w": "Q4_1"}, 64, 64) is None
-    assert "Q4_K" in persistent.unsupported({"w": "Q4_K", "v": "Q6_K"}, 64, 64)
+    assert persistent.unsupported({"w": "Q4_K", "v": "Q6_K", "o": "BF16"}, 64, 64) is None
     assert "head_dim" in persistent.unsupported({"w": "Q8_0"}, 16, 16)
     assert "rope_dim" in persistent.unsupported({"w": "Q8_0"}, 64, 32)
-    why = persistent.unsupported({"w": "Q2_K", "v": "Q3_K"}, 64, 64)  # Triton kernels only
-    assert "Q2_K, Q3_K" in why
+    why = persistent.unsupported({"w": "IQ4_NL", "v": "Q8_1", "o": "Q4_K"}, 64, 64)
+    assert "no code for IQ4_NL, Q8_1 " in why
 
 
-@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K"])
-def test_kquant_file_refused_before_any_kernel(tmp_path, type_name):
-    """The fast engine keeps Q2_K/Q3_K packed for its Triton kernels, but ``decode="persistent"``
-    refuses the file with the reason (on any device: nothing is compiled)."""
-    from qlib.llama.fast_cuda import CudaFastModel
+def decode_x8(data: torch.Tensor) -> torch.Tensor:
+    """The weights of ``T_X8`` bytes ``[rows, k / 32 * 48]`` as the kernel computes them:
+    a * q + b with the float32 scale and offset of each half of 32."""
+    blocks = data.reshape(data.shape[0], -1, 48)
+    ab = blocks[..., :16].contiguous().view(torch.float32).reshape(*blocks.shape[:2], 2, 1, 2)
+    q = blocks[..., 16:].contiguous().view(torch.int8).reshape(*blocks.shape[:2], 2, 16).float()
+    return (ab[..., 0] * q + ab[..., 1]).reshape(data.shape[0], -1)
 
-    path = write_tiny_llama(tmp_path / "m.gguf", weight_type=type_name, n_embd=256, n_ff=512)
-    with open(path, "rb") as f:
-        content = Content.read(f)
-        with pytest.raises(ModelError, match=f"no code for {type_name}"):
-            CudaFastModel.from_gguf(content, f, "cpu", decode="persistent")
+
+@pytest.mark.parametrize("type_name", persistent.K_QUANTS)
+def test_kquants_expand_exactly(type_name):
+    """The K-quant blocks expanded for the kernel give every weight bit for bit as ggml's
+    dequantization (``QTensor.dequantize``), on the CPU: no GPU needed."""
+    gen = torch.Generator().manual_seed(3)
+    t = QTensor.quantize(torch.randn(6, 512, generator=gen) * 0.1, type_name)
+    data, type_id = persistent.kernel_matrix(t)
+    assert type_id == persistent.X8 and data.shape == (6, 512 // 32 * 48)
+    assert torch.equal(decode_x8(data), t.dequantize())
 
 
 @needs_cuda
@@ -98,17 +105,29 @@ def test_decode_from_position_zero_and_long_attention(tmp_path, split):
 
 
 @needs_cuda
-def test_types_without_code_are_refused_clearly(tmp_path):
-    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_K", n_embd=256, n_head=4,
-                            n_kv_head=2, n_ff=256)  # fmt: skip
-    with pytest.raises(ModelError, match="no code for Q4_K"):
-        load(path)
+@pytest.mark.parametrize("type_name", [*persistent.K_QUANTS, "Q4_K_M"])
+def test_kquants_and_mixes_decode_as_f32_form(tmp_path, type_name):
+    """K-quant files (expanded for the kernel) and a Q4_K_M-like mix (Q6_K on v and down,
+    Q8_0 embedding, Q4_K elsewhere): decode steps as the f32 form, untied output, head_dim 64."""
+    mix = {"*attn_v*": "Q6_K", "*ffn_down*": "Q6_K", "token_embd*": "Q8_0", "output*": "Q6_K"}
+    types = mix if type_name == "Q4_K_M" else None
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_K" if types else type_name,
+                            weight_types=types, n_embd=256, n_head=4, n_kv_head=2, n_ff=512,
+                            tie_output=False)  # fmt: skip
+    ref, fast = load(path)
+    ids = torch.tensor([[1, 5, 9, 33, 7]])
+    close(fast.forward(ids, 0), ref.forward(ids, 0))
+    for step, token in enumerate((3, 44, 200)):
+        x = torch.tensor([[token]])
+        close(fast.forward(x, 5 + step), ref.forward(x, 5 + step))
 
 
-@pytest.fixture(scope="module")
-def smollm2():
+@pytest.fixture(scope="module", params=[models.DEFAULT_MODEL, "Q4_K_M"])
+def smollm2(request):
+    """The embedded SmolLM2 (Q4_1) and its Q4_K_M variant (Q4_K / Q6_K on the down
+    projections, Q5_0 where rows of 576 do not divide 256), where derived."""
     try:
-        return models.path()
+        return models.path(request.param)
     except models.ModelNotFoundError as e:
         pytest.skip(str(e))
 

@@ -354,7 +354,8 @@ class CudaFastModel(StaticKVState):
         ``fused`` (six fused kernels per layer), ``merged`` (five: the attention's combine in
         the output projection's kernel, float atomics summing the heads' shares, so the last
         bits vary run to run) or ``persistent`` (the whole step in one kernel,
-        ``qlib.quants.cuda.persistent``: a device copy of the GGUF blocks as well;
+        ``qlib.quants.cuda.persistent``: a device copy of the GGUF blocks as well, K-quants
+        expanded exactly to 12 bits a weight;
         ``decode_options`` go to its ``PersistentDecoder``: ``threads``, ``split``,
         ``stage_times``);
         ``pdl``: programmatic dependent launch of the fused kernels (None: on where the device

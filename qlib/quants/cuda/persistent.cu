@@ -31,8 +31,9 @@
 // live in two sets, chosen by the parity of a step counter; a launch zeroes the other set for
 // the next launch, so nothing is reset from the host and the launch replays from a CUDA graph.
 //
-// Weights are the GGUF blocks as they are in the file (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1,
-// Q8_0), dequantized exactly (d * q (+ m) in float32) and accumulated in float32: the numerics
+// Weights are the GGUF blocks as they are in the file (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0; the K-quants expanded to T_X8, 12 bits a weight), dequantized exactly (d * q (+ m) in
+// float32) and accumulated in float32: the numerics
 // of qlib's fast CUDA path, summed in another order (the atomics' order varies run to run, so
 // the last bits do). wo and down come re-laid as slabs: slab j holds columns [j w, j w + w) of
 // every row, contiguous (w = HD for wo, 32 for down). Activations written by other blocks are
@@ -59,7 +60,11 @@
 #endif
 #define NMARK 10  // stage-time marks per layer
 
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8 };
+// GGUF's type ids, and T_X8: the K-quants (Q2_K .. Q6_K) as persistent.py expands them, exactly
+// (every value is a * q + b as ggml computes it, a * q exact in float32): per 32 elements a0 b0
+// a1 b1 (float32: scale and offset of elements 0..15 and 16..31) then 32 int8 codes, 48 bytes.
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+       T_X8 = 20, T_BF16 = 30 };
 
 // LAYER_TYPES, OUT_TYPES: bit masks (1 << type) of the types of the layers' matrices and of the
 // output matrix. Only their code is compiled (all seven types' unrolled products made 380 KB
@@ -76,7 +81,8 @@ enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q
         QLIB_CASE(MASK, T_F32, __VA_ARGS__) QLIB_CASE(MASK, T_F16, __VA_ARGS__) \
         QLIB_CASE(MASK, T_Q4_0, __VA_ARGS__) QLIB_CASE(MASK, T_Q4_1, __VA_ARGS__)                            \
         QLIB_CASE(MASK, T_Q5_0, __VA_ARGS__) QLIB_CASE(MASK, T_Q5_1, __VA_ARGS__) \
-        QLIB_CASE(MASK, T_Q8_0, __VA_ARGS__)                            \
+        QLIB_CASE(MASK, T_Q8_0, __VA_ARGS__) QLIB_CASE(MASK, T_X8, __VA_ARGS__) \
+        QLIB_CASE(MASK, T_BF16, __VA_ARGS__)                                                \
     }
 enum { W_Q, W_K, W_V, W_O, W_GATE, W_UP, W_DOWN, W_ATTN_NORM, W_FFN_NORM, W_PER_LAYER };
 
@@ -93,6 +99,15 @@ __device__ __forceinline__ float h2f(u16 u) {
     return f;
 }
 __device__ __forceinline__ u16 ld16(const u8* p) { return *(const u16*)p; }  // p 2-aligned
+__device__ __forceinline__ float bf2f(u16 u) { return __int_as_float((int)u << 16); }
+__device__ __forceinline__ float ldf(const u8* p) {  // a float32 at a 2-aligned address
+    return __int_as_float((int)((u32)ld16(p) | ((u32)ld16(p + 2) << 16)));
+}
+// element i of a float row (F32, F16, BF16)
+__device__ __forceinline__ float float_elem(int t, const u8* row, int i) {
+    return t == T_F32 ? ((const float*)row)[i] : t == T_F16 ? h2f(((const u16*)row)[i])
+                                                            : bf2f(((const u16*)row)[i]);
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -111,11 +126,13 @@ __device__ __forceinline__ void read_sum(const float* r, float* dst) {
     for (int i = threadIdx.x; i < DIM; i += THREADS) dst[i] = __ldcg(r + i);
 }
 
-__device__ __forceinline__ int block_bytes(int t) {
-    return t == T_Q8_0 ? 34 : t == T_Q4_0 ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22 : 24;
+__host__ __device__ constexpr bool is_float(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
+__host__ __device__ constexpr int block_bytes(int t) {  // bytes of 32 elements of a block type
+    return t == T_Q8_0 ? 34 : t == T_Q4_0 ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22
+         : t == T_X8 ? 48 : 24;
 }
 __device__ __forceinline__ usize row_bytes(int t, int k) {
-    return t == T_F32 ? 4 * (usize)k : t == T_F16 ? 2 * (usize)k : (usize)(k / 32) * block_bytes(t);
+    return t == T_F32 ? 4 * (usize)k : is_float(t) ? 2 * (usize)k : (usize)(k / 32) * block_bytes(t);
 }
 
 // The 8 codes of part p (elements 8p .. 8p+7) of a 4/5-bit block: low nibbles of bytes
@@ -142,6 +159,17 @@ __device__ __forceinline__ float unit_dot(const u8* blk, int p, const float* xx)
     constexpr int has_m = T == T_Q4_1 || T == T_Q5_1;
     constexpr int five = T == T_Q5_0 || T == T_Q5_1;
     constexpr float offset = T == T_Q4_0 ? 8.f : T == T_Q5_0 ? 16.f : 0.f;
+    if (T == T_X8) {  // a * sum(q x) + b * sum(x), a and b those of the part's 16 elements
+        const u8* ab = blk + 8 * (p >> 1);
+        float s = 0.f, sx = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u16 w = ld16(blk + 16 + 8 * p + 2 * i);
+            s += (float)(signed char)(w & 0xff) * xx[2 * i] + (float)(signed char)(w >> 8) * xx[2 * i + 1];
+            sx += xx[2 * i] + xx[2 * i + 1];
+        }
+        return ldf(ab) * s + ldf(ab + 4) * sx;
+    }
     const float d = h2f(ld16(blk));
     if (T == T_Q8_0) {
         float s = 0.f;
@@ -173,15 +201,15 @@ __device__ __forceinline__ float unit_dot(const u8* blk, int p, const float* xx)
 template <int K, int T>
 __device__ __forceinline__ float partial(const u8* row, const float* x, int lane) {
     float acc = 0.f;
-    if (T == T_F32 || T == T_F16) {
+    if (is_float(T)) {
 #pragma unroll
         for (int it = 0; it < (K + 31) / 32; it++) {
             const int i = lane + 32 * it;
-            if (i < K) acc += (T == T_F32 ? ((const float*)row)[i] : h2f(((const u16*)row)[i])) * x[i];
+            if (i < K) acc += float_elem(T, row, i) * x[i];
         }
         return acc;
     }
-    constexpr int bb = T == T_Q8_0 ? 34 : T == T_Q4_0 ? 18 : T == T_Q4_1 ? 20 : T == T_Q5_0 ? 22 : 24;
+    constexpr int bb = block_bytes(T);
 #pragma unroll
     for (int it = 0; it < (K / 8 + 31) / 32; it++) {
         const int u = lane + 32 * it;
@@ -242,10 +270,10 @@ __device__ __forceinline__ u64 output_rows(int t, const u8* base, const float* x
 
 // Element i of a row (the embedding lookup).
 __device__ float row_elem(int t, const u8* row, int i) {
-    if (t == T_F32) return ((const float*)row)[i];
-    if (t == T_F16) return h2f(((const u16*)row)[i]);
+    if (is_float(t)) return float_elem(t, row, i);
     const int b = i / 32, j = i % 32;
     const u8* blk = row + (usize)block_bytes(t) * b;
+    if (t == T_X8) return ldf(blk + 8 * (j >> 4)) * (float)(signed char)blk[16 + j] + ldf(blk + 8 * (j >> 4) + 4);
     const float d = h2f(ld16(blk));
     if (t == T_Q8_0) return d * (float)(signed char)blk[2 + j];
     const int has_m = t == T_Q4_1 || t == T_Q5_1;
@@ -304,13 +332,12 @@ __device__ void rmsnorm_shared(const float* v, const float* w, float* xs, float*
 template <int W, int T>
 __device__ __forceinline__ float slab_dot_t(const u8* row, int e0, const float* v) {
     float acc = 0.f;
-    if (T == T_F32 || T == T_F16) {
+    if (is_float(T)) {
 #pragma unroll 8
-        for (int i = 0; i < W; i++)
-            acc += (T == T_F32 ? ((const float*)row)[e0 + i] : h2f(((const u16*)row)[e0 + i])) * v[i];
+        for (int i = 0; i < W; i++) acc += float_elem(T, row, e0 + i) * v[i];
         return acc;
     }
-    constexpr int bb = T == T_Q8_0 ? 34 : T == T_Q4_0 ? 18 : T == T_Q4_1 ? 20 : T == T_Q5_0 ? 22 : 24;
+    constexpr int bb = block_bytes(T);
 #pragma unroll
     for (int k = 0; k < W / 8; k++) {
         const int u = e0 / 8 + k;

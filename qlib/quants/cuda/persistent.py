@@ -8,9 +8,11 @@ CUDA graph like any other. Both libraries are reached through ctypes: NVRTC from
 the driver from ``libcuda.so.1``; nothing else is needed. The grid is one block per SM, all
 resident at once, which the kernel's waits on other blocks' counters require.
 
-The weights are the GGUF blocks as in the file (``SUPPORTED``: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0), each tensor a device copy of its bytes; ``unsupported(types)`` says why a model cannot
-run here (K-quants have no code in the kernel yet).
+The weights are the GGUF blocks as in the file (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0),
+each tensor a device copy of its bytes. The K-quants (Q2_K .. Q6_K) are expanded once, exactly,
+into the kernel's ``T_X8`` blocks (``expand_kquant``: per 16 weights a float32 scale and offset,
+int8 codes; 12 bits a weight, where Q4_K has 4.5): one code path for five formats, at the cost of
+bytes the step reads. ``unsupported(types)`` says why a model cannot run here.
 """
 
 from __future__ import annotations
@@ -23,9 +25,15 @@ from pathlib import Path
 
 import torch
 
+from ..base import FORMATS
+
 SOURCE = Path(__file__).with_name("persistent.cu")
-SUPPORTED = ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+X8 = 20  # persistent.cu's T_X8: the expanded K-quant blocks
+# the kernel's type of each GGUF type it runs (GGUF's ids; the K-quants all run as T_X8)
+TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7,
+            "Q8_0": 8} | dict.fromkeys(K_QUANTS, X8)  # fmt: skip
+SUPPORTED = tuple(TYPE_IDS)
 THREADS = 512  # threads per block (against 384 and 768 on the H200: docs/gpu.md)
 CHUNK = 16  # hidden units per MLP task (persistent.cu)
 SPLIT = 512  # cached positions per attention split, at most NSMAX splits (persistent.cu)
@@ -149,12 +157,34 @@ class Kernel:
         self._check(rc, "launch")
 
 
-def _slabs(t, width: int) -> torch.Tensor:
-    """The bytes of matrix ``t`` (rows x k) re-laid as k / width slabs: slab j holds columns
-    [j width, (j + 1) width) of every row, contiguous (the kernel's wo and down)."""
+def expand_kquant(t) -> torch.Tensor:
+    """K-quant matrix ``t`` (rows x k) as the kernel's ``T_X8`` blocks, ``[rows, k / 32 * 48]``
+    bytes: per 32 weights the scale and offset of each half (float32 a0 b0 a1 b1), then the 32
+    codes (int8): weight = a * q + b exactly as ggml dequantizes it (``BlockFormat.unpack``)."""
     rows, k = t.shape
-    per = t.dtype.row_bytes(width)
-    return t.data.reshape(rows, k // width, per).transpose(0, 1).contiguous()
+    fmt = FORMATS[t.dtype.name]
+    q, scale, offset = fmt.unpack(t.data.reshape(-1, fmt.type_size))
+    per16 = fmt.block_size // 16
+    scale = scale.repeat_interleave(per16 // scale.shape[1], dim=1)  # (Q4_K, Q5_K: groups of 32)
+    offset = torch.zeros_like(scale) if offset is None else \
+        offset.repeat_interleave(per16 // offset.shape[1], dim=1)  # fmt: skip
+    ab = torch.stack([scale, offset], -1).float().reshape(-1, 4).view(torch.uint8)  # per 32
+    codes = q.to(torch.int8).reshape(-1, 32).view(torch.uint8)
+    return torch.cat([ab, codes], 1).reshape(rows, k // 32 * 48)
+
+
+def kernel_matrix(t) -> tuple[torch.Tensor, int]:
+    """The bytes the kernel reads for matrix ``t`` (``[rows, row bytes]``) and their type."""
+    if t.dtype.name in K_QUANTS:
+        return expand_kquant(t), X8
+    return t.data.reshape(t.shape[0], -1), TYPE_IDS[t.dtype.name]
+
+
+def _slabs(data: torch.Tensor, k: int, width: int) -> torch.Tensor:
+    """Matrix bytes ``data`` (rows x k elements) re-laid as k / width slabs: slab j holds
+    columns [j width, (j + 1) width) of every row, contiguous (the kernel's wo and down)."""
+    rows = data.shape[0]
+    return data.reshape(rows, k // width, -1).transpose(0, 1).contiguous()
 
 
 def _device_attribute(device: torch.device, attribute: int) -> int:
@@ -222,22 +252,24 @@ class PersistentDecoder:
         ptrs, types = [], []
         for ly in layers:
             for name in MATRICES:
-                t = ly[name]
-                data = t.data
+                data, type_id = kernel_matrix(ly[name])
                 if name == "attn_output":
-                    data = _slabs(t, hd)
+                    data = _slabs(data, ly[name].shape[1], hd)
                 elif name == "ffn_down":
-                    data = _slabs(t, 32)  # (an MLP task reads half of a slab)
+                    data = _slabs(data, ly[name].shape[1], 32)  # (an MLP task reads half a slab)
                 ptrs.append(data.data_ptr())
-                types.append(TYPE_IDS[t.dtype.name])
+                types.append(type_id)
                 self.keep.append(data)
             for name in NORMS:
                 ptrs.append(ly[name].data_ptr())
                 self.keep.append(ly[name])
         self.weights = torch.tensor(ptrs, dtype=torch.int64, device=device)
         self.types = torch.tensor(types, dtype=torch.int32, device=device)
-        self.tok_embd, self.output = tok_embd, output
-        self.keep += [tok_embd.data, output.data, out_norm, cos, sin, cache]
+        self.tok_embd, self.emb_type = kernel_matrix(tok_embd)
+        tied = output is tok_embd  # (one copy of a tied matrix)
+        self.output, self.out_type = (
+            (self.tok_embd, self.emb_type) if tied else kernel_matrix(output))  # fmt: skip
+        self.keep += [self.tok_embd, self.output, out_norm, cos, sin, cache]
         acc_n = (2 * nl + 1) * dim
         n_counters = nl * (c.head_count_kv + 2 + nh) + 1
         self.acc = torch.zeros(2 * acc_n, device=device)  # two sets, by the step's parity
@@ -260,8 +292,8 @@ class PersistentDecoder:
         i = ctypes.c_int32
         args = [
             p(self.weights.data_ptr()), p(self.types.data_ptr()),
-            p(self.tok_embd.data.data_ptr()), i(TYPE_IDS[self.tok_embd.dtype.name]),
-            p(self.output.data.data_ptr()), i(TYPE_IDS[self.output.dtype.name]),
+            p(self.tok_embd.data_ptr()), i(self.emb_type), p(self.output.data_ptr()),
+            i(self.out_type),
             p(self.out_norm.data_ptr()), p(self.cos.data_ptr()), p(self.sin.data_ptr()),
             p(self.cache.data_ptr()), p(tok.data_ptr()), p(pos.data_ptr()),
             p(self.acc.data_ptr()), p(self.counters.data_ptr()), p(self.steps.data_ptr()),
