@@ -8,10 +8,11 @@
 //       each block looks up itself), RmsNorm, the pairs' rows, RoPE, q into qbuf, k and v into
 //       the KV cache at the position; the pairs done are added to the KV head's counter.
 //   attention task (blocks < NH x ns: head h, split s of the positions): wait until the KV
-//       head's q, k and v are all done, scores, softmax and weighted values over the split,
-//       then the head's HD columns of wo times its output, added into the residual with float
-//       atomics (head 0 adds the residual itself). With ns > 1 splits the last split of a head
-//       to finish (an arrival counter) merges the partial softmaxes first.
+//       head's q, k and v are all done, scores, softmax and weighted values over the split;
+//       with ns > 1 splits each publishes its partial softmax and waits for the head's others
+//       (a counter), then every split merges them (the same sums in the same order, so the
+//       same output). Then the split's 1 / ns of the rows of wo times the head's output,
+//       added into the residual with float atomics (head 0 adds the residual itself).
 //   MLP task (the last MLP_BLOCKS blocks, apart from the attention blocks while the heads fit
 //       beside them: CHUNK hidden units each): wait until every head has added
 //       its share, RmsNorm, the units' gate and up rows, g = silu(gate) * up, and their CHUNK
@@ -346,14 +347,15 @@ __device__ __forceinline__ float slab_dot_t(const u8* row, int e0, const float* 
     return acc;
 }
 
-// dst[i] += slab row i . v (+ base[i] where base is given) for every row i < DIM, with float
-// atomics; row i at slab + sb i, its elements [e0, e0 + W).
+// dst[i] += slab row i . v (+ base[i] where base is given) for rows r0 <= i < r1, with float
+// atomics; row i at slab + sb (i - r0), its elements [e0, e0 + W).
 template <int W>
 __device__ __forceinline__ void slab_rows_add(int t, const u8* slab, usize sb, int e0,
-                                              const float* v, const float* base, float* dst) {
+                                              const float* v, const float* base, float* dst,
+                                              int r0 = 0, int r1 = DIM) {
     QLIB_DISPATCH(LAYER_TYPES, t, {
-        for (int i = threadIdx.x; i < DIM; i += THREADS) {
-            float y = slab_dot_t<W, T_>(slab + sb * i, e0, v);
+        for (int i = r0 + threadIdx.x; i < r1; i += THREADS) {
+            float y = slab_dot_t<W, T_>(slab + sb * (i - r0), e0, v);
             if (base) y += base[i];
             atomicAdd(dst + i, y);
         }
@@ -470,7 +472,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     float* oacc = S + SMAXPOS;                  // WARPS x HD: the warps' weighted value sums
     float* gsm = oacc + WARPS * HD;             // CHUNK: silu(gate) * up of an MLP task
     float* red = gsm + CHUNK;                   // WARPS: block reductions
-    int* flag = (int*)(red + WARPS);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pos = *pos_p, L = pos + 1;
@@ -478,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     float* A = acc + (usize)par * ACC_N;  // res(l) = sum_at(A, 2 l) (l >= 1), mid(l) = sum_at(A, 2 l + 1)
     u32* C = counters + par * NCNT;
     u32* qkv_cnt = C;                     // NL x NKV: q/k/v pairs done per KV head
-    u32* attn_done = qkv_cnt + NL * NKV;  // NL: heads added into mid(l)
+    u32* attn_done = qkv_cnt + NL * NKV;  // NL: attention tasks (head, split) added into mid(l)
     u32* mlp_done = attn_done + NL;       // NL: MLP blocks added into res(l + 1)
     u32* head_cnt = mlp_done + NL;        // NL x NH: splits done per head
     u32* done = head_cnt + NL * NH;       // blocks finished
@@ -504,6 +505,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     const int mb = b - MLP_FIRST;  // the MLP block's index
     const int h = att ? b / ns : 0, s = att ? b % ns : 0, kvh = h / GQA;
     const int t0 = s * len, t1 = min(L, t0 + len), tc = min(t1, pos);  // cached before: [t0, tc)
+    // the split's rows of wo (every split of a head merges the head's partials, then adds its
+    // own rows): multiples of 4 rows, so that a slab piece stays 16-byte aligned
+    const int wo_rows = ((DIM + ns - 1) / ns + 3) / 4 * 4;
+    const int wo_r0 = min(DIM, s * wo_rows), wo_r1 = min(DIM, wo_r0 + wo_rows);
 
     // this block's rows of the output layer, prefetched into L2 during the last layers
     constexpr int OUT_RB = (VOCAB + GRID - 1) / GRID;
@@ -534,8 +539,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             bytes[P_QKV + 2 * k + 1] = mine && NEOX ? QPB * rb : 0;
         }
         const int sbo = (int)row_bytes(T[W_O], HD);
-        src[P_WO] = (const u8*)W[W_O] + (usize)h * DIM * sbo;
-        bytes[P_WO] = att ? DIM * sbo : 0;
+        src[P_WO] = (const u8*)W[W_O] + ((usize)h * DIM + wo_r0) * sbo;
+        bytes[P_WO] = att ? (wo_r1 - wo_r0) * sbo : 0;
         const int rbg = (int)row_bytes(T[W_GATE], DIM), rbu = (int)row_bytes(T[W_UP], DIM);
         const int sbd = (int)row_bytes(T[W_DOWN], 32);
 #pragma unroll
@@ -715,48 +720,41 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                 ovec[d] = ns == 1 ? v / sum : v;
             }
             if (b == 0) MARK(NMARK * l + 5);
-            bool merge = true;
-            if (ns > 1) {  // publish the partial; the last split of the head merges them all
+            if (ns > 1) {  // publish the partial; once all are in, every split merges them
                 float* P = part + ((usize)h * NSMAX + s) * (HD + 2);
                 for (int d = threadIdx.x; d < HD; d += THREADS) P[2 + d] = ovec[d];
                 if (threadIdx.x == 0) {
                     P[0] = mx;
                     P[1] = sum;
                 }
-                const u32 old = arrive(head_cnt + l * NH + h);
-                if (threadIdx.x == 0) *flag = old == (u32)(ns - 1);
-                __syncthreads();
-                merge = *flag;
-                if (merge) {
-                    const float* P0 = part + (usize)h * NSMAX * (HD + 2);
-                    for (int d = threadIdx.x; d < HD; d += THREADS) {
-                        float M = NEG_INF;
-                        for (int j = 0; j < ns; j++) M = fmaxf(M, __ldcg(P0 + (usize)j * (HD + 2)));
-                        float num = 0.f, den = 0.f;
-                        for (int j = 0; j < ns; j++) {
-                            const float* pj = P0 + (usize)j * (HD + 2);
-                            const float w = expf(__ldcg(pj) - M);
-                            den += w * __ldcg(pj + 1);
-                            num += w * __ldcg(pj + 2 + d);
-                        }
-                        ovec[d] = num / den;
+                signal(head_cnt + l * NH + h);
+                wait_count(head_cnt + l * NH + h, ns);
+                const float* P0 = part + (usize)h * NSMAX * (HD + 2);
+                for (int d = threadIdx.x; d < HD; d += THREADS) {
+                    float M = NEG_INF;
+                    for (int j = 0; j < ns; j++) M = fmaxf(M, __ldcg(P0 + (usize)j * (HD + 2)));
+                    float num = 0.f, den = 0.f;
+                    for (int j = 0; j < ns; j++) {
+                        const float* pj = P0 + (usize)j * (HD + 2);
+                        const float w = expf(__ldcg(pj) - M);
+                        den += w * __ldcg(pj + 1);
+                        num += w * __ldcg(pj + 2 + d);
                     }
+                    ovec[d] = num / den;
                 }
             }
             __syncthreads();
-            if (merge) {
-                const int to = T[W_O];
-                slab_rows_add<HD>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
-                                  sum_at(A, 2 * l + 1));
-                signal(attn_done + l);
-            }
+            const int to = T[W_O];
+            slab_rows_add<HD>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
+                              sum_at(A, 2 * l + 1), wo_r0, wo_r1);
+            signal(attn_done + l);
             if (b == 0) MARK(NMARK * l + 6);
             if (!mlp) stage_next();  // (it waits for the next layer's residual next)
         }
 
         // ---- MLP tasks: RmsNorm, gate and up of CHUNK units, SwiGLU, their share of down
         if (mlp) {
-            wait_count(attn_done + l, NH);
+            wait_count(attn_done + l, NH * ns);
             if (b == MLP_FIRST) MARK(NMARK * l + 7);
             BLOCK_MARK(2)
             read_sum(sum_at(A, 2 * l + 1), res_in);

@@ -231,7 +231,7 @@ class PersistentDecoder:
             qpb *= 2
         warps = threads // 32
         smax_pos = -(-max(split, -(-max_seq // ns_max)) // 4) * 4  # (keeps what follows 16-aligned)
-        floats = 2 * dim + 3 * hd + smax_pos + warps * hd + CHUNK + warps + 1
+        floats = 2 * dim + 3 * hd + smax_pos + warps * hd + CHUNK + warps
         optin = _device_attribute(device, _SHARED_OPTIN_ATTR)
         wcap = (optin - 4 * floats - 256) // 32 * 16  # two staging areas
         shared = 2 * wcap + 4 * floats
