@@ -356,7 +356,7 @@ class CudaFastModel(StaticKVState):
         bits vary run to run) or ``persistent`` (the whole step in one kernel,
         ``qlib.quants.cuda.persistent``: a device copy of the GGUF blocks as well, K-quants
         expanded exactly to 12 bits a weight;
-        ``decode_options`` go to its ``PersistentDecoder``: ``threads``, ``split``,
+        ``decode_options`` go to its ``PersistentDecoder``: ``threads``, ``split``, ``min_split``,
         ``stage_times``);
         ``pdl``: programmatic dependent launch of the fused kernels (None: on where the device
         and Triton have it, ``fused.pdl_available()``)."""

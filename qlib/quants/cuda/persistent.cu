@@ -51,6 +51,7 @@
 #define NMLP_T (NFF / CHUNK)         // MLP tasks per layer
 #define MAXCH ((NMLP_T + MLP_BLOCKS - 1) / MLP_BLOCKS)  // MLP tasks per MLP block
 #define MLP_FIRST (GRID - MLP_BLOCKS)  // the MLP blocks are the last ones, apart from attention
+#define NS_FREE (MLP_FIRST / NH)  // attention splits a head that leave the MLP blocks free
 #define PAIRS_G ((GQA + 2) * HD / 2)  // RoPE pairs of one KV head's q, k and v rows
 #define QKV_T (NKV * PAIRS_G / QPB)   // q/k/v tasks per layer, QPB pairs each
 #define MAXQ ((QKV_T + GRID - 1) / GRID)  // q/k/v tasks per block
@@ -496,8 +497,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
         rope_c[i] = cos_t[(usize)pos * (HD / 2) + i];
         rope_s[i] = sin_t[(usize)pos * (HD / 2) + i];
     }
-    int ns = (L + SPLIT - 1) / SPLIT;
-    if (ns > NSMAX) ns = NSMAX;
+    // splits of a head's positions: up to NS_FREE (the blocks before the MLP blocks hold them
+    // all) of at least MIN_SPLIT positions; past NS_FREE x SPLIT positions, splits of SPLIT
+    // on up to NSMAX blocks a head (then attention blocks run MLP tasks too)
+    int ns = min(NS_FREE, (L + MIN_SPLIT - 1) / MIN_SPLIT);
+    if ((L + SPLIT - 1) / SPLIT > ns) ns = min(NSMAX, (L + SPLIT - 1) / SPLIT);
+    ns = max(ns, 1);
     const int len = (L + ns - 1) / ns;
     // roles: attention task (head h, split s) on blocks < NH ns; MLP tasks on the last
     // MLP_BLOCKS blocks; q/k/v tasks b, b + grid, ... on every block

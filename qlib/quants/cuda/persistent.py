@@ -36,7 +36,8 @@ TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5
 SUPPORTED = tuple(TYPE_IDS)
 THREADS = 512  # threads per block (against 384 and 768 on the H200: docs/gpu.md)
 CHUNK = 16  # hidden units per MLP task (persistent.cu)
-SPLIT = 512  # cached positions per attention split, at most NSMAX splits (persistent.cu)
+SPLIT = 512  # cached positions per attention split at long context, at most NSMAX splits
+MIN_SPLIT = 64  # below that: splits of at least this many, on the blocks before the MLP blocks
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 NORMS = ("attn_norm", "ffn_norm")
 # the spans of a layer that ``stage_times_ns`` reports, each ending at a mark of persistent.cu
@@ -210,6 +211,7 @@ class PersistentDecoder:
     def __init__(self, config, layers: list[dict], tok_embd, output, out_norm: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                  device: torch.device, *, threads: int = THREADS, split: int = SPLIT,
+                 min_split: int = MIN_SPLIT,
                  stage_times: bool = False):  # fmt: skip
         c = config
         n_ff, dim = layers[0]["ffn_gate"].shape
@@ -238,7 +240,7 @@ class PersistentDecoder:
         self.macros = dict(THREADS=threads, DIM=dim, NFF=n_ff, NH=nh, NKV=c.head_count_kv,
                            HD=hd, NL=nl, VOCAB=vocab, MAXSEQ=max_seq,
                            EPS=f"{c.rms_norm_eps!r}f", NEOX=int(c.rope_is_neox), GRID=blocks,
-                           MLP_BLOCKS=mlp_blocks, NSMAX=ns_max, SPLIT=split, QPB=qpb,
+                           MLP_BLOCKS=mlp_blocks, NSMAX=ns_max, SPLIT=split, MIN_SPLIT=min(min_split, split), QPB=qpb,
                            SMAXPOS=smax_pos, WCAP=wcap,
                            LAYER_TYPES=sum({1 << TYPE_IDS[ly[n].dtype.name]
                                             for ly in layers for n in MATRICES}),
