@@ -240,7 +240,8 @@ class PersistentDecoder:
         self.macros = dict(THREADS=threads, DIM=dim, NFF=n_ff, NH=nh, NKV=c.head_count_kv,
                            HD=hd, NL=nl, VOCAB=vocab, MAXSEQ=max_seq,
                            EPS=f"{c.rms_norm_eps!r}f", NEOX=int(c.rope_is_neox), GRID=blocks,
-                           MLP_BLOCKS=mlp_blocks, NSMAX=ns_max, SPLIT=split, MIN_SPLIT=min(min_split, split), QPB=qpb,
+                           MLP_BLOCKS=mlp_blocks, NSMAX=ns_max, SPLIT=split,
+                           MIN_SPLIT=min(min_split, split), QPB=qpb,
                            SMAXPOS=smax_pos, WCAP=wcap,
                            LAYER_TYPES=sum({1 << TYPE_IDS[ly[n].dtype.name]
                                             for ly in layers for n in MATRICES}),
