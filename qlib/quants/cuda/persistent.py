@@ -176,9 +176,9 @@ def expand_kquant(t) -> torch.Tensor:
 
 def kernel_matrix(t) -> tuple[torch.Tensor, int]:
     """The bytes the kernel reads for matrix ``t`` (``[rows, row bytes]``) and their type."""
-    if t.dtype.name in K_QUANTS:
-        return expand_kquant(t), X8
-    return t.data.reshape(t.shape[0], -1), TYPE_IDS[t.dtype.name]
+    name = t.dtype.name
+    data = expand_kquant(t) if name in K_QUANTS else t.data.reshape(t.shape[0], -1)
+    return data, TYPE_IDS[name]
 
 
 def _slabs(data: torch.Tensor, k: int, width: int) -> torch.Tensor:
