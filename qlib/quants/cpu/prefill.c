@@ -936,6 +936,27 @@ static inline __m512i bf16x32_pairs(__m512 lo, __m512 hi) {
     return _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
 }
 
+/* Scores of one row (Lq valid keys) -> bf16 softmax weights e^(s - max) at pr, zero past Lq
+ * up to 32 n32 keys, in one pass after the max (exp16_diff: ~3.5e-6 relative, far below the
+ * weights' bf16 rounding); returns 1 / (the float32 sum of the unrounded weights). */
+static inline float softmax_row_bf16(const float *sr, int Lq, uint16_t *pr, int n32) {
+    const int nb = (Lq + 15) / 16;
+    const __mmask16 tail = (__mmask16)(0xFFFFu >> (16 * nb - Lq)); /* valid keys, last block */
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int b = 0; b < nb; b++)
+        mx = _mm512_mask_max_ps(mx, b == nb - 1 ? tail : 0xFFFF, mx, _mm512_loadu_ps(sr + 16 * b));
+    const __m512 mlog2e = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * 1.44269504f);
+    __m512 sum = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m512 p = _mm512_maskz_mov_ps(b == nb - 1 ? tail : 0xFFFF,
+                                             exp16_diff(_mm512_loadu_ps(sr + 16 * b), mlog2e));
+        sum = _mm512_add_ps(sum, p);
+        _mm256_storeu_si256((__m256i *)(pr + 16 * b), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    for (int b = nb; b < 2 * n32; b++) _mm256_storeu_si256((__m256i *)(pr + 16 * b), _mm256_setzero_si256());
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
 static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, int pos,
                             int n_head, int n_kv, int d, int max_seq, const float *cos,
                             const float *sin, int neox, int q_from, uint16_t *out) {
@@ -1068,11 +1089,7 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
                     memset(pr, 0, sizeof(uint16_t) * 32 * m32);
                     continue;
                 }
-                const int Lq = pos + i0 + r + 1, nb = (Lq + 15) / 16;
-                float *sr = S + (size_t)r * ldS;
-                inv[r] = softmax_row(sr, Lq); /* zero past Lq up to 16 nb */
-                for (int b = 0; b < 2 * m32; b++)
-                    bf16x16_store(pr + 16 * b, b < nb ? _mm512_loadu_ps(sr + 16 * b) : _mm512_setzero_ps());
+                inv[r] = softmax_row_bf16(S + (size_t)r * ldS, pos + i0 + r + 1, pr, m32);
             }
 #define VT(kb, db) (vg + ((size_t)(kb) * nd + (db)) * 512)
             for (int db = 0; db < nd; db += 4) {

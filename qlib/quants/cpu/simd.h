@@ -60,8 +60,8 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* e^(s - m) for s <= m (a softmax's weights), float32 to ~3.5e-6 relative, for the int8
- * attention whose weights become 8-bit codes next: in base 2, t = s log2(e) - m log2(e)
+/* e^(s - m) for s <= m (a softmax's weights), float32 to ~3.5e-6 relative, for
+ * attention weights rounded next (8-bit codes in the int8 attention, bf16 in AMX's): in base 2, t = s log2(e) - m log2(e)
  * (mlog2e: one FMA) = n + f with |f| <= 1/2, 2^f by its degree-5 Taylor polynomial, times
  * 2^n; t clamped below at -125 (2^-125 is still a normal float). */
 static inline __m512 exp16_diff(__m512 s, __m512 mlog2e) {
