@@ -522,6 +522,34 @@ def test_amx_gemm_epilogues(m):
         cpu.pack_amx(w[:, :40])  # k % 32 != 0
 
 
+AMX_PASS_BYTES = 1 << 20  # prefill.c: the A rows (bf16) one pass of amx_gemm holds
+
+
+@needs_amx
+@pytest.mark.parametrize("n", [64, 96])  # 64: one column block a thread (2 threads)
+def test_amx_gemm_row_passes_equal_slices(n):
+    """Rows in several passes (A larger than a pass: 320 rows of k = 1536) give each row the
+    bits it gets in a call of its own rows, for every epilogue; the rows of a pass boundary
+    and the software-pipelined epilogue of each pass's last block included."""
+    g = torch.Generator().manual_seed(n)
+    k = 1536
+    rows = AMX_PASS_BYTES // (2 * k) // 32 * 32
+    m = 2 * rows + 45
+    a = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    for epi, tiles in (("bf16", cpu.pack_amx(w)), ("swiglu", cpu.pack_amx(w, interleave=True))):
+        whole = cpu.amx_gemm(a, tiles, epi)
+        for r0 in range(0, m, rows - 64):  # slices across each pass boundary
+            part = cpu.amx_gemm(a[r0 : r0 + rows - 32], tiles, epi)
+            assert torch.equal(part, whole[r0 : r0 + rows - 32]), (epi, r0)
+    h = torch.randn(m, n, generator=g)
+    want = h.clone()
+    cpu.amx_gemm(a, cpu.pack_amx(w), "add", out=h)
+    for r0 in range(0, m, rows):
+        cpu.amx_gemm(a[r0 : r0 + rows], cpu.pack_amx(w), "add", out=want[r0 : r0 + rows])
+    assert torch.equal(h, want)
+
+
 def test_collapse_hugepages_keeps_data():
     x = torch.arange(8 << 20, dtype=torch.float32)  # 32 MB, resident
     before = x.clone()
@@ -623,10 +651,12 @@ def test_amx_packed_weights_equal_bf16_tiles(tiny):
         assert torch.equal(fp.forward(ids, 0, all_logits=True), fb.forward(ids, 0, all_logits=True))
     if wt == "F32":
         return
-    a = torch.randn(37, fp.layers[0].w13.in_features).to(torch.bfloat16)
-    for epi in ("bf16", "swiglu"):
-        want = cpu.amx_gemm(a, fb.layers[0].w13.amx, epi)
-        assert torch.equal(cpu.amx_gemm(a, fp.layers[0].w13.amx, epi), want)
+    k = fp.layers[0].w13.in_features
+    for m in (37, AMX_PASS_BYTES // (2 * k) // 32 * 32 + 37):  # one pass of rows; two
+        a = torch.randn(m, k).to(torch.bfloat16)
+        for epi in ("bf16", "swiglu"):
+            want = cpu.amx_gemm(a, fb.layers[0].w13.amx, epi)
+            assert torch.equal(cpu.amx_gemm(a, fp.layers[0].w13.amx, epi), want)
 
 
 def test_bf16_prefill_close_to_f32(tiny):

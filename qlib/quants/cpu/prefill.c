@@ -1134,6 +1134,9 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
  * accumulation, then an epilogue on the 32 x 32 block; threads split the column blocks. */
 
 enum { EPI_BF16 = 0, EPI_ADD = 1, EPI_SWIGLU = 2 };
+#ifndef AMX_PASS_BYTES
+#define AMX_PASS_BYTES (1 << 20) /* A rows a pass of amx_gemm */
+#endif
 
 /* A weight for amx_gemm: bf16 B tiles, or 4/8-bit codes in the same tile order expanded
  * to bf16 tiles per column block as the GEMM goes (a third / a half of the bytes to read).
@@ -1190,15 +1193,40 @@ static inline void amx_expand_block_tile(const amx_weight *w, int nb, int t, int
     amx_expand_tile(w, 2 * nb + t / nkc, t % nkc, nkc, buf + (size_t)t * 512);
 }
 
+/* The epilogue of rows r0..r1-1 of a 32 x 32 block (C tiles stored in buf: rows 0-15 in
+ * buf[0] | buf[1], rows 16-31 in buf[2] | buf[3]) at rows mb.., column block nb of out. */
+static inline void amx_epilogue(float (*buf)[256], int r0, int r1, int mb, int nb, int epi,
+                                void *out, int ldo) {
+    for (int r = r0; r < r1; r++) {
+        const __m512 c0 = _mm512_load_ps(buf[(r >> 4) * 2] + (r & 15) * 16);
+        const __m512 c1 = _mm512_load_ps(buf[(r >> 4) * 2 + 1] + (r & 15) * 16);
+        const size_t row = (size_t)(mb + r) * ldo;
+        if (epi == EPI_BF16) {
+            uint16_t *o = (uint16_t *)out + row + 32 * nb;
+            bf16x16_store(o, c0);
+            bf16x16_store(o + 16, c1);
+        } else if (epi == EPI_ADD) {
+            float *o = (float *)out + row + 32 * nb;
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), c0));
+            _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_loadu_ps(o + 16), c1));
+        } else {
+            bf16x16_store((uint16_t *)out + row + 16 * nb, _mm512_mul_ps(silu16(c0), c1));
+        }
+    }
+}
+
 /* Inside a parallel region (tiles configured): rows 0..M-1 of A [*, K] bf16 times the
  * weight's N columns; column blocks of 32 split over the threads (omp for, ends with a barrier).
  * EPI_BF16: out bf16 [M, ldo] = C; EPI_ADD: out float32 [M, ldo] += C; EPI_SWIGLU: out bf16
  * [M, ldo] column 16 b + n = silu(C[:, 32 b + n]) * C[:, 32 b + 16 + n] (gate | up tiles).
+ * Software-pipelined: a block's C tiles go to one of two buffers, and its epilogue runs a few
+ * rows per k step of the next block's products (AVX-512 and AMX busy at once; an epilogue
+ * right after its tile stores waited for them and left the AMX unit idle: half the time).
  * Returns 0, or -1 when this thread could not allocate its expansion buffer. */
 static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N, int epi,
                     void *out, int ldo) {
     const int nkc = K / 32, nb32 = N / 32;
-    float buf[4][256] __attribute__((aligned(64)));
+    float buf[2][4][256] __attribute__((aligned(64)));
     /* quantized weights: this thread's column blocks expanded into two buffers of 2 nkc
      * tiles, the next block's tiles one per tile step while the current block's products
      * run (AVX-512 and AMX units busy at once) */
@@ -1208,62 +1236,65 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
     /* the static split of omp for, made explicit: a thread knows its next block */
     const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
     const int nb_lo = (int)((long)nb32 * tid / nth), nb_hi = (int)((long)nb32 * (tid + 1) / nth);
-    int cur = 0;
+    const int per_step = (32 + nkc - 1) / nkc; /* epilogue rows per k step */
+    /* rows in passes whose A rows fit in L2 next to the weight tiles: every column block
+     * re-reads its pass's A rows (from L3 when A is larger: 0.4 against 1.2 TFLOP/s) */
+    int pass = AMX_PASS_BYTES / (K * 2) / 32 * 32;
+    pass = pass < 32 ? 32 : pass;
+    int cur = 0, cb = 0;                       /* expansion buffer; C buffer */
+    int p_rows = 0, p_done = 0, p_mb = 0, p_nb = 0; /* the pending epilogue (buf[1 - cb]) */
     if (quant && !fail && nb_lo < nb_hi)
         for (int t = 0; t < ntile; t++) amx_expand_block_tile(w, nb_lo, t, nkc, xb);
-    for (int nb = nb_lo; nb < nb_hi && !fail; nb++) {
-        const uint16_t *b0, *b1;
-        uint16_t *next = NULL;
-        int done = 0; /* tiles of the next block expanded so far */
-        if (!quant) {
-            b0 = (const uint16_t *)w->t + (size_t)(2 * nb) * nkc * 512;
-            b1 = b0 + (size_t)nkc * 512;
-        } else {
-            b0 = xb + (size_t)cur * ntile * 512, b1 = b0 + (size_t)nkc * 512;
-            if (nb + 1 < nb_hi) next = xb + (size_t)(1 - cur) * ntile * 512;
-            else done = ntile;
-        }
-        for (int mb = 0; mb < M; mb += 32) {
-            const uint16_t *a0 = A + (size_t)mb * K, *a1 = a0 + (size_t)16 * K;
-            _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
-            for (int kc = 0; kc < nkc; kc++) {
-                if (next && done < ntile) amx_expand_block_tile(w, nb + 1, done++, nkc, next);
-                _tile_loadd(0, a0 + 32 * kc, K * 2);
-                _tile_loadd(2, b0 + (size_t)kc * 512, 64);
-                _tile_loadd(3, b1 + (size_t)kc * 512, 64);
-                _tile_dpbf16ps(4, 0, 2);
-                _tile_dpbf16ps(5, 0, 3);
-                _tile_loadd(1, a1 + 32 * kc, K * 2);
-                _tile_dpbf16ps(6, 1, 2);
-                _tile_dpbf16ps(7, 1, 3);
+    for (int m0 = 0; m0 < M && !fail; m0 += pass) {
+        const int m1 = M - m0 < pass ? M : m0 + pass;
+        for (int nb = nb_lo; nb < nb_hi; nb++) {
+            const uint16_t *b0, *b1;
+            uint16_t *next = NULL; /* the next block's tiles: nb + 1, or nb_lo of the next pass */
+            const int nb_next = nb + 1 < nb_hi ? nb + 1 : (m1 < M ? nb_lo : -1);
+            int done = 0; /* tiles of the next block expanded so far */
+            if (!quant) {
+                b0 = (const uint16_t *)w->t + (size_t)(2 * nb) * nkc * 512;
+                b1 = b0 + (size_t)nkc * 512;
+            } else {
+                b0 = xb + (size_t)cur * ntile * 512, b1 = b0 + (size_t)nkc * 512;
+                if (nb_next >= 0 && nb_next != nb) next = xb + (size_t)(1 - cur) * ntile * 512;
+                else done = ntile;
             }
-            _tile_stored(4, buf[0], 64);
-            _tile_stored(5, buf[1], 64);
-            _tile_stored(6, buf[2], 64);
-            _tile_stored(7, buf[3], 64);
-            const int rows = M - mb < 32 ? M - mb : 32;
-            for (int r = 0; r < rows; r++) {
-                const __m512 c0 = _mm512_load_ps(buf[(r >> 4) * 2] + (r & 15) * 16);
-                const __m512 c1 = _mm512_load_ps(buf[(r >> 4) * 2 + 1] + (r & 15) * 16);
-                const size_t row = (size_t)(mb + r) * ldo;
-                if (epi == EPI_BF16) {
-                    uint16_t *o = (uint16_t *)out + row + 32 * nb;
-                    bf16x16_store(o, c0);
-                    bf16x16_store(o + 16, c1);
-                } else if (epi == EPI_ADD) {
-                    float *o = (float *)out + row + 32 * nb;
-                    _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), c0));
-                    _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_loadu_ps(o + 16), c1));
-                } else {
-                    bf16x16_store((uint16_t *)out + row + 16 * nb, _mm512_mul_ps(silu16(c0), c1));
+            for (int mb = m0; mb < m1; mb += 32) {
+                const uint16_t *a0 = A + (size_t)mb * K, *a1 = a0 + (size_t)16 * K;
+                float (*pend)[256] = buf[1 - cb];
+                _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+                for (int kc = 0; kc < nkc; kc++) {
+                    if (next && done < ntile) amx_expand_block_tile(w, nb_next, done++, nkc, next);
+                    _tile_loadd(0, a0 + 32 * kc, K * 2);
+                    _tile_loadd(2, b0 + (size_t)kc * 512, 64);
+                    _tile_loadd(3, b1 + (size_t)kc * 512, 64);
+                    _tile_dpbf16ps(4, 0, 2);
+                    _tile_dpbf16ps(5, 0, 3);
+                    _tile_loadd(1, a1 + 32 * kc, K * 2);
+                    _tile_dpbf16ps(6, 1, 2);
+                    _tile_dpbf16ps(7, 1, 3);
+                    if (p_done < p_rows) {
+                        const int r1 = p_done + per_step < p_rows ? p_done + per_step : p_rows;
+                        amx_epilogue(pend, p_done, r1, p_mb, p_nb, epi, out, ldo);
+                        p_done = r1;
+                    }
                 }
+                amx_epilogue(pend, p_done, p_rows, p_mb, p_nb, epi, out, ldo);
+                _tile_stored(4, buf[cb][0], 64);
+                _tile_stored(5, buf[cb][1], 64);
+                _tile_stored(6, buf[cb][2], 64);
+                _tile_stored(7, buf[cb][3], 64);
+                p_rows = M - mb < 32 ? M - mb : 32, p_done = 0, p_mb = mb, p_nb = nb;
+                cb = 1 - cb;
             }
-        }
-        if (quant) {
-            while (next && done < ntile) amx_expand_block_tile(w, nb + 1, done++, nkc, next);
-            cur = 1 - cur;
+            if (next) {
+                while (done < ntile) amx_expand_block_tile(w, nb_next, done++, nkc, next);
+                cur = 1 - cur;
+            }
         }
     }
+    amx_epilogue(buf[1 - cb], p_done, p_rows, p_mb, p_nb, epi, out, ldo);
 #pragma omp barrier
     free(xb);
     return fail;
