@@ -830,13 +830,35 @@ def test_smollm2_decode_matches_quantized_form(smollm2):
 
 
 def test_default_prefill_follows_the_cpu(monkeypatch):
-    """bf16 prefill only where the CPU multiplies bf16 in hardware; int8 elsewhere (emulated
-    bf16 was slower than int8 on a CPU without AVX512-BF16: docs/performance.md)."""
+    """bf16 prefill only where the CPU has AMX tiles; int8 elsewhere (emulated bf16, and
+    oneDNN's bf16 on AVX512-BF16 alone, were slower than int8: docs/performance.md)."""
     from qlib.quants.cpu import build
 
     monkeypatch.setattr(build, "cpu_flags", lambda: {"avx512f", "avx512_vnni", "avx512_bf16"})
-    assert fast.default_prefill() == "bf16"
+    assert fast.default_prefill() == "int8"
     monkeypatch.setattr(build, "cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
     assert fast.default_prefill() == "bf16"
     monkeypatch.setattr(build, "cpu_flags", lambda: {"avx512f", "avx512_vnni"})
     assert fast.default_prefill() == "int8"
+
+
+def test_default_prefill_skips_a_large_copy(monkeypatch):
+    """On bf16 hardware the default is int8 (no copy) once the bf16 prefill's own weight copy
+    would pass ``PREFILL_COPY_MAX_BYTES`` (a 1B model's would double its memory)."""
+    from qlib.quants.cpu import build
+
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
+    assert fast.default_prefill(fast.PREFILL_COPY_MAX_BYTES) == "bf16"
+    assert fast.default_prefill(fast.PREFILL_COPY_MAX_BYTES + 1) == "int8"
+
+
+def test_prefill_copy_bytes_is_the_copy_built(tiny):
+    """``prefill_copy_bytes`` (from the tensor directory alone) equals the bytes of the prefill
+    copy the bf16 model then holds: AMX tiles (codes or bf16) or oneDNN's bf16 copy."""
+    wt, path = tiny
+    fm = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2)
+    lins = [getattr(ly, n) for ly in fm.layers for n in ("wqkv", "wo", "w13", "w2")]
+    held = sum(lin.amx.nbytes() if lin.amx is not None else 2 * lin.bf16.numel() for lin in lins)
+    with open(path, "rb") as f:
+        content = Content.read(f)
+    assert fast.prefill_copy_bytes(content, fm.amx_layers) == held

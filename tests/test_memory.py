@@ -102,7 +102,7 @@ caches = [getattr(mm, name, {}) for name in ("_CACHE", "_PACKED")]
 out["kernel_cache_mib"] = sum(v[1].nbytes() for c in caches for v in list(c.values())) / 2**20
 out["c_kernels"] = bool(getattr(mm, "_PACKED", None))
 # the fast engine's own prefill copy of the weights, where it keeps one (AMX tile order, or
-# bf16 for oneDNN: CPUs with AMX or AVX512-BF16; none for the int8 prefill)
+# bf16 for oneDNN: on CPUs with AMX; none for the int8 prefill)
 copy = 0
 for layer in getattr(model, "layers", []):
     for lin in (getattr(layer, n, None) for n in ("wqkv", "wo", "w13", "w2")):
@@ -182,7 +182,7 @@ def test_fast_engine_holds_the_weights_once(model_path):
     each piece once packed: at peak it holds about the file once (packed planes: the same
     bytes as the blocks). The tied output's packed weight is also where the embedding's rows
     are looked up, so the embedding is not held a second time (before: +17 MiB here). Where
-    the CPU multiplies bf16 in hardware, the bf16 prefill keeps its own copy of the layer
+    the CPU has AMX, the bf16 prefill keeps its own copy of the layer
     weights (AMX tile order: the same bytes as the blocks for Q4_x / Q8_0), counted apart."""
     m = _child(model_path, "mmap", "fast")
     bound = m["file_mib"] + m["prefill_copy_mib"] + LOAD_MARGIN_MIB

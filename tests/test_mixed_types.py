@@ -207,8 +207,8 @@ def test_fast_int8_matches_quantized_form(files, name):
 @pytest.mark.parametrize("name", FILES)
 def test_fast_default_close_to_f32_form(files, name, amx):
     """The engine as ``engine.load(engine="fast")`` builds it (the prefill of
-    ``default_prefill()``: bf16 with AMX layers or oneDNN where the CPU has bf16 hardware, else
-    int8), against float32."""
+    ``default_prefill()``: bf16 with AMX layers (or oneDNN where the AMX layer kernels do not
+    run) on a CPU with AMX, else int8), against float32."""
     if not amx and not cpu.amx_available():
         pytest.skip("no AMX here: the default (amx=True) is the oneDNN path already")
     if amx:

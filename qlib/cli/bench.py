@@ -88,7 +88,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--prefill",
         default=None,
         choices=("bf16", "int8", "int8-attn", "f32", "tf32", "packed"),
-        help="--engine fast: prefill matmuls (CPU: bf16 (default where the CPU has bf16 "
+        help="--engine fast: prefill matmuls (CPU: bf16 (default where the CPU has AMX "
         "hardware), int8, or int8-attn: int8 attention products too; CUDA: f32 (default), "
         "tf32, bf16 or packed)",
     )

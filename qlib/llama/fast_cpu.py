@@ -32,7 +32,7 @@ none of candle's sharp edges. What differs from the faithful path:
   blocked layout and oneDNN bf16 matmuls run with one C call between each pair
   (add + RmsNorm, RoPE + KV write + float32 attention, SwiGLU). The residual
   stream, the KV cache and all arithmetic outside the matmuls stay float32.
-  ``prefill="int8"`` (the default without bf16 hardware) keeps ggml semantics for every
+  ``prefill="int8"`` (the default without AMX) keeps ggml semantics for every
   row instead: the C GEMMs over all rows with C RmsNorm, SwiGLU and RoPE + KV write + a
   tiled float32 causal attention (key blocks of 64, online softmax) between them
   (``_prefill_int8``, float32 or f16 caches; a CPU without the kernels: torch ops and SDPA);
@@ -107,7 +107,10 @@ from .fused import FUSED_STACKS
 
 PREFILL_MODES = ("bf16", "int8", "int8-attn")
 _MAP_NORESERVE = 0x4000  # Linux; not in Python's mmap module
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU features that make a bf16 prefill pay
+# The CPU feature that makes the bf16 prefill the faster default: AMX tiles. With AVX512-BF16
+# alone (AMD Zen 4) oneDNN's bf16 matmuls were slower than the int8 C GEMMs and held a bf16
+# copy of the weights (docs/performance.md, "A Zen 4 VM").
+BF16_FLAGS = ("amx_bf16",)
 # How the C decode step runs its prepared calls (``FastModel.decode_mode``; the default from
 # ``$QLIB_DECODE_MODE``): "region" ONE C call, one OpenMP parallel region for all steps;
 # "c" one C call that calls each kernel's entry point; "python" one ctypes call per step
@@ -115,11 +118,39 @@ DECODE_MODES = ("region", "c", "python")
 DEFAULT_DECODE_MODE = "region"
 
 
-def default_prefill() -> str:
-    """``bf16`` where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), else ``int8``.
+# The most the bf16 prefill's own weight copy may take for it to be the default: a small
+# model's copy is cheap (SmolLM2: 76-212 MiB), a 1B model's would double its memory
+# (1B-shape Q8_0: 1.1 GB beside the 1.1 GB file); past it the int8 prefill (no copy) is the
+# default. ``prefill="bf16"`` still builds any copy.
+PREFILL_COPY_MAX_BYTES = 512 << 20
+AMX_CODE_BYTES = {"Q4_0": 0.75, "Q4_1": 0.75, "Q8_0": 1.125}  # per weight: codes + scales
 
-    Without them oneDNN emulates bf16 and the prefill is slower than the int8 one (measured:
-    docs/performance.md, "Prefill without bf16 hardware")."""
+
+def prefill_copy_bytes(content, amx: bool) -> int:
+    """The bytes the bf16 prefill's weight copy of a file's layers takes: AMX tiles of 4/8-bit
+    codes for a stack of one Q4_0 / Q4_1 / Q8_0 type (``cpu.pack_amx_quantized``), else bf16
+    values (2 bytes a weight; the AMX tiles or oneDNN's prepacked copy)."""
+    infos, total = content.tensor_infos, 0.0
+    blocks = sum(1 for name in infos if name.endswith(".ffn_down.weight"))
+    for i in range(blocks):
+        for names in FUSED_STACKS.values():
+            stack = [infos[f"blk.{i}.{n}.weight"] for n in names if f"blk.{i}.{n}.weight" in infos]
+            types = {t.dtype.name for t in stack}
+            per_weight = AMX_CODE_BYTES.get(types.pop(), 2.0) if amx and len(types) == 1 else 2.0
+            total += per_weight * sum(t.n_elements for t in stack)
+    return int(total)
+
+
+def default_prefill(copy_bytes: int | None = None) -> str:
+    """``bf16`` where the CPU has AMX-BF16 tiles (``BF16_FLAGS``) and the weight copy that
+    prefill needs (``copy_bytes``, when known) is at most ``PREFILL_COPY_MAX_BYTES``; else
+    ``int8`` (ggml semantics, no copy).
+
+    Without AMX oneDNN's bf16 matmuls lose to the int8 C GEMMs: emulated bf16 on a CPU without
+    AVX512-BF16, and on AVX512-BF16 alone too (measured: docs/performance.md, "Prefill
+    without bf16 hardware" and "A Zen 4 VM")."""
+    if copy_bytes is not None and copy_bytes > PREFILL_COPY_MAX_BYTES:
+        return "int8"
     return "bf16" if build.cpu_flags() & set(BF16_FLAGS) else "int8"
 
 
@@ -697,7 +728,9 @@ class FastModel(StaticKVState):
         """Build from a parsed ``gguf_file.Content`` and its open file (CPU only).
 
         ``prefill``: ``bf16`` or ``int8`` matmuls for prompts, or ``int8-attn`` (int8 matmuls
-        and int8 attention products; None: ``default_prefill()``).
+        and int8 attention products; None: ``default_prefill()`` of this file's
+        ``prefill_copy_bytes``: bf16 on AMX hardware unless its weight copy would pass
+        ``PREFILL_COPY_MAX_BYTES``).
 
         ``amx``: the AMX prefill kernels where the CPU has them (else oneDNN's matmuls);
         ``amx_packed``: their Q4_0 / Q4_1 / Q8_0 weights stay 4/8-bit (expanded to bf16 tiles
@@ -711,17 +744,19 @@ class FastModel(StaticKVState):
         """
         if as_device(device).type != "cpu":
             raise ModelError("the fast path runs on CPU; use ModelWeights on other devices")
-        prefill = prefill or default_prefill()
+        config = LlamaConfig.from_metadata(content.metadata)
+        gate = content.tensor_infos.get("blk.0.ffn_gate.weight")
+        amx_ok = (amx and gate is not None and cpu.amx_available()
+                  and _amx_layer_shapes_ok(config, gate.shape[0]))  # fmt: skip
+        if prefill is None:
+            prefill = default_prefill(prefill_copy_bytes(content, amx_ok))
         if prefill not in PREFILL_MODES:
             raise ModelError(f"unknown prefill mode {prefill!r}: {', '.join(PREFILL_MODES)}")
-        config = LlamaConfig.from_metadata(content.metadata)
         max_seq_len = context_length(content.metadata) if max_seq_len is None else max_seq_len
         max_seq_len = check_max_seq_len(max_seq_len)
         kv_type = check_kv_type(kv_type)
         bf16 = prefill == "bf16"
-        gate = content.tensor_infos.get("blk.0.ffn_gate.weight")
-        amx_layers = (bf16 and amx and gate is not None and cpu.amx_available()
-                      and _amx_layer_shapes_ok(config, gate.shape[0]))  # fmt: skip
+        amx_layers = bf16 and amx_ok
 
         def get(name: str) -> QTensor:
             return content.tensor(f, name, "cpu")
