@@ -101,6 +101,29 @@ def test_models_list_and_path_by_type(capsys):
     assert capsys.readouterr().out.strip() == str(models.path())
 
 
+def test_models_synthetic_writes_a_listed_llama(capsys, tmp_path, monkeypatch):
+    """``models synthetic SHAPE TYPE`` writes data/models/synthetic-SHAPE.TYPE.gguf (here a
+    temporary models dir holding the embedded file for its tokenizer), listed as synthetic,
+    with the shape's tensors in the asked type; an existing file is kept."""
+    from qlib import models
+    from qlib.gguf import Content
+
+    (tmp_path / models.DEFAULT_MODEL).symlink_to(models.path())
+    monkeypatch.setenv("QLIB_MODELS_DIR", str(tmp_path))
+    assert main(["models", "synthetic", "tiny", "Q8_0"]) == 0
+    made = tmp_path / "synthetic-tiny.Q8_0.gguf"
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(made)
+    infos = Content.read_path(made).tensor_infos
+    assert infos["blk.0.ffn_down.weight"].dtype.name == "Q8_0"
+    assert len([n for n in infos if n.endswith(".ffn_down.weight")]) == 2  # the tiny shape
+    mtime = made.stat().st_mtime_ns
+    assert main(["models", "synthetic", "tiny", "Q8_0"]) == 0
+    assert made.stat().st_mtime_ns == mtime
+    assert main(["models", "list"]) == 0
+    line = next(r for r in capsys.readouterr().out.splitlines() if r.startswith(made.name))
+    assert line.split()[1] == "Q8_0" and "synthetic" in line.split()[5:]
+
+
 # -- the flags every model command shares, and what the commands print ------------------
 
 

