@@ -190,6 +190,13 @@ def derive(
     return report.path
 
 
+def synthetic_shapes() -> list[str]:
+    """The shapes ``synthetic`` can make (``convert.synthetic.SHAPES``)."""
+    from .convert.synthetic import SHAPES
+
+    return list(SHAPES)
+
+
 def synthetic(
     shape: str = "1b",
     type_or_recipe: str = "Q8_0",

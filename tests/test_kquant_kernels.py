@@ -203,7 +203,15 @@ def test_fast_engine_matches_faithful(type_name, tmp_path):
         a = fm.forward(ids[:, :10], 0, all_logits=True)
         b = ref.forward(ids[:, :10], 0, all_logits=True)
         scale = b.abs().max()
-        assert (a - b).abs().max() <= 1e-5 * scale  # the same kernels on both sides
+        # the same GEMM kernels on both sides, but not the same attention (C tiles against
+        # torch's SDPA, whose float order follows torch's CPU capability): an ulp there can
+        # move an activation onto the other side of a Q8 rounding tie, flipping one code of a
+        # later layer's input (ggml's own sensitivity: docs/design.md, position 0). Seen on
+        # one row of ten (Q5_1, torch's AVX512 kernels on a Zen 4: 1.7e-3 x scale; exact with
+        # ATEN_CPU_CAPABILITY=avx2). So: every row but one to ulps, that one as a decode step.
+        rows = (a - b).abs().amax(-1).flatten()
+        assert int((rows > 1e-5 * scale).sum()) <= 1, rows / scale
+        assert rows.max() <= 1e-2 * scale
         for pos in range(10, 14):  # decode: C attention (another float order, exp)
             a, b = fm.forward(ids[:, pos : pos + 1], pos), ref.forward(ids[:, pos : pos + 1], pos)
             assert (a - b).abs().max() <= 1e-2 * scale, pos

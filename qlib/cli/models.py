@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 
 from .. import models
-from ..convert.synthetic import SHAPES
 
 
 def _derive(a: argparse.Namespace) -> int:
@@ -73,7 +72,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "to each TYPE or RECIPE by qlib's quantizer. Benchmark files, never downloaded; the 1B "
         "shape takes a few minutes a type. Files already present are kept.",
     )
-    y.add_argument("shape", choices=sorted(SHAPES), metavar="SHAPE", help=", ".join(SHAPES))
+    shapes = models.synthetic_shapes()
+    y.add_argument("shape", choices=shapes, metavar="SHAPE", help=", ".join(shapes))
     y.add_argument("types", nargs="+", metavar="TYPE")
     y.add_argument("--force", action="store_true", help="rebuild files that exist")
     y.set_defaults(func=_synthetic)
