@@ -17,6 +17,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD QLIB_MODELS_DIR=$stage PYTHONUNBUFFERED=1
 export QLIB_COMMIT=${QLIB_COMMIT:-unknown}
+# the H200 machine's matplotlib (2026-12-03) rejects ipykernel's inline backend, so every
+# notebook would fail at its first plot: fall back to Agg there (the plots still go to files)
+python3 -c "import matplotlib; matplotlib.rcParams['backend'] = 'module://matplotlib_inline.backend_inline'" \
+  2>/dev/null || export MPLBACKEND=${MPLBACKEND:-agg}
 out=/tmp/results
 python3 -m qlib suite run --device cuda --output-dir "$out" "$@" 2>&1 | tee "$OUT/suite_cuda.log"
 status=${PIPESTATUS[0]}
