@@ -29,7 +29,8 @@ needs_kernels = pytest.mark.skipif(
     not cpu.available(), reason=f"C kernels unavailable: {cpu.unavailable_reason()}"
 )
 SIZES = dict(n_layer=3, n_embd=256, n_ff=512, n_head=4, n_kv_head=2)
-# name -> (write_tiny_llama options, whether the layers chain, whether the logits join them)
+# name -> (write_tiny_llama options, whether the layers chain, whether the logits join them[,
+# types whose kernel is taken away])
 FILES = {
     "Q4_1 tied": (dict(weight_type="Q4_1"), True, True),
     "Q8_0 untied": (dict(weight_type="Q8_0", tie_output=False), True, True),
@@ -38,13 +39,18 @@ FILES = {
         "blk.0.attn_v.weight": "Q6_K", "blk.2.attn_v.weight": "Q8_0",
         "blk.[02].ffn_down.weight": "Q6_K", "blk.1.attn_q.weight": "Q5_0",
         "token_embd.weight": "Q6_K"}), True, True),
-    # C types mixed, a Q5_1 part, an F16 tied output (torch logits after the chain)
+    # C types mixed, a Q5_1 part, an F16 tied output (floats.c's rows, in the chain too)
     "legacy mix": (dict(weight_type="Q4_0", weight_types={
         "*.attn_k.weight": "Q8_0", "*.ffn_up.weight": "Q4_1", "blk.1.ffn_gate.weight": "Q5_1",
-        "*.attn_output.weight": "Q5_0", "token_embd.weight": "F16"}), True, False),
-    # a float part in the stacks: those layers are torch, the step stays the Python loop
-    "float mix": (dict(weight_type="Q8_0", weight_types={"*.ffn_up.weight": "F16"}), False,
-                  False),
+        "*.attn_output.weight": "Q5_0", "token_embd.weight": "F16"}), True, True),
+    # a float part in the stacks (floats.c) and a BF16 tied output
+    "float mix": (dict(weight_type="Q8_0", weight_types={
+        "*.ffn_up.weight": "F16", "*.attn_output.weight": "F32",
+        "token_embd.weight": "BF16"}), True, True),
+    # the same with the F16 kernel taken away (a part without a kernel): those layers are
+    # torch, the step stays the Python loop; the logits too (BF16 still C) follow it
+    "torch part": (dict(weight_type="Q8_0", weight_types={"*.ffn_up.weight": "F16"}), False,
+                   False, ("F16",)),
 }  # fmt: skip
 
 
@@ -70,8 +76,10 @@ def _decode(model: fast.FastModel, mode: str, t: int, steps: int) -> tuple[list,
 @needs_kernels
 @pytest.mark.parametrize("name", list(FILES))
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
-def test_one_call_step_is_bit_identical(tmp_path, name, kv_type):
-    options, chains, with_logits = FILES[name]
+def test_one_call_step_is_bit_identical(tmp_path, monkeypatch, name, kv_type):
+    options, chains, with_logits, *lacking = FILES[name]
+    for type_name in lacking[0] if lacking else ():  # no kernel for this type here
+        monkeypatch.delitem(cpu.layout.ROW_MULTIPLE, type_name)
     path = write_tiny_llama(tmp_path / "m.gguf", **SIZES, **options)
     model = _build(path, kv_type=kv_type, max_seq_len=256)
     assert model._chainable() == chains

@@ -683,10 +683,11 @@ def test_fused_prefill_matches_unfused(tiny):
         a = fm.forward(ids[:, :30], 0, all_logits=True)[0]
         a2 = fm.forward(ids[:, 30:], 30, all_logits=True)[0]  # a chunk after a prefix
         a3 = fm.forward(ids[:, 39:40], 40)  # a C decode step over the prefilled cache
-        # the last layer for the last row only: its wo and FFN in the packed Q8-activation
-        # kernel when the weights are quantized (ggml semantics), else the same bf16 matmuls
+        # the last layer for the last row only: its wo and FFN in the packed C kernels when
+        # the weights have them (ggml semantics: Q8 activations, or float32 rows for F32),
+        # else the same bf16 matmuls
         last = fm.forward(ids[:, :30], 0)
-        tol = 1e-5 if wt == "F32" else 0.02
+        tol = 1e-5 if fm.layers[-1].w2.packed is None else 0.02
         assert (last[0] - a[-1]).abs().max() <= tol * a.abs().max()
         fm._fused_prefill = False
         b = fm.forward(ids[:, :30], 0, all_logits=True)[0]

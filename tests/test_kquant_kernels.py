@@ -165,7 +165,8 @@ def test_kgemm_special_rows():
 
 def test_refused_shapes_and_types():
     assert not cpu.supports("Q4_K", 384) and not cpu.supports("Q5_1", 96)
-    assert not cpu.supports("F16", 256) and cpu.supports("Q6_K", 256) and cpu.supports("Q5_1", 64)
+    assert cpu.supports("Q6_K", 256) and cpu.supports("Q5_1", 64) and cpu.supports("F16", 64)
+    assert not cpu.supports("F16", 96) and not cpu.supports("Q8_1", 64)
     with pytest.raises(ValueError):
         cpu.dequantize_bf16(cpu.pack(_weight("Q6_K", 2, 256, seed=1)))
 
@@ -224,3 +225,23 @@ def test_fast_engine_without_kernels(tmp_path, monkeypatch):
     path = write_tiny_llama(tmp_path / "q4k.gguf", weight_type="Q4_K", **SIZES)
     fm = _build(path, fast.FastModel, prefill="int8")
     assert fm._plan is None and all(ly.wqkv.packed is None for ly in fm.layers)
+
+
+# -- F32 / F16 / BF16 rows (floats.c, through qlib_kgemm) ------------------------------------
+
+
+@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("n, k", [(576, 576), (13, 64), (40, 1536)])
+def test_float_rows_match_ggml_semantics(type_name, n, k):
+    """floats.c against the torch reference (``qmatmul_prepared``: the activations rounded to
+    the weight's vec_dot type, float32 products and sums) for the GEMV (m < 4) and the tiled
+    GEMM (m >= 4), n not a multiple of the 16-row tiles; rows independent within a path."""
+    w = _weight(type_name, n, k, seed=11)
+    pw, pr = cpu.pack(w), prepare(w)
+    assert pw.blocks and pw.codes.numel() == w.data.numel()  # the GGUF rows as they are
+    x = torch.randn(21, k, generator=torch.Generator().manual_seed(12))
+    for m in (1, 3, 4, 21):
+        y = cpu.qgemm(x[:m].contiguous(), pw)
+        _close(y, qmatmul_prepared(x[:m], pr))
+    assert torch.equal(cpu.qgemm(x[5:9].contiguous(), pw), cpu.qgemm(x, pw)[5:9])
+    assert torch.equal(cpu.qgemm(x[2:3].contiguous(), pw), cpu.qgemm(x[:3].contiguous(), pw)[2:3])

@@ -1,10 +1,10 @@
 """Building and loading the C kernels: compile on first use, cache, load with ctypes.
 
-``kernels.c``, ``kquants.c``, ``prefill.c``, ``attn.c`` and ``decode.c`` (with ``simd.h``),
-shipped as source, are compiled with the system C compiler (``$CC`` or ``cc``) into a cache
-directory (``$QLIB_CACHE_DIR`` or ``~/.cache/qlib``), keyed by a hash of the sources and
-the flags (a failed build leaves its message there, so it is not retried by every process),
-and loaded with ctypes. ``load_library()`` returns the bare ``CDLL`` (the
+``kernels.c``, ``kquants.c``, ``floats.c``, ``prefill.c``, ``attn.c`` and ``decode.c`` (with
+``simd.h``), shipped as source, are compiled with the system C compiler (``$CC`` or ``cc``)
+into a cache directory (``$QLIB_CACHE_DIR`` or ``~/.cache/qlib``), keyed by a hash of the
+sources and the flags (a failed build leaves its message there, so it is not retried by every
+process), and loaded with ctypes. ``load_library()`` returns the bare ``CDLL`` (the
 C signatures are declared by ``ops.load()``, the only loader the rest of qlib uses).
 
 The C kernels are unavailable (``available()`` False, ``unavailable_reason()``)
@@ -28,7 +28,7 @@ from pathlib import Path
 
 SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("kernels.c", "kquants.c", "prefill.c", "attn.c", "decode.c")
+    for n in ("kernels.c", "kquants.c", "floats.c", "prefill.c", "attn.c", "decode.c")
 ]
 HEADERS = [Path(__file__).with_name("simd.h")]  # included by all: part of the build's hash
 CFLAGS = [

@@ -47,6 +47,7 @@ int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
 int qlib_attn_decode_kv(float *qkv, void *kc, void *vc, int pos, int n_head, int n_kv, int d,
                         int max_seq, const float *cos, const float *sin, int neox, float *out,
                         int kv_f16, int split);
+int qlib_float_type(int type);
 size_t qlib_qgemv_scratch(int k);
 size_t qlib_kgemv_scratch(int k);
 size_t qlib_attn_region_floats(int pos, int n_head, int n_kv, int d, int split, int nth,
@@ -67,7 +68,8 @@ static int step_ok(const qlib_step *s) {
     case STEP_QGEMV:
         return s->k % 64 == 0 && (s->type == 2 || s->type == 3 || s->type == 8);
     case STEP_KGEMV:
-        return s->type == 7 ? s->k % 64 == 0 : s->type >= 10 && s->type <= 14 && s->k % 256 == 0;
+        return s->type == 7 || qlib_float_type(s->type)
+                   ? s->k % 64 == 0 : s->type >= 10 && s->type <= 14 && s->k % 256 == 0;
     case STEP_ATTN:
         return s->head_dim % 16 == 0 && s->head_dim <= 128 && s->n_head % s->n_kv == 0;
     }

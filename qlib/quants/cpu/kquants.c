@@ -20,7 +20,8 @@
  * at the end of the row; Q5_1 adds per block pair float(lanes) * (d_w d_a) and m_w s_a.
  * Rows are split over OpenMP threads; each output element is computed by one thread in a
  * fixed order, so a row's result never depends on the other rows.
- * Requires k % 256 == 0 (K-quants), k % 64 == 0 (Q5_1).
+ * Requires k % 256 == 0 (K-quants), k % 64 == 0 (Q5_1). F32 / F16 / BF16 rows, which the
+ * Python side passes as one more kind of GGUF rows, go to floats.c.
  * From qlib_gemm_min_rows rows (4; prefill) the K-quants take a tiled GEMM path (below; Q5_1
  * keeps the GEMV loops): the same
  * exact integer block dots with weight tiles re-laid once per call: equal to the GEMV
@@ -35,6 +36,14 @@
 #include <string.h>
 
 #include "simd.h"
+
+/* floats.c: F32 / F16 / BF16 weights, handed over by the entry points below */
+int qlib_float_type(int type);
+int qlib_fgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, float *y,
+               const float *norm_w, float eps, int swiglu, int accumulate);
+void qlib_fgemv_region(int type, const uint8_t *w, int n, int k, const float *x, float *y,
+                       const float *norm_w, float eps, int swiglu, int accumulate,
+                       float *scratch, float *shared);
 
 /* ggml's type ids */
 enum { QLIB_Q5_1 = 7, QLIB_Q2_K = 10, QLIB_Q3_K = 11, QLIB_Q4_K = 12, QLIB_Q5_K = 13,
@@ -667,6 +676,8 @@ static inline __attribute__((always_inline)) void kgemv_rows(
  * Returns 0, or -1 (type, k % 256 (Q5_1: 64) != 0, out of memory). */
 int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, float *y,
                const float *norm_w, float eps, int swiglu, int accumulate) {
+    if (qlib_float_type(type)) /* F32 / F16 / BF16 rows: floats.c */
+        return qlib_fgemm(type, w, n, k, x, m, y, norm_w, eps, swiglu, accumulate);
     const int bsize = block_bytes(type), kq = type != QLIB_Q5_1;
     if (!bsize || (kq ? k % 256 : k % 64)) return -1;
     const size_t row_bytes = (size_t)(k / (kq ? 256 : 32)) * bsize;
@@ -760,6 +771,11 @@ size_t qlib_kgemv_scratch(int k) {
 void qlib_kgemv_region(int type, const uint8_t *w, int n, int k, const float *x, float *y,
                        const float *norm_w, float eps, int swiglu, int accumulate,
                        uint8_t *scratch, float *shared) {
+    if (qlib_float_type(type)) { /* floats.c; the scratch (>= k floats) holds its row */
+        qlib_fgemv_region(type, w, n, k, x, y, norm_w, eps, swiglu, accumulate,
+                          (float *)scratch, shared);
+        return;
+    }
     const int kq = type != QLIB_Q5_1, G = k / 32, NB = k / 256;
     const size_t row_bytes = (size_t)(k / (kq ? 256 : 32)) * block_bytes(type);
     int8_t *aq = (int8_t *)scratch;
