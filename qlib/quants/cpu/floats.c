@@ -87,17 +87,11 @@ static void frows_t(int R, int type, const uint8_t *w, size_t row_bytes, int k, 
 
 enum { PF_GROUPS = 4 }; /* groups of 4 rows ahead that a GEMV prefetches */
 
-/* Rows j .. j + rows - 1 (rows <= 4) times the m activation rows a (stride k); pf: the
- * prefetch of frows (or NULL). */
+/* Rows j .. j + rows - 1 (rows <= 4) times the m activation rows a (stride k; m < 4: the
+ * rows come again from L1); pf: the prefetch of frows (or NULL). */
 static inline void group_rows(int type, const uint8_t *wj, size_t row_bytes, int rows, int j,
-                              int n, int k, const float *a, int m, float *wf, const char *pf,
-                              float *y, int accumulate) {
-    if (m > 1 && type != QLIB_F32) { /* the group's rows as float32 once (exact) */
-        for (int r = 0; r < rows; r++)
-            for (int e = 0; e < k; e += 16)
-                _mm512_storeu_ps(wf + (size_t)r * k + e, load16(type, wj + r * row_bytes, e));
-        wj = (const uint8_t *)wf, row_bytes = sizeof(float) * (size_t)k, type = QLIB_F32;
-    }
+                              int n, int k, const float *a, int m, const char *pf, float *y,
+                              int accumulate) {
     for (int i = 0; i < m; i++) {
         float out[4];
         frows_t(rows, type, wj, row_bytes, k, a + (size_t)i * k, i ? NULL : pf, out);
@@ -187,26 +181,15 @@ int qlib_fgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
         free(a);
         return rc;
     }
-    int failed = 0;
     const int nblk = (n + 3) / 4;
-#pragma omp parallel
-    {
-        float *wf = m > 1 ? malloc(sizeof(float) * 4 * (size_t)k) : NULL;
-        if (m > 1 && !wf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int jb = 0; jb < nblk; jb++) {
-            const int j = jb * 4, rows = n - j < 4 ? n - j : 4;
-            if (m == 1 || wf)
-                group_rows(type, w + (size_t)j * row_bytes, row_bytes, rows, j, n, k, a, m, wf,
-                           prefetch(w, row_bytes, jb, nblk, m), y, accumulate);
-        }
-        free(wf);
+#pragma omp parallel for schedule(static)
+    for (int jb = 0; jb < nblk; jb++) {
+        const int j = jb * 4, rows = n - j < 4 ? n - j : 4;
+        group_rows(type, w + (size_t)j * row_bytes, row_bytes, rows, j, n, k, a, m,
+                   prefetch(w, row_bytes, jb, nblk, m), y, accumulate);
     }
     free(a);
-    return failed ? -1 : 0;
+    return 0;
 }
 
 /* qlib_fgemm for one row inside decode.c's parallel region (as qlib_kgemv_region): each
@@ -225,7 +208,7 @@ void qlib_fgemv_region(int type, const uint8_t *w, int n, int k, const float *x,
 #pragma omp for schedule(static)
     for (int jb = 0; jb < nblk; jb++) {
         const int j = jb * 4, rows = n - j < 4 ? n - j : 4;
-        group_rows(type, w + (size_t)j * row_bytes, row_bytes, rows, j, n, k, scratch, 1, NULL,
+        group_rows(type, w + (size_t)j * row_bytes, row_bytes, rows, j, n, k, scratch, 1,
                    prefetch(w, row_bytes, jb, nblk, 1), y, accumulate);
     }
 }
