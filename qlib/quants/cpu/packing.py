@@ -7,8 +7,9 @@ the same ``d`` and int8 codes ``q - 16``, and ggml's Q5_0 x Q8_0 dot is Q8_0 x Q
 (``d_w d_a sum(q_w q_a)`` per block). ``pack`` widens them (``qlib_repack`` reads Q5_0
 blocks into Q8_0 planes: 34 bytes a block instead of 22, the same values and sums);
 ``packable`` says which weights ``pack`` takes, ``supports`` which the kernels take as they
-are (what ``matmul.qmatmul`` uses). K-quant and Q5_1 weights (``BLOCK_CODES``) are not
-repacked: ``kquants.c`` reads their GGUF blocks, which ``pack`` copies row after row.
+are (what ``matmul.qmatmul`` uses). K-quant, Q5_1 and F32 / F16 / BF16 weights
+(``BLOCK_CODES``) are not repacked: ``kquants.c`` (``floats.c`` for the float types) reads
+their GGUF rows, which ``pack`` copies row after row.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> P
     if any(q.dtype.name != name or int(q.shape[-1]) != k or len(q.shape) != 2 for q in qtensors):
         raise ValueError("pack: weights must be 2-D with one type and one row length")
     weights = [(int(q.shape[0]), q.data.cpu().contiguous()) for q in qtensors]  # rows, bytes
-    if name in BLOCK_CODES:  # kquants.c reads the GGUF blocks: a copy, rows after rows
+    if name in BLOCK_CODES:  # kquants.c / floats.c read the GGUF rows: a copy, row after row
         elements, nbytes = BLOCKS[name]
         if k % ROW_MULTIPLE[name]:
             raise ValueError(f"pack: no C kernel for {name} with k={k} (k % {ROW_MULTIPLE[name]})")
