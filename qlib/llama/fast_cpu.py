@@ -131,8 +131,7 @@ def prefill_copy_bytes(content, amx: bool) -> int:
     codes for a stack of one Q4_0 / Q4_1 / Q8_0 type (``cpu.pack_amx_quantized``), else bf16
     values (2 bytes a weight; the AMX tiles or oneDNN's prepacked copy)."""
     infos, total = content.tensor_infos, 0.0
-    blocks = sum(1 for name in infos if name.endswith(".ffn_down.weight"))
-    for i in range(blocks):
+    for i in range(LlamaConfig.from_metadata(content.metadata).block_count):
         for names in FUSED_STACKS.values():
             stack = [infos[f"blk.{i}.{n}.weight"] for n in names if f"blk.{i}.{n}.weight" in infos]
             types = {t.dtype.name for t in stack}
