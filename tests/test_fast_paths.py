@@ -659,6 +659,74 @@ def test_amx_packed_weights_equal_bf16_tiles(tiny):
             assert torch.equal(cpu.amx_gemm(a, fp.layers[0].w13.amx, epi), want)
 
 
+def _expand_amx_codes(w: cpu.AmxWeight) -> torch.Tensor:
+    """``amx_expand_tile`` of prefill.c in torch: each code -> ``code * d + m`` (the product
+    is exact in float32, so this is the kernel's one fused rounding) -> bf16, in row order."""
+    nj, nc = w.n // 16, w.k // 32
+    t = w.tiles.to(torch.int16) if w.kind.startswith("q8") else w.tiles
+    if w.kind.startswith("q4"):  # byte n of tile row r: k 2r | k 2r + 1 << 4
+        t = torch.stack([t & 15, t >> 4], dim=-1).to(torch.int16)
+    q = t.reshape(nj, nc, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(w.n, w.k).float()
+    groups = w.d.shape[1]
+    per = lambda x: x.permute(0, 2, 1).reshape(w.n, groups).repeat_interleave(w.k // groups, 1)  # noqa: E731
+    y = q * per(w.d)
+    return (y + per(w.m) if w.m is not None else y).to(torch.bfloat16)
+
+
+AMX_CODE_STACKS = [*[[t] for t in cpu.AMX_CODES], ["Q4_K", "Q4_K", "Q6_K"], ["Q5_0", "Q3_K"],
+                   ["Q4_0", "Q2_K"], ["Q4_1", "Q5_K"]]  # fmt: skip
+
+
+@pytest.mark.parametrize("types", AMX_CODE_STACKS, ids="+".join)
+@pytest.mark.parametrize("interleave", [False, True])
+def test_amx_codes_hold_the_bf16_values(types, interleave):
+    """``pack_amx_codes`` (every quantized type, and mixes as Q4_K_M stacks them), expanded as
+    the AMX GEMM expands it, gives the values of ``QTensor.dequantize`` rounded to bf16 bit for
+    bit, in the tile order of ``pack_amx`` (gate/up interleaved too); its bytes are
+    ``amx_code_bytes``'. Runs without AMX: the C expansion is tested against the same bf16
+    tiles in ``test_amx_codes_equal_bf16_tiles``."""
+    g = torch.Generator().manual_seed(7)
+    qs = [QTensor.quantize(torch.randn(64, 512, generator=g) * 0.05, t) for t in types]
+    w = cpu.pack_amx_codes(qs, interleave=interleave)
+    want = torch.cat([q.dequantize(dtype=torch.bfloat16) for q in qs])
+    tiles = cpu.pack_amx(want, interleave=interleave)  # bf16 tiles, in tile order
+    want = tiles.permute(0, 3, 1, 2, 4).reshape(want.shape)  # back to rows, interleaved
+    assert torch.equal(_expand_amx_codes(w), want)
+    assert w.nbytes() == cpu.amx_code_bytes(types) * want.numel() < 2 * want.numel()
+    assert w.kind == cpu.amx_codes_plan(types)[0]
+
+
+def test_amx_codes_refuse_float_parts():
+    w = QTensor.quantize(torch.randn(32, 256), "F16")
+    assert cpu.amx_codes_plan(["Q4_K", "F16"]) is None and cpu.amx_code_bytes(["F32"]) is None
+    with pytest.raises(ValueError, match="no AMX codes"):
+        cpu.pack_amx_codes([w])
+
+
+Q4_K_M_LIKE = {"*attn_v*": "Q6_K", "*ffn_down*": "Q6_K", "token_embd*": "Q8_0"}
+
+
+@needs_amx
+@pytest.mark.parametrize("types", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_1", "Q4_K_M"])
+def test_amx_codes_equal_bf16_tiles(tmp_path, types):
+    """K-quant (and Q5_1, and a Q4_K_M-like mix) weights kept as AMX codes give the logits of
+    a bf16 tile copy bit for bit, and hold fewer bytes."""
+    mix = Q4_K_M_LIKE if types == "Q4_K_M" else None
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_K" if mix else types,
+                            weight_types=mix, n_embd=256, n_kv_head=2, n_ff=512)  # fmt: skip
+    fp = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2)
+    fb = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2, amx_packed=False)
+    assert fp.amx_layers and {ly.w2.amx.kind for ly in fp.layers} != {"bf16"}
+    assert fp.nbytes() < fb.nbytes()
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        assert torch.equal(fp.forward(ids, 0, all_logits=True), fb.forward(ids, 0, all_logits=True))
+    a = torch.randn(37, 256).to(torch.bfloat16)
+    for epi in ("bf16", "swiglu"):
+        want = cpu.amx_gemm(a, fb.layers[0].w13.amx, epi)
+        assert torch.equal(cpu.amx_gemm(a, fp.layers[0].w13.amx, epi), want)
+
+
 def test_bf16_prefill_close_to_f32(tiny):
     wt, path = tiny
     fm = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2)
@@ -856,7 +924,17 @@ def test_default_prefill_skips_a_large_copy(monkeypatch):
 def test_prefill_copy_bytes_is_the_copy_built(tiny):
     """``prefill_copy_bytes`` (from the tensor directory alone) equals the bytes of the prefill
     copy the bf16 model then holds: AMX tiles (codes or bf16) or oneDNN's bf16 copy."""
-    wt, path = tiny
+    _check_copy_bytes(tiny[1])
+
+
+def test_prefill_copy_bytes_counts_mixed_stacks(tmp_path):
+    """The same for a Q4_K_M-like mix (K-quant codes per 16 and 32 k; Q6_K in q, k, v)."""
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_K", weight_types=Q4_K_M_LIKE,
+                            n_embd=256, n_head=4, n_kv_head=2, n_ff=512)  # fmt: skip
+    _check_copy_bytes(path)
+
+
+def _check_copy_bytes(path):
     fm = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2)
     lins = [getattr(ly, n) for ly in fm.layers for n in ("wqkv", "wo", "w13", "w2")]
     held = sum(lin.amx.nbytes() if lin.amx is not None else 2 * lin.bf16.numel() for lin in lins)

@@ -19,10 +19,10 @@ none of candle's sharp edges. What differs from the faithful path:
   of one type (``LinearPart``), each its own C call or torch matmul into its slice
   of the same output buffer, inside the same prepared decode step; nothing is refused;
 * **prefill** (``prefill="bf16"``, default): matmuls on bfloat16 weights and
-  inputs. Where the CPU has AMX-BF16 (``cpu.amx_available()``) Q4_0 / Q4_1 / Q8_0
-  weights (uniform stacks) stay 4/8-bit in AMX tile order and are expanded to bf16
-  tiles inside the GEMM (other types and mixed stacks: a bf16 tile copy of the
-  dequantized values made at load; ``amx_packed=False``: a copy for all), and each
+  inputs. Where the CPU has AMX-BF16 (``cpu.amx_available()``) quantized weights (every
+  legacy and K-quant type, mixed stacks too) stay 4/8-bit codes in AMX tile order, with
+  float32 scales per 32 or 16 k, expanded to bf16 tiles inside the GEMM (F32 / F16 / BF16
+  parts: a bf16 tile copy made at load; ``amx_packed=False``: a copy for all), and each
   layer is one C call (``cpu.prefill_layer``, in
   ``qlib/quants/cpu/prefill.c``): RmsNorm -> bf16, our AMX GEMM with fused
   epilogues (qkv -> bf16; wo and down added to the float32 residual; gate/up ->
@@ -123,20 +123,18 @@ DEFAULT_DECODE_MODE = "region"
 # (1B-shape Q8_0: 1.1 GB beside the 1.1 GB file); past it the int8 prefill (no copy) is the
 # default. ``prefill="bf16"`` still builds any copy.
 PREFILL_COPY_MAX_BYTES = 512 << 20
-AMX_CODE_BYTES = {"Q4_0": 0.75, "Q4_1": 0.75, "Q8_0": 1.125}  # per weight: codes + scales
 
 
 def prefill_copy_bytes(content, amx: bool) -> int:
-    """The bytes the bf16 prefill's weight copy of a file's layers takes: AMX tiles of 4/8-bit
-    codes for a stack of one Q4_0 / Q4_1 / Q8_0 type (``cpu.pack_amx_quantized``), else bf16
-    values (2 bytes a weight; the AMX tiles or oneDNN's prepacked copy)."""
+    """The bytes the bf16 prefill's weight copy of a file's layers takes: with ``amx``, AMX
+    tiles of 4/8-bit codes for a stack of quantized types, mixed too (``cpu.amx_code_bytes``),
+    else bf16 values (2 bytes a weight; the AMX tiles or oneDNN's prepacked copy)."""
     infos, total = content.tensor_infos, 0.0
     for i in range(LlamaConfig.from_metadata(content.metadata).block_count):
         for names in FUSED_STACKS.values():
             stack = [infos[f"blk.{i}.{n}.weight"] for n in names if f"blk.{i}.{n}.weight" in infos]
-            types = {t.dtype.name for t in stack}
-            per_weight = AMX_CODE_BYTES.get(types.pop(), 2.0) if amx and len(types) == 1 else 2.0
-            total += per_weight * sum(t.n_elements for t in stack)
+            codes = cpu.amx_code_bytes([t.dtype.name for t in stack]) if amx else None
+            total += (codes or 2.0) * sum(t.n_elements for t in stack)
     return int(total)
 
 
@@ -307,8 +305,11 @@ class FastLinear:
         self.bf16: torch.Tensor | None = None
         self.bf16_prepacked = False
         self.amx: cpu.AmxWeight | None = None
-        if bf16 and amx and amx_packed and self.packed is not None and not self.packed.blocks:
-            self.amx = cpu.pack_amx_quantized(self.packed, interleave)
+        codes = bf16 and amx and amx_packed
+        if codes and self.packed is not None and not self.packed.blocks:
+            self.amx = cpu.pack_amx_quantized(self.packed, interleave)  # from the planes
+        elif codes and cpu.amx_codes_plan(q.dtype.name for q in qtensors) is not None:
+            self.amx = cpu.pack_amx_codes(qtensors, interleave, release)  # K-quants, mixes
         elif bf16:
             w = torch.cat([p.dequantize_bf16(run) for p, run in zip(self.parts, runs, strict=True)])
             if amx:
@@ -732,8 +733,8 @@ class FastModel(StaticKVState):
         ``PREFILL_COPY_MAX_BYTES``).
 
         ``amx``: the AMX prefill kernels where the CPU has them (else oneDNN's matmuls);
-        ``amx_packed``: their Q4_0 / Q4_1 / Q8_0 weights stay 4/8-bit (expanded to bf16 tiles
-        inside the GEMM, the same values) instead of a bf16 tile copy.
+        ``amx_packed``: their quantized weights (legacy, K-quants, mixes) stay 4/8-bit codes
+        (expanded to bf16 tiles inside the GEMM, the same values) instead of a bf16 tile copy.
 
         ``max_seq_len``: positions the KV cache holds (None: the file's
         ``llama.context_length``, else 4096); ``kv_type``: ``f32`` (None: the default,

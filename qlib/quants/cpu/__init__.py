@@ -63,10 +63,14 @@ from .ops import (
     swiglu_bf16,
 )
 from .packing import (
+    AMX_CODES,
+    amx_code_bytes,
+    amx_codes_plan,
     dequantize_rows,
     pack,
     pack_amx,
     pack_amx_bf16,
+    pack_amx_codes,
     pack_amx_quantized,
     packable,
     supports,
@@ -109,7 +113,11 @@ __all__ = [
     "pack",
     "pack_amx",
     "pack_amx_bf16",
+    "pack_amx_codes",
     "pack_amx_quantized",
+    "AMX_CODES",
+    "amx_code_bytes",
+    "amx_codes_plan",
     "packable",
     "supports",
 ]

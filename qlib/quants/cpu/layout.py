@@ -31,7 +31,7 @@ BLOCKS = {"Q5_1": (32, 24), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256,
           "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2)}  # fmt: skip
 # the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants: super-blocks of 256)
 ROW_MULTIPLE = {t: 256 if t.endswith("_K") else 64 for t in (*TYPE_CODES, *BLOCK_CODES)}
-AMX_KINDS = {"bf16": 0, "q4": 1, "q8": 2}  # amx_weight.kind of prefill.c
+AMX_KINDS = {"bf16": 0, "q4": 1, "q8": 2, "q4g16": 3, "q8g16": 4}  # amx_weight.kind of prefill.c
 
 
 @dataclass
@@ -76,15 +76,17 @@ class AmxWeightC(ctypes.Structure):
 @dataclass
 class AmxWeight:
     """A weight for the AMX prefill kernels: bf16 B tiles (``kind="bf16"``, from ``pack_amx``),
-    or the 4/8-bit codes in tile order with float32 scales (``"q4"``, ``"q8"``, from
-    ``pack_amx_quantized``), expanded to bf16 tiles per column block inside the GEMM."""
+    or the 4/8-bit codes in tile order with float32 scales per 32 k (``"q4"``, ``"q8"``) or
+    per 16 k (``"q4g16"``, ``"q8g16"``: the K-quants with sub-blocks of 16), from
+    ``pack_amx_quantized`` or ``pack_amx_codes``, expanded to bf16 tiles per column block
+    inside the GEMM."""
 
     kind: str
     n: int
     k: int
     tiles: torch.Tensor
-    d: torch.Tensor | None = None  # [n/16, k/32, 16] float32
-    m: torch.Tensor | None = None  # [n/16, k/32, 16] float32 (None: 0)
+    d: torch.Tensor | None = None  # [n/16, k/32 or k/16, 16] float32
+    m: torch.Tensor | None = None  # as d (None: 0)
 
     def nbytes(self) -> int:
         ts = (self.tiles, self.d, self.m)

@@ -15,10 +15,12 @@ their GGUF rows, which ``pack`` copies row after row.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ..api import dequantize_torch
+from ..base import FORMATS
 from ..legacy import Q5_0
 from . import build, ops
 from .layout import BLOCK_CODES, BLOCKS, ROW_MULTIPLE, TYPE_CODES, WIDENED, AmxWeight, PackedWeight
@@ -177,6 +179,69 @@ def pack_amx_bf16(w: torch.Tensor, interleave: bool = False) -> AmxWeight:
     return AmxWeight("bf16", n, k, pack_amx(w, interleave))
 
 
+@dataclass(frozen=True)
+class AmxCodes:
+    """How a quantized type's values become the AMX codes (``pack_amx_codes``): ``bits`` a
+    code needs (4: the nibble tiles), one scale per ``group`` k, whether values have an
+    offset (``code * scale + offset``, ``BlockFormat.unpack``), and the ``shift`` that makes
+    signed codes fit the 4-bit tiles (offset ``-shift * scale`` then: exact in float32)."""
+
+    bits: int
+    group: int
+    offset: bool
+    shift: int = 0
+
+
+AMX_CODES = {
+    "Q4_0": AmxCodes(4, 32, False, 8), "Q4_1": AmxCodes(4, 32, True),
+    "Q5_0": AmxCodes(8, 32, False), "Q5_1": AmxCodes(8, 32, True), "Q8_0": AmxCodes(8, 32, False),
+    "Q2_K": AmxCodes(4, 16, True), "Q3_K": AmxCodes(4, 16, False, 4),
+    "Q4_K": AmxCodes(4, 32, True), "Q5_K": AmxCodes(8, 32, True), "Q6_K": AmxCodes(8, 16, False),
+}  # fmt: skip
+
+
+def amx_codes_plan(type_names) -> tuple[str, int, bool] | None:
+    """``(kind, group, offsets)`` of the AMX codes for a stack of these types (a mix too): the
+    widest code, the finest scale group, offsets if any part needs them; None when a type
+    has no codes (F32 / F16 / BF16: a bf16 tile copy instead)."""
+    specs = [AMX_CODES.get(name) for name in type_names]
+    if not specs or None in specs:
+        return None
+    bits, group = max(s.bits for s in specs), min(s.group for s in specs)
+    offsets = any(s.offset or (bits == 4 and s.shift) for s in specs)
+    return ("q4" if bits == 4 else "q8") + ("g16" if group == 16 else ""), group, offsets
+
+
+def amx_code_bytes(type_names) -> float | None:
+    """Bytes a weight of the AMX codes of such a stack takes (codes and float32 scales and
+    offsets), or None (``amx_codes_plan``): Q4_0 0.75, Q8_0 1.125, Q6_K 1.25, bf16 tiles 2."""
+    plan = amx_codes_plan(type_names)
+    if plan is None:
+        return None
+    kind, group, offsets = plan
+    return (0.5 if kind.startswith("q4") else 1.0) + 4 / group * (2 if offsets else 1)
+
+
+def _amx_code_tiles(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                    interleave: bool) -> AmxWeight:  # fmt: skip
+    """Codes ``q`` ``[n, k]`` (int8; 0..15 for the 4-bit kinds) and per-group scales and
+    offsets ``[n, k / group]`` float32 -> an ``AmxWeight`` in tile order."""
+    n, k = q.shape
+    groups = d.shape[1]
+    rows = _tile_rows(n, interleave)
+    if rows is not None:
+        q, d = q[rows], d[rows]
+        m = m[rows] if m is not None else None
+    q = q.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
+    if kind.startswith("q4"):
+        q = q.view(torch.uint8)
+        tiles = (q[..., 0] | (q[..., 1] << 4)).contiguous()
+    else:
+        tiles = q.contiguous()
+    scales = lambda x: x.reshape(n // 16, 16, groups).permute(0, 2, 1).contiguous()  # noqa: E731
+    return AmxWeight(kind, n, k, tiles, scales(d), scales(m) if m is not None else None)
+
+
 def pack_amx_quantized(pw: PackedWeight, interleave: bool = False) -> AmxWeight:
     """A repacked Q4_0 / Q4_1 / Q8_0 weight as AMX-ordered codes and float32 scales (see
     ``AmxWeight``): 0.75 (4-bit) or 1.125 (Q8_0) bytes per weight instead of bf16's 2; the
@@ -187,19 +252,50 @@ def pack_amx_quantized(pw: PackedWeight, interleave: bool = False) -> AmxWeight:
     d = pw.d.view(torch.float16).float()
     if pw.type_name == "Q8_0":
         q = (pw.codes.to(torch.int16) - 128).to(torch.int8)
-        m = None
-    else:  # per 64 elements 32 bytes: byte i = e[i] | e[i + 32] << 4
-        c = pw.codes.view(n, k // 64, 32)
-        q = torch.cat([c & 15, c >> 4], dim=-1).reshape(n, k)
-        m = pw.m.view(torch.float16).float() if pw.type_name == "Q4_1" else d * -8.0
-    rows = _tile_rows(n, interleave)
-    if rows is not None:
-        q, d = q[rows], d[rows]
-        m = m[rows] if m is not None else None
-    q = q.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
-    if pw.type_name == "Q8_0":
-        tiles, kind = q.contiguous(), "q8"
-    else:
-        tiles, kind = (q[..., 0] | (q[..., 1] << 4)).contiguous(), "q4"
-    scales = lambda x: x.reshape(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()  # noqa: E731
-    return AmxWeight(kind, n, k, tiles, scales(d), scales(m) if m is not None else None)
+        return _amx_code_tiles("q8", q, d, None, interleave)
+    c = pw.codes.view(n, k // 64, 32)  # per 64 elements 32 bytes: byte i = e[i] | e[i + 32] << 4
+    q = torch.cat([c & 15, c >> 4], dim=-1).reshape(n, k).view(torch.int8)
+    m = pw.m.view(torch.float16).float() if pw.type_name == "Q4_1" else d * -8.0
+    return _amx_code_tiles("q4", q, d, m, interleave)
+
+
+def pack_amx_codes(
+    qtensors, interleave: bool = False, release: Callable[[torch.Tensor], object] | None = None
+) -> AmxWeight:
+    """A stack of quantized weights (any types of ``AMX_CODES``, mixed too: Q4_K_M's Q4_K
+    q, k with a Q6_K v) as AMX codes with float32 scales per 32 or 16 k (``amx_codes_plan``),
+    read from their GGUF blocks (``BlockFormat.unpack``, in pieces; ``release`` as for
+    ``pack``). The GEMM expands each code to ``code * scale + offset`` in float32, one
+    rounding of an exact product as ggml's dequantization does, then to bf16: the values of
+    ``QTensor.dequantize(dtype=torch.bfloat16)`` bit for bit."""
+    qtensors = list(qtensors)
+    plan = amx_codes_plan([q.dtype.name for q in qtensors])
+    k = int(qtensors[0].shape[-1])
+    n = sum(int(q.shape[0]) for q in qtensors)
+    if plan is None or n % 32 or k % 32 or any(int(q.shape[-1]) != k for q in qtensors):
+        names = ", ".join(q.dtype.name for q in qtensors)
+        raise ValueError(f"pack_amx_codes: no AMX codes for [{names}] of {n}x{k}")
+    kind, group, offsets = plan
+    q = torch.empty(n, k, dtype=torch.int8)
+    d = torch.empty(n, k // group)
+    m = torch.zeros(n, k // group) if offsets else None
+    r = 0
+    for qt in qtensors:
+        fmt, spec = FORMATS[qt.dtype.name], AMX_CODES[qt.dtype.name]
+        shift = spec.shift if kind.startswith("q4") else 0
+        rep = spec.group // group  # 2: a type with scales per 32 in a stack with scales per 16
+        data = qt.data.cpu().reshape(int(qt.shape[0]), -1)
+        for part in _chunks(data.shape[0], data.shape[1]):
+            rows = slice(r + part.start, r + part.stop)
+            codes, scale, offset = fmt.unpack(data[part].reshape(-1, fmt.type_size))
+            nr = part.stop - part.start
+            q[rows] = (codes.reshape(nr, k).to(torch.int16) + shift).to(torch.int8)
+            d[rows] = scale.reshape(nr, -1).repeat_interleave(rep, dim=1)
+            if offset is not None:
+                m[rows] = offset.reshape(nr, -1).repeat_interleave(rep, dim=1)
+            elif shift:
+                m[rows] = d[rows] * -float(shift)
+            if release is not None:
+                release(data[part])
+        r += int(qt.shape[0])
+    return _amx_code_tiles(kind, q, d, m, interleave)

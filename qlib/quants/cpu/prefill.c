@@ -1145,8 +1145,11 @@ enum { EPI_BF16 = 0, EPI_ADD = 1, EPI_SWIGLU = 2 };
  *              (column n, k 2r) | code of (column n, k 2r + 1) << 4 (codes 0..15);
  *   AMXW_Q8:   t = int8 [N/16][K/32][16 rows][16 columns][2];
  *   d, m:      float32 [N/16][K/32][16]: value = code * d + m (m NULL: 0), rounded to bf16,
- *              the bf16 copy's value bit for bit (code * d is exact in float32). */
-enum { AMXW_BF16 = 0, AMXW_Q4 = 1, AMXW_Q8 = 2 };
+ *              the bf16 copy's value bit for bit (code * d is exact in float32);
+ *   AMXW_Q4_G16, AMXW_Q8_G16: the same codes with a scale (and offset) per 16 k, as the
+ *              K-quants with sub-blocks of 16 have them: d, m float32 [N/16][K/16][16] (a
+ *              tile's rows 0-7 hold k 0-15 of its 32, rows 8-15 k 16-31). */
+enum { AMXW_BF16 = 0, AMXW_Q4 = 1, AMXW_Q8 = 2, AMXW_Q4_G16 = 3, AMXW_Q8_G16 = 4 };
 typedef struct {
     int kind;
     const void *t;
@@ -1162,12 +1165,18 @@ typedef struct {
 static inline void amx_expand_tile(const amx_weight *w, int j, int c, int nkc, uint16_t *out) {
     const __m512i pair_idx = PAIR_IDX;
     const size_t tile = (size_t)j * nkc + c;
-    const __m512 d = _mm512_loadu_ps(w->d + 16 * tile);
-    const __m512 m = w->m ? _mm512_loadu_ps(w->m + 16 * tile) : _mm512_setzero_ps();
+    const int g16 = w->kind >= AMXW_Q4_G16, q4 = w->kind == AMXW_Q4 || w->kind == AMXW_Q4_G16;
+    const size_t at = 16 * (tile << g16); /* g16: two sets of 16 scales a tile */
+    __m512 d = _mm512_loadu_ps(w->d + at);
+    __m512 m = w->m ? _mm512_loadu_ps(w->m + at) : _mm512_setzero_ps();
     uint32_t *o = (uint32_t *)out;
     for (int r = 0; r < 16; r++) {
         __m512i lo, hi;
-        if (w->kind == AMXW_Q4) {
+        if (g16 && r == 8) { /* k 16..31 of the tile: the second sub-block's scales */
+            d = _mm512_loadu_ps(w->d + at + 16);
+            if (w->m) m = _mm512_loadu_ps(w->m + at + 16);
+        }
+        if (q4) {
             const __m512i b = _mm512_cvtepu8_epi32(
                 _mm_loadu_si128((const __m128i *)((const uint8_t *)w->t + tile * 256 + 16 * r)));
             lo = _mm512_and_si512(b, _mm512_set1_epi32(15));
