@@ -1,5 +1,6 @@
-"""Weights into the layouts of ``layout``: QTensors -> ``PackedWeight`` (``pack``), bf16 or
-packed weights -> AMX tiles (``pack_amx``, ``pack_amx_quantized``).
+"""Weights into the layouts of ``layout``: QTensors -> ``PackedWeight`` (``pack``); bf16,
+packed or quantized weights -> AMX tiles (``pack_amx``; ``pack_amx_quantized`` from the
+planes, ``pack_amx_codes`` from the GGUF blocks of any quantized type or mix).
 
 ``WIDENED`` types (``layout``) have no kernel of their own but are exactly one of the kernel
 types with wider codes: a Q5_0 block (``d``, 5-bit codes ``q - 16``) is the Q8_0 block with
