@@ -68,8 +68,18 @@ def path(name: str = DEFAULT_MODEL) -> Path:
     )
 
 
+SYNTHETIC_PREFIX = "synthetic-"  # ``synthetic``'s files: synthetic-SHAPE.TYPE.gguf
+
+
+def _origin(name: str) -> str:
+    if name == DEFAULT_MODEL:
+        return "embedded"
+    return "synthetic" if name.startswith(SYNTHETIC_PREFIX) else "derived"
+
+
 def listing() -> list[dict]:
-    """The GGUF files in ``models_dir()``: name, main ggml type, size, sha256, path."""
+    """The GGUF files in ``models_dir()``: name, main ggml type, size, sha256, origin
+    (``embedded``, ``synthetic`` or ``derived``), path."""
     from collections import Counter
 
     from .gguf import Content
@@ -84,7 +94,7 @@ def listing() -> list[dict]:
             main_type = f"unreadable ({e})"
         rows.append({
             "name": file.name, "type": main_type, "bytes": file.stat().st_size,
-            "sha256": sha256_of(file), "embedded": file.name == DEFAULT_MODEL,
+            "sha256": sha256_of(file), "origin": _origin(file.name),
             "path": str(file.resolve()),
         })  # fmt: skip
     return rows
@@ -210,7 +220,7 @@ def synthetic(
     from .convert.synthetic import synthesize
 
     spec = normalize_spec(type_or_recipe)
-    dest = models_dir() / f"synthetic-{shape}.{spec}.gguf"
+    dest = models_dir() / f"{SYNTHETIC_PREFIX}{shape}.{spec}.gguf"
     if dest.is_file() and not force:
         return dest
     return synthesize(dest, path(), shape, spec, log=log)

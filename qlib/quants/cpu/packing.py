@@ -127,6 +127,15 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> P
     return PackedWeight(name, n, k, codes, d, m)
 
 
+def _plane_codes(codes: torch.Tensor, type_name: str) -> torch.Tensor:
+    """The codes of packed planes ``[rows, bytes]`` as int16 ``[rows, k]``, in element order:
+    Q8_0's ``q`` (stored ``q + 128``), Q4_*'s nibbles 0..15 (before Q4_0's -8)."""
+    if type_name == "Q8_0":
+        return codes.to(torch.int16) - 128
+    c = codes.view(codes.shape[0], -1, 32)  # per 64 elements 32 bytes: e[i] | e[i + 32] << 4
+    return torch.cat([c & 15, c >> 4], dim=-1).reshape(codes.shape[0], -1).to(torch.int16)
+
+
 def dequantize_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of a packed weight as float32 ``[len(ids), k]``: the values
     ``QTensor.dequantize`` gives for those rows of the weight it was packed from (a tied
@@ -136,14 +145,9 @@ def dequantize_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     t, k = ids.numel(), pw.k
     if pw.blocks:
         return dequantize_torch(pw.codes[ids].reshape(-1), pw.type_name, (t, k))
-    c = pw.codes[ids]
-    if pw.type_name == "Q8_0":
-        q = c.to(torch.int16) - 128
-    else:  # per 64 elements 32 bytes: byte i = e[i] | e[i + 32] << 4
-        c = c.view(t, k // 64, 32)
-        q = torch.cat([c & 15, c >> 4], dim=-1).reshape(t, k)
-        if pw.type_name == "Q4_0":
-            q = q.to(torch.int16) - 8
+    q = _plane_codes(pw.codes[ids], pw.type_name)
+    if pw.type_name == "Q4_0":
+        q = q - 8
     d = pw.d[ids].view(torch.float16).float().unsqueeze(-1)
     y = q.float().view(t, k // 32, 32) * d
     if pw.m is not None:
@@ -251,11 +255,9 @@ def pack_amx_quantized(pw: PackedWeight, interleave: bool = False) -> AmxWeight:
     if n % 32 or k % 64:
         raise ValueError(f"pack_amx_quantized: n % 32 and k % 64 == 0 needed, got {n}x{k}")
     d = pw.d.view(torch.float16).float()
+    q = _plane_codes(pw.codes, pw.type_name).to(torch.int8)
     if pw.type_name == "Q8_0":
-        q = (pw.codes.to(torch.int16) - 128).to(torch.int8)
         return _amx_code_tiles("q8", q, d, None, interleave)
-    c = pw.codes.view(n, k // 64, 32)  # per 64 elements 32 bytes: byte i = e[i] | e[i + 32] << 4
-    q = torch.cat([c & 15, c >> 4], dim=-1).reshape(n, k).view(torch.int8)
     m = pw.m.view(torch.float16).float() if pw.type_name == "Q4_1" else d * -8.0
     return _amx_code_tiles("q4", q, d, m, interleave)
 
