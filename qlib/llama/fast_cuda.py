@@ -357,7 +357,7 @@ class CudaFastModel(StaticKVState):
         ``qlib.quants.cuda.persistent``: a device copy of the GGUF blocks as well, K-quants
         expanded exactly to 12 bits a weight;
         ``decode_options`` go to its ``PersistentDecoder``: ``threads``, ``split``, ``min_split``,
-        ``stage_times``);
+        ``kv_stage``, ``stage_times``, ``macros``);
         ``pdl``: programmatic dependent launch of the fused kernels (None: on where the device
         and Triton have it, ``fused.pdl_available()``)."""
         dev = as_device(device)

@@ -27,6 +27,9 @@
 // has no MLP task, else after its MLP task. Issuing the copies stalls a block for 1.5-4 us
 // (tens of KB a block, a few KB in flight per SM at a time): at the layer's start it was the
 // critical path's longest hop. So a wait is followed by arithmetic on data already at hand.
+// An attention block stages its split's keys and values cached before the step too (they do
+// not change during it): short splits score and weigh them from shared memory, and only the
+// new position's rows come from L2.
 //
 // The sums a layer accumulates (residual after attention, after the MLP) and the counters
 // live in two sets, chosen by the parity of a step counter; a launch zeroes the other set for
@@ -46,6 +49,7 @@
 #endif
 
 #define WARPS (THREADS / 32)
+static_assert(THREADS % 32 == 0 && THREADS >= HD, "THREADS: whole warps, at least a head's HD");
 #define GQA (NH / NKV)
 #define CHUNK 16                     // hidden units per MLP task (half a quant block of down)
 #define NMLP_T (NFF / CHUNK)         // MLP tasks per layer
@@ -59,6 +63,9 @@
 #define NCNT (NL * (NKV + 2 + NH) + 1)  // one set of counters
 #ifndef OUT_PREFETCH
 #define OUT_PREFETCH 2  // layers before the end at which the output rows are prefetched into L2
+#endif
+#ifndef KV_STAGE
+#define KV_STAGE 1  // an attention split's cached keys and values staged into shared memory
 #endif
 #define NMARK 10  // stage-time marks per layer
 
@@ -124,8 +131,20 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // Sum idx of a set (res(l): 2 l, mid(l): 2 l + 1), read from L2 into dst.
 __device__ __forceinline__ float* sum_at(float* A, int idx) { return A + (usize)idx * DIM; }
+// (all of a thread's loads first, then its stores: one L2 round trip, not one per element)
 __device__ __forceinline__ void read_sum(const float* r, float* dst) {
-    for (int i = threadIdx.x; i < DIM; i += THREADS) dst[i] = __ldcg(r + i);
+    constexpr int N = (DIM + THREADS - 1) / THREADS;
+    float v[N];
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+        const int i = threadIdx.x + k * THREADS;
+        v[k] = i < DIM ? __ldcg(r + i) : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+        const int i = threadIdx.x + k * THREADS;
+        if (i < DIM) dst[i] = v[k];
+    }
 }
 
 __host__ __device__ constexpr bool is_float(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
@@ -154,10 +173,20 @@ __device__ __forceinline__ void nibbles8(const u8* qs, int p, u32 qh, int five, 
     }
 }
 
-// d * (the dot of the 8 codes of part p of a legacy block with xx[0..8)) (+ m * sum xx): the
-// block's dequantized elements 8p .. 8p+7 times xx, as ggml's d * q (+ m).
+// xx[0..8) of a 16-byte-aligned activation run, as two 16-byte loads (lanes of a warp read runs
+// 32 bytes apart: 2-way bank conflicts against 8-way for eight float loads)
+__device__ __forceinline__ void load8(const float* p, float* xx) {
+    const float4 a = ((const float4*)p)[0], b = ((const float4*)p)[1];
+    xx[0] = a.x; xx[1] = a.y; xx[2] = a.z; xx[3] = a.w;
+    xx[4] = b.x; xx[5] = b.y; xx[6] = b.z; xx[7] = b.w;
+}
+
+// d * (the dot of the 8 codes of part p of a legacy block with xp[0..8)) (+ m * sum xp): the
+// block's dequantized elements 8p .. 8p+7 times xp, as ggml's d * q (+ m).
 template <int T>
-__device__ __forceinline__ float unit_dot(const u8* blk, int p, const float* xx) {
+__device__ __forceinline__ float unit_dot(const u8* blk, int p, const float* xp) {
+    float xx[8];
+    load8(xp, xx);
     constexpr int has_m = T == T_Q4_1 || T == T_Q5_1;
     constexpr int five = T == T_Q5_0 || T == T_Q5_1;
     constexpr float offset = T == T_Q4_0 ? 8.f : T == T_Q5_0 ? 16.f : 0.f;
@@ -469,10 +498,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     float* ovec = qv + HD;                      // HD: the head's output
     float* rope_c = ovec + HD;                  // HD / 2 each: RoPE at this position
     float* rope_s = rope_c + HD / 2;
-    float* S = rope_s + HD / 2;                 // SMAXPOS: the split's scores, then weights
+    float* knew = rope_s + HD / 2;              // HD each: the key and value rows at the position
+    float* vnew = knew + HD;
+    float* S = vnew + HD;                       // SMAXPOS: the split's scores, then weights
     float* oacc = S + SMAXPOS;                  // WARPS x HD: the warps' weighted value sums
     float* gsm = oacc + WARPS * HD;             // CHUNK: silu(gate) * up of an MLP task
     float* red = gsm + CHUNK;                   // WARPS: block reductions
+    int* stypes = (int*)(red + WARPS);          // NL x 7: the matrices' types (off the global
+                                                // loads of the critical path)
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pos = *pos_p, L = pos + 1;
@@ -493,6 +526,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
         for (int i = b * THREADS + threadIdx.x; i < NCNT; i += gridDim.x * THREADS) ZC[i] = 0u;
         if (b == 0 && threadIdx.x == 0) best[par ^ 1u] = 0ull;
     }
+    for (int i = threadIdx.x; i < NL * 7; i += THREADS) stypes[i] = types[i];
+    __syncthreads();
     for (int i = threadIdx.x; i < HD / 2; i += THREADS) {
         rope_c[i] = cos_t[(usize)pos * (HD / 2) + i];
         rope_s[i] = sin_t[(usize)pos * (HD / 2) + i];
@@ -518,11 +553,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     // this block's rows of the output layer, prefetched into L2 during the last layers
     constexpr int OUT_RB = (VOCAB + GRID - 1) / GRID;
     const int out_r0 = min(VOCAB, b * OUT_RB), out_r1 = min(VOCAB, out_r0 + OUT_RB);
-    constexpr int P_QKV = 2, P_WO = 2 + 2 * MAXQ, P_MLP = P_WO + 1, NP = P_MLP + 3 * MAXCH;
+    constexpr int P_QKV = 2, P_WO = 2 + 2 * MAXQ, P_MLP = P_WO + 1, P_KV = P_MLP + 3 * MAXCH;
+    constexpr int NP = P_KV + 2;
     const u8* where[2][NP];
     auto stage_layer = [&](int l) {
         const u64* W = weights + (usize)l * W_PER_LAYER;
-        const int* T = types + l * 7;
+        const int* T = stypes + l * 7;
         const u8* src[NP];
         int bytes[NP];
         src[0] = (const u8*)W[W_ATTN_NORM];
@@ -559,20 +595,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             bytes[P_MLP + 3 * ci + 1] = mine ? CHUNK * rbu : 0;
             bytes[P_MLP + 3 * ci + 2] = mine ? DIM * sbd : 0;
         }
-        stage<NP>(src, bytes, smem_raw + (l & 1) * WCAP, WCAP, where[l & 1]);
-        if (att) {  // the split's cached keys and values into L2
-            const float* kc = cache + (usize)l * 2 * NKV * MAXSEQ * HD + ((usize)kvh * MAXSEQ) * HD;
-            const float* vc = kc + (usize)NKV * MAXSEQ * HD;
-            for (int j = threadIdx.x * 32; j < (tc - t0) * HD; j += THREADS * 32) {
-                prefetch_l2(kc + (usize)t0 * HD + j);
-                prefetch_l2(vc + (usize)t0 * HD + j);
+        // the split's keys and values cached before this step (rows [t0, tc)): staged last, so
+        // into shared memory where they fit beside the weights (short splits), else into L2
+        const float* kc = cache + (usize)l * 2 * NKV * MAXSEQ * HD + ((usize)kvh * MAXSEQ + t0) * HD;
+        src[P_KV] = (const u8*)kc;
+        src[P_KV + 1] = (const u8*)(kc + (usize)NKV * MAXSEQ * HD);
+        bytes[P_KV] = bytes[P_KV + 1] = att ? (tc - t0) * HD * 4 : 0;
+#if !KV_STAGE
+        if (att) {
+            for (int j = threadIdx.x * 128; j < bytes[P_KV]; j += THREADS * 128) {
+                prefetch_l2(src[P_KV] + j);
+                prefetch_l2(src[P_KV + 1] + j);
             }
         }
+        bytes[P_KV] = bytes[P_KV + 1] = 0;
+#endif
+        stage<NP>(src, bytes, smem_raw + (l & 1) * WCAP, WCAP, where[l & 1]);
     };
 
     stage_layer(0);
     for (int l = 0; l < NL; l++) {
-        const int* T = types + l * 7;
+        const int* T = stypes + l * 7;
         float* kc = cache + (usize)l * 2 * NKV * MAXSEQ * HD;  // [NKV][MAXSEQ][HD]
         float* vc = kc + (usize)NKV * MAXSEQ * HD;
         const u8** wp = where[l & 1];
@@ -649,25 +692,41 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             wait_count(qkv_cnt + l * NKV + kvh, PAIRS_G);
             if (b == 0) MARK(NMARK * l + 3);
             const float scale = 1.0f / sqrtf((float)HD);
-            for (int d = threadIdx.x; d < HD; d += THREADS) qv[d] = __ldcg(qbuf + h * HD + d) * scale;
+            // q, and the key and value rows at the position when it is in the split (written by
+            // this step's q/k/v tasks: read from L2); the rows before it are staged (P_KV)
+            if (threadIdx.x < HD) {
+                const int d = threadIdx.x;
+                const float qd = __ldcg(qbuf + h * HD + d);
+                float kd = 0.f, vd = 0.f;
+                if (tc < t1) {
+                    kd = __ldcg(kh + (usize)pos * HD + d);
+                    vd = __ldcg(vh + (usize)pos * HD + d);
+                }
+                qv[d] = qd * scale;
+                knew[d] = kd;
+                vnew[d] = vd;
+            }
             __syncthreads();
-            // eight lanes per position, each HD / 8 consecutive dims: a warp's load reads four
-            // whole 128-byte runs of key rows
+            const float* kst = (const float*)wp[P_KV];  // rows [t0, tc): shared memory, or the cache
+            const float* vst = (const float*)wp[P_KV + 1];
+            // eight lanes per position, lane sub holding float4s sub, sub + 8, ... of the row: a
+            // warp's load reads four whole 128-byte runs of key rows (shared memory: no conflicts)
             float mx = NEG_INF;
             {
                 const int sub = lane & 7;
                 float4 qr[HD / 32];
 #pragma unroll
-                for (int j = 0; j < HD / 32; j++) qr[j] = ((const float4*)qv)[sub * (HD / 32) + j];
+                for (int j = 0; j < HD / 32; j++) qr[j] = ((const float4*)qv)[sub + 8 * j];
 #pragma unroll 4
                 for (int tb = t0 + 4 * warp; tb < t1; tb += 4 * WARPS) {  // (warp-uniform)
                     const int t = tb + (lane >> 3);
                     const bool ok = t < t1;
-                    const float4* k4 = (const float4*)(kh + (usize)(ok ? t : tb) * HD) + sub * (HD / 32);
+                    const int tt = ok ? t : tb;
+                    const float4* k4 = (const float4*)(tt < tc ? kst + (usize)(tt - t0) * HD : knew) + sub;
                     float sc = 0.f;
 #pragma unroll
                     for (int j = 0; j < HD / 32; j++) {
-                        const float4 kk = __ldcg(k4 + j);
+                        const float4 kk = k4[8 * j];
                         sc += qr[j].x * kk.x + qr[j].y * kk.y + qr[j].z * kk.z + qr[j].w * kk.w;
                     }
 #pragma unroll
@@ -694,10 +753,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                 for (int tb = t0 + 4 * warp; tb < t1; tb += 4 * WARPS) {
                     const int t = tb + (lane >> 3);
                     const float p = t < t1 ? S[t - t0] : 0.f;
-                    const float4* v4 = (const float4*)(vh + (usize)(t < t1 ? t : tb) * HD) + sub * (HD / 32);
+                    const int tt = t < t1 ? t : tb;
+                    const float4* v4 = (const float4*)(tt < tc ? vst + (usize)(tt - t0) * HD : vnew) + sub;
 #pragma unroll
                     for (int j = 0; j < HD / 32; j++) {
-                        const float4 vv = __ldcg(v4 + j);
+                        const float4 vv = v4[8 * j];
                         o[j].x += p * vv.x;
                         o[j].y += p * vv.y;
                         o[j].z += p * vv.z;
@@ -716,7 +776,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                 }
                 if (lane < 8)
 #pragma unroll
-                    for (int j = 0; j < HD / 32; j++) ((float4*)(oacc + warp * HD))[sub * (HD / 32) + j] = o[j];
+                    for (int j = 0; j < HD / 32; j++) ((float4*)(oacc + warp * HD))[sub + 8 * j] = o[j];
             }
             __syncthreads();
             for (int d = threadIdx.x; d < HD; d += THREADS) {

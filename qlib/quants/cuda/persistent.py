@@ -34,7 +34,7 @@ X8 = 20  # persistent.cu's T_X8: the expanded K-quant blocks
 TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7,
             "Q8_0": 8} | dict.fromkeys(K_QUANTS, X8)  # fmt: skip
 SUPPORTED = tuple(TYPE_IDS)
-THREADS = 512  # threads per block (against 384 and 768 on the H200: docs/gpu.md)
+THREADS = 384  # threads per block (against 256, 320, 448 and 512 on the H200: docs/gpu.md)
 CHUNK = 16  # hidden units per MLP task (persistent.cu)
 SPLIT = 512  # cached positions per attention split at long context, at most NSMAX splits
 MIN_SPLIT = 64  # below that: splits of at least this many, on the blocks before the MLP blocks
@@ -101,13 +101,15 @@ def _driver() -> ctypes.CDLL:
 
 
 def compile_cubin(macros: dict[str, object], arch: str) -> bytes:
-    """``persistent.cu`` compiled by NVRTC for ``arch`` (``sm_90``) with ``-D`` ``macros``."""
+    """``persistent.cu`` compiled by NVRTC for ``arch`` (``sm_90``) with ``-D`` ``macros``
+    (and the options in ``$QLIB_NVRTC_OPTIONS``, such as ``-lineinfo`` for ncu's source view)."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
     src = SOURCE.read_bytes()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"persistent.cu", 0, None, None):
         raise PersistentError("nvrtcCreateProgram failed")
     opts = [f"-arch={arch}", "-std=c++17", "-default-device"]
+    opts += os.environ.get("QLIB_NVRTC_OPTIONS", "").split()  # e.g. -lineinfo for a profiler
     opts += [f"-D{k}={v}" for k, v in macros.items()]
     argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     try:
@@ -211,8 +213,8 @@ class PersistentDecoder:
     def __init__(self, config, layers: list[dict], tok_embd, output, out_norm: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                  device: torch.device, *, threads: int = THREADS, split: int = SPLIT,
-                 min_split: int = MIN_SPLIT,
-                 stage_times: bool = False):  # fmt: skip
+                 min_split: int = MIN_SPLIT, kv_stage: bool = True,
+                 stage_times: bool = False, macros: dict[str, int] | None = None):  # fmt: skip
         c = config
         n_ff, dim = layers[0]["ffn_gate"].shape
         hd, nh, nl = c.head_dim, c.head_count, c.block_count
@@ -233,7 +235,7 @@ class PersistentDecoder:
             qpb *= 2
         warps = threads // 32
         smax_pos = -(-max(split, -(-max_seq // ns_max)) // 4) * 4  # (keeps what follows 16-aligned)
-        floats = 2 * dim + 3 * hd + smax_pos + warps * hd + CHUNK + warps
+        floats = 2 * dim + 5 * hd + smax_pos + warps * hd + CHUNK + warps + 7 * nl
         optin = _device_attribute(device, _SHARED_OPTIN_ATTR)
         wcap = (optin - 4 * floats - 256) // 32 * 16  # two staging areas
         shared = 2 * wcap + 4 * floats
@@ -242,12 +244,13 @@ class PersistentDecoder:
                            EPS=f"{c.rms_norm_eps!r}f", NEOX=int(c.rope_is_neox), GRID=blocks,
                            MLP_BLOCKS=mlp_blocks, NSMAX=ns_max, SPLIT=split,
                            MIN_SPLIT=min(min_split, split), QPB=qpb,
-                           SMAXPOS=smax_pos, WCAP=wcap,
+                           SMAXPOS=smax_pos, WCAP=wcap, KV_STAGE=int(kv_stage),
                            LAYER_TYPES=sum({1 << TYPE_IDS[ly[n].dtype.name]
                                             for ly in layers for n in MATRICES}),
                            OUT_TYPES=1 << TYPE_IDS[output.dtype.name])  # fmt: skip
         if stage_times:  # block 0 notes the time at every mark (``stage_times_ns``)
             self.macros["QLIB_STAGE_TIMES"] = 1
+        self.macros.update(macros or {})  # experiments: persistent.cu's macros (KV_STAGE, ...)
         major, minor = torch.cuda.get_device_capability(device)
         self.kernel = Kernel(compile_cubin(self.macros, f"sm_{major}{minor}"), shared, device,
                              threads)  # fmt: skip

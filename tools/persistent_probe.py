@@ -1,0 +1,137 @@
+"""A/B of the fast CUDA decode variants in one process (run on the GPU machine).
+
+python tools/persistent_probe.py [--model PATH | --synthetic PATH] --variants V [V ...]
+    [--prompt-tokens 203] [--steps 128] [--rounds 3] [--stage-times] [--json FILE]
+
+A variant is ``fused``, ``merged`` or ``persistent``, optionally with ``PersistentDecoder``
+options and (upper case) ``persistent.cu`` macros: ``persistent:kv_stage=0,WO_TPR=1``. Every
+variant is loaded once; then each round runs them one after the other (alternating): prefill
+the prompt, a greedy loop of ``--steps`` steps that reads every token back to the host (the
+benchmark protocol's decode, ms/token), and 100 replays of the decode graph timed with CUDA
+events (GPU us per step). The greedy ids and the first step's logits of every variant are
+compared with the first variant's. ``--synthetic PATH`` writes a SmolLM2-shaped file (30
+layers, 576 wide, 9 / 3 heads, Q4_1 matrices, a tied Q8_0 embedding: the real file's types)
+with seeded random weights there first, in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from qlib.llama.engine import load
+
+
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """``persistent:kv_stage=0,split=128`` -> (``persistent``, {kv_stage: 0, split: 128})."""
+    decode, _, rest = spec.partition(":")
+    options: dict = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key.isupper():  # a macro of persistent.cu
+            options.setdefault("macros", {})[key] = int(value)
+        else:
+            options[key] = int(value)
+    return decode, options
+
+
+def write_synthetic(path: Path) -> Path:
+    from tests.synthetic import write_tiny_llama
+
+    if not path.exists():
+        write_tiny_llama(path, n_layer=30, n_embd=576, n_head=9, n_kv_head=3, n_ff=1536,
+                         vocab=49152, weight_type="Q4_1",
+                         weight_types={"token_embd.weight": "Q8_0"})  # fmt: skip
+    return path
+
+
+def greedy(model, prompt: torch.Tensor, steps: int) -> tuple[float, list[int], torch.Tensor]:
+    """Prefill, then ``steps`` greedy steps each read back to the host: ms per step, the ids,
+    the first step's logits."""
+    model.clear_kv_cache()
+    logits = model.forward(prompt, 0)
+    token = int(logits[0].argmax())
+    ids, pos, first = [token], prompt.shape[1], None
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        logits = model.forward(torch.tensor([[token]], device="cuda"), pos)
+        token = int(logits[0].argmax())
+        first = logits[0].cpu() if first is None else first
+        ids.append(token)
+        pos += 1
+    return (time.perf_counter() - start) * 1e3 / steps, ids, first
+
+
+def graph_us(model, n: int = 100) -> float:
+    """GPU us per replay of the decode graph (the position advances; the cache past the
+    greedy run's end is scratch)."""
+    graph = model._decode_graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--synthetic", type=Path)
+    ap.add_argument("--variants", nargs="+", default=["fused", "persistent"])
+    ap.add_argument("--prompt-tokens", type=int, default=203)
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--stage-times", action="store_true", help="persistent: spans of a step")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    path = args.model or write_synthetic(args.synthetic)
+    models = {}
+    for spec in args.variants:
+        decode, options = parse_variant(spec)
+        if args.stage_times and decode == "persistent":
+            options["stage_times"] = 1
+        t0 = time.perf_counter()
+        models[spec], _ = load(path, "cuda", engine="fast", decode=decode, max_seq_len=4096,
+                               decode_options=options or None)  # fmt: skip
+        print(f"{spec}: loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 40000, (1, args.prompt_tokens), generator=gen).cuda()
+    results: dict[str, dict[str, list]] = {s: {"ms_per_token": [], "graph_us": []} for s in models}
+    ids0 = logits0 = None
+    with torch.inference_mode():
+        for r in range(args.rounds):
+            for spec, model in models.items():
+                ms, ids, logits = greedy(model, prompt, args.steps)
+                us = graph_us(model)
+                results[spec]["ms_per_token"].append(ms)
+                results[spec]["graph_us"].append(us)
+                if ids0 is None:
+                    ids0, logits0 = ids, logits
+                same = sum(a == b for a, b in zip(ids, ids0, strict=True))
+                diff = float((logits - logits0).abs().max()) / float(logits0.abs().max())
+                print(f"round {r} {spec:36s} {ms:.3f} ms/token  graph {us:.1f} us/step  ids as "
+                      f"the first variant's {same}/{len(ids)}, first step's logits "
+                      f"{diff:.1e} of the scale", flush=True)  # fmt: skip
+                if args.stage_times and model.decode == "persistent":
+                    spans = model._persistent.stage_times_ns()
+                    print("   ", "  ".join(f"{k} {v / 1e3:.0f}" for k, v in spans.items()))
+    print("\nvariant: ms/token min / median, graph us/step min / median")
+    for spec, res in results.items():
+        ms, us = res["ms_per_token"], res["graph_us"]
+        print(f"{spec:40s} {min(ms):.3f} / {statistics.median(ms):.3f}   "
+              f"{min(us):.1f} / {statistics.median(us):.1f}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
