@@ -103,13 +103,18 @@ def generate(
 
     Stops early at ``eos_token_id`` when one is given (the EOS id is kept).
     Step times go into ``timings`` when given: the prefill (which yields the
-    first new token) and each later decode step.
+    first new token) and each later decode step. Greedy decoding on an engine
+    that offers it (``GreedyOnDevice``: the fast CUDA engine) takes each step's
+    argmax on the device and reads back only the id, not the logits.
     """
+    from .llama.engine import GreedyOnDevice
+
     if not prompt_ids:
         raise ValueError("the prompt is empty: nothing to prefill")
     if steps <= 0:
         return []
     processor = processor or LogitsProcessor()
+    on_device = processor.greedy and isinstance(model, GreedyOnDevice)
     timings = timings if timings is not None else Timings()
     device = model.device
     new_ids: list[int] = []
@@ -117,9 +122,12 @@ def generate(
     with torch.inference_mode():
         for step in range(steps):
             start = time.perf_counter()
-            x = torch.tensor([inputs], dtype=torch.long, device=device)
-            logits = model.forward(x, index_pos)
-            token = processor.sample(logits[0])  # host read-back: the GPU work is done
+            if on_device and step > 0:
+                token = model.greedy_step(inputs[0], index_pos)  # (the id read back)
+            else:
+                x = torch.tensor([inputs], dtype=torch.long, device=device)
+                logits = model.forward(x, index_pos)
+                token = processor.sample(logits[0])  # host read-back: the GPU work is done
             elapsed = (time.perf_counter() - start) * 1e3
             if step == 0:
                 timings.prefill_ms = elapsed

@@ -39,6 +39,46 @@ def test_fast_on_cuda_is_cuda_fast_model(tiny):
     assert isinstance(model, CudaFastModel)
 
 
+class _TableModel:
+    """An engine whose logits depend only on the last token (a fixed random table)."""
+
+    def __init__(self, vocab: int = 50):
+        self.table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
+        self.device, self.config, self.kv_len = torch.device("cpu"), None, 0
+
+    def forward(self, x, index_pos, *, all_logits=False):
+        self.kv_len = index_pos + x.shape[1]
+        return self.table[x[0, -1]][None]
+
+    def clear_kv_cache(self):
+        self.kv_len = 0
+
+
+class _OnDevice(_TableModel):
+    steps = 0
+
+    def greedy_step(self, token, index_pos):
+        self.steps += 1
+        return int(self.forward(torch.tensor([[token]]), index_pos)[0].argmax())
+
+
+def test_generate_takes_greedy_steps_on_the_device_when_offered():
+    """Greedy ``generate`` on an engine that offers ``greedy_step`` (``GreedyOnDevice``: the
+    fast CUDA engine) uses it for every step after the prefill, with the ids of forward +
+    argmax; sampling keeps forward and the logits."""
+    from qlib.generate import LogitsProcessor, generate
+
+    plain, on_device = _TableModel(), _OnDevice()
+    assert isinstance(on_device, engines.GreedyOnDevice) and isinstance(plain, engines.Engine)
+    assert not isinstance(plain, engines.GreedyOnDevice)
+    ids = generate(on_device, [3, 4, 5], 10)
+    assert ids == generate(plain, [3, 4, 5], 10)
+    assert on_device.steps == 9 and on_device.kv_len == 3 + 9
+    sampled = _OnDevice()
+    generate(sampled, [3, 4, 5], 10, LogitsProcessor(temperature=0.8))
+    assert sampled.steps == 0
+
+
 def test_fast_elsewhere_is_a_clear_error(tiny, monkeypatch):
     monkeypatch.setattr(engines, "as_device", lambda d: torch.device("mps"))
     with pytest.raises(ModelError, match="no fast engine on mps"):

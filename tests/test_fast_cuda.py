@@ -294,6 +294,38 @@ def test_dependent_launch_changes_nothing(tmp_path):
     assert torch.equal(la, lb)
 
 
+@needs_kernels
+@pytest.mark.parametrize("decode", ["fused", "persistent"])
+def test_greedy_step_is_the_argmax_of_the_step(tmp_path, decode):
+    """``greedy_step`` (the argmax taken in the step's graph, only the id read back) returns
+    the argmax of the logits the same step wrote, step after step, in the graph or not; and
+    ``generate`` takes that path, with the ids of forward + argmax (fused: deterministic)."""
+    from qlib.generate import generate
+
+    if decode == "persistent" and not CUDA:
+        pytest.skip("the persistent kernel needs CUDA")
+    # head_dim 32, as the persistent kernel needs
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=128, n_head=4,
+                            n_kv_head=2, n_ff=256)  # fmt: skip
+    _, fast = load_pair(path, decode=decode)
+    prompt = [1, 5, 9, 33, 7]
+    token = int(fast.forward(torch.tensor([prompt]), 0)[0].argmax())
+    for pos in range(len(prompt), len(prompt) + 6):
+        token_next = fast.greedy_step(token, pos)
+        assert token_next == int(fast._logits[0].argmax())
+        token = token_next
+    assert fast.kv_len == len(prompt) + 6
+    assert (fast._greedy_graph is not None) == CUDA
+    if decode == "fused":
+        ids = generate(fast, prompt, 8)
+        fast.clear_kv_cache()
+        with torch.inference_mode():  # (as generate)
+            ref = [int(fast.forward(torch.tensor([prompt]), 0)[0].argmax())]
+            for pos in range(len(prompt), len(prompt) + 7):
+                ref.append(int(fast.forward(torch.tensor([[ref[-1]]]), pos)[0].argmax()))
+        assert ids == ref
+
+
 def test_index_pos_and_shape_errors(tmp_path):
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q8_0")
     with open(path, "rb") as f:

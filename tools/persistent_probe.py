@@ -4,10 +4,11 @@ python tools/persistent_probe.py [--model PATH | --synthetic PATH] --variants V 
     [--prompt-tokens 203] [--steps 128] [--rounds 3] [--stage-times] [--json FILE]
 
 A variant is ``fused``, ``merged`` or ``persistent``, optionally with ``PersistentDecoder``
-options and (upper case) ``persistent.cu`` macros: ``persistent:kv_stage=0,WO_TPR=1``. Every
+options and (upper case) ``persistent.cu`` macros: ``persistent:kv_stage=0,OUT_PREFETCH=1``. Every
 variant is loaded once; then each round runs them one after the other (alternating): prefill
 the prompt, a greedy loop of ``--steps`` steps that reads every token back to the host (the
-benchmark protocol's decode, ms/token), and 100 replays of the decode graph timed with CUDA
+benchmark protocol's decode, ms/token: forward + argmax, then ``qlib.generate.generate``, whose
+greedy steps take the argmax on the device), and 100 replays of the decode graph timed with CUDA
 events (GPU us per step). The greedy ids and the first step's logits of every variant are
 compared with the first variant's. ``--synthetic PATH`` writes a SmolLM2-shaped file (30
 layers, 576 wide, 9 / 3 heads, Q4_1 matrices, a tied Q8_0 embedding: the real file's types)
@@ -68,6 +69,17 @@ def greedy(model, prompt: torch.Tensor, steps: int) -> tuple[float, list[int], t
     return (time.perf_counter() - start) * 1e3 / steps, ids, first
 
 
+def generate_ms(model, prompt: torch.Tensor, steps: int) -> tuple[float, list[int]]:
+    """``qlib.generate.generate`` (greedy: each step's argmax on the device where the engine
+    offers it): decode ms per step, the ids."""
+    from qlib.generate import Timings, generate
+
+    timings = Timings()
+    model.clear_kv_cache()
+    ids = generate(model, prompt[0].tolist(), steps + 1, timings=timings)
+    return timings.decode_ms_per_token, ids
+
+
 def graph_us(model, n: int = 100) -> float:
     """GPU us per replay of the decode graph (the position advances; the cache past the
     greedy run's end is scratch)."""
@@ -105,30 +117,34 @@ def main() -> None:
         print(f"{spec}: loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 40000, (1, args.prompt_tokens), generator=gen).cuda()
-    results: dict[str, dict[str, list]] = {s: {"ms_per_token": [], "graph_us": []} for s in models}
+    results: dict[str, dict[str, list]] = {
+        s: {"ms_per_token": [], "generate_ms_per_token": [], "graph_us": []} for s in models
+    }
     ids0 = logits0 = None
     with torch.inference_mode():
         for r in range(args.rounds):
             for spec, model in models.items():
                 ms, ids, logits = greedy(model, prompt, args.steps)
+                gen_ms, gen_ids = generate_ms(model, prompt, args.steps)
                 us = graph_us(model)
                 results[spec]["ms_per_token"].append(ms)
+                results[spec]["generate_ms_per_token"].append(gen_ms)
                 results[spec]["graph_us"].append(us)
                 if ids0 is None:
                     ids0, logits0 = ids, logits
                 same = sum(a == b for a, b in zip(ids, ids0, strict=True))
                 diff = float((logits - logits0).abs().max()) / float(logits0.abs().max())
-                print(f"round {r} {spec:36s} {ms:.3f} ms/token  graph {us:.1f} us/step  ids as "
-                      f"the first variant's {same}/{len(ids)}, first step's logits "
+                print(f"round {r} {spec:36s} {ms:.3f} ms/token (generate {gen_ms:.3f}, ids "
+                      f"{'equal' if gen_ids == ids else 'DIFFER'})  graph {us:.1f} us/step  "
+                      f"ids as the first variant's {same}/{len(ids)}, first step's logits "
                       f"{diff:.1e} of the scale", flush=True)  # fmt: skip
                 if args.stage_times and model.decode == "persistent":
                     spans = model._persistent.stage_times_ns()
                     print("   ", "  ".join(f"{k} {v / 1e3:.0f}" for k, v in spans.items()))
-    print("\nvariant: ms/token min / median, graph us/step min / median")
+    print("\nvariant: forward + argmax ms/token, generate ms/token, graph us/step: min / median")
     for spec, res in results.items():
-        ms, us = res["ms_per_token"], res["graph_us"]
-        print(f"{spec:40s} {min(ms):.3f} / {statistics.median(ms):.3f}   "
-              f"{min(us):.1f} / {statistics.median(us):.1f}")  # fmt: skip
+        print(f"{spec:40s}", "   ".join(
+            f"{min(v):.3f} / {statistics.median(v):.3f}" for v in res.values()))  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -51,6 +51,16 @@ class Engine(Protocol):
         ...
 
 
+@runtime_checkable
+class GreedyOnDevice(Protocol):
+    """An engine that also decodes greedily without the logits leaving the device (the fast
+    CUDA engine): ``generate`` uses it for greedy decoding."""
+
+    def greedy_step(self, token: int, index_pos: int) -> int:
+        """``forward`` of ``token`` at ``index_pos``; returns the argmax of its logits."""
+        ...
+
+
 def resolve(engine: str | None, form: str | None) -> tuple[str, str | None]:
     """``(engine, form)`` from what a caller gave, the ``form="fast"`` alias included."""
     if form == FAST:

@@ -252,6 +252,9 @@ def _fp32_precision(mode: str):
         matmul.fp32_precision = old
 
 
+_ONE_TOKEN = torch.zeros(1, 1, dtype=torch.int64)  # the shape greedy_step checks as forward's
+
+
 class CudaLayer:
     wqkv: CudaLinear
     wo: CudaLinear
@@ -314,6 +317,7 @@ class CudaFastModel(StaticKVState):
         n_ff = layers[0].w13.out_features // 2 if layers else 0
         n_qkv = layers[0].wqkv.out_features if layers else 0
         self._tok = torch.zeros(1, dtype=torch.int64, device=device)
+        self._tok_host: int | None = None  # the id self._tok holds when known (greedy_step)
         self._pos = torch.zeros(1, dtype=torch.int32, device=device)
         self._h = torch.empty(1, c.embedding_length, device=device)
         self._qkv = torch.empty(n_qkv, device=device)
@@ -323,6 +327,7 @@ class CudaFastModel(StaticKVState):
         self.merged = False  # decode="merged": the combine in the output projection's kernel
         self._logits = torch.empty(1, output.n, device=device)
         self._decode_graph: torch.cuda.CUDAGraph | None = None
+        self._greedy_graph: torch.cuda.CUDAGraph | None = None  # the step + its argmax
         self._decode_runs = 0
         self._device_pos = 0  # the value self._pos holds (host mirror: no read-back)
         self._prefill_graphs: OrderedDict[int, tuple] = OrderedDict()
@@ -477,6 +482,7 @@ class CudaFastModel(StaticKVState):
 
     def _decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         self._tok.copy_(token.reshape(1), non_blocking=True)
+        self._tok_host = None
         if pos != self._device_pos:  # after a prefill or a restart; a step advances it itself
             self._pos.fill_(pos)
         if not self.graphs or self._decode_runs == 0:  # the first step compiles the kernels
@@ -488,6 +494,37 @@ class CudaFastModel(StaticKVState):
         self._decode_runs += 1
         self._device_pos = pos + 1
         return self._logits.clone()
+
+    def _greedy_step_kernels(self) -> None:
+        """The decode step, then the argmax of its logits into ``self._tok`` (the next input)."""
+        self._decode_step()
+        if self._persistent is not None:  # (its last block wrote the argmax)
+            self._tok.copy_(self._persistent.out_tok)
+        else:
+            torch.argmax(self._logits, dim=1, out=self._tok)
+
+    def greedy_step(self, token: int, index_pos: int) -> int:
+        """``forward`` of one token at ``index_pos``, then the argmax of its logits (the next
+        greedy token, read back to the host), all on the device: the argmax runs inside the
+        step's CUDA graph and only its id comes back, not the logits. The id stays on the
+        device as the next input, so a caller that feeds it back sends nothing there."""
+        self.check_input(_ONE_TOKEN, index_pos)
+        with span("model"):
+            if token != self._tok_host:
+                self._tok.fill_(token)
+            if index_pos != self._device_pos:  # after a prefill or a restart
+                self._pos.fill_(index_pos)
+            if not self.graphs or self._decode_runs == 0:  # the first step compiles the kernels
+                self._greedy_step_kernels()
+            else:
+                if self._greedy_graph is None:
+                    self._greedy_graph = self._capture(self._greedy_step_kernels)
+                self._greedy_graph.replay()
+            self._decode_runs += 1
+            self._device_pos = index_pos + 1
+            self._kv_len = index_pos + 1
+            self._tok_host = int(self._tok.item())
+        return self._tok_host
 
     def _capture(self, fn) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
@@ -561,7 +598,8 @@ class CudaFastModel(StaticKVState):
                 return self._prefill_rows(ids, pos, all_logits)
         entry = self._prefill_graphs.get(t)
         if entry is None:
-            static_ids = ids.clone()
+            with torch.inference_mode(False):  # (a graph made under generate's inference mode
+                static_ids = ids.clone()  # takes prompts outside it too)
             out: list[torch.Tensor] = []
             with self._matmul_precision():  # the captured cuBLAS kernels keep their math mode
                 graph = self._capture(lambda: out.append(self._prefill_rows(static_ids, 0, False)))
