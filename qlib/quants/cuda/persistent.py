@@ -207,7 +207,11 @@ class PersistentDecoder:
     ``layers``: per layer the 7 matrices (``MATRICES``) and 2 norms (``NORMS``) as device
     tensors (GGUF block bytes; float32 norms) with their type names; the KV cache, RoPE
     tables, token / position / logits buffers are the fast engine's own. A step advances the
-    position itself.
+    position itself. ``threads`` (a block), ``split`` and ``min_split`` (positions per attention
+    split) shape the launch (docs/gpu.md has the sweeps); ``kv_stage``: an attention split's
+    cached keys and values staged into shared memory where they fit; ``stage_times``: the
+    spans of a step (``stage_times_ns``); ``macros``: more of ``persistent.cu``'s macros, for
+    experiments (``tools/persistent_probe.py``).
     """
 
     def __init__(self, config, layers: list[dict], tok_embd, output, out_norm: torch.Tensor,
