@@ -480,19 +480,25 @@ class CudaFastModel(StaticKVState):
         if self._persistent is None:  # (the persistent kernel advances it itself)
             self._pos.add_(1)
 
+    def _run_step(self, kernels, pos: int, graph: torch.cuda.CUDAGraph | None):
+        """``kernels`` (a decode step's launches) at position ``pos``: eagerly on the first step
+        (it compiles them), then replaying ``graph``, captured here when None; returns it."""
+        if pos != self._device_pos:  # after a prefill or a restart; a step advances it itself
+            self._pos.fill_(pos)
+        if not self.graphs or self._decode_runs == 0:
+            kernels()
+        else:
+            if graph is None:
+                graph = self._capture(kernels)
+            graph.replay()
+        self._decode_runs += 1
+        self._device_pos = pos + 1
+        return graph
+
     def _decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         self._tok.copy_(token.reshape(1), non_blocking=True)
         self._tok_host = None
-        if pos != self._device_pos:  # after a prefill or a restart; a step advances it itself
-            self._pos.fill_(pos)
-        if not self.graphs or self._decode_runs == 0:  # the first step compiles the kernels
-            self._decode_step()
-        else:
-            if self._decode_graph is None:
-                self._decode_graph = self._capture(self._decode_step)
-            self._decode_graph.replay()
-        self._decode_runs += 1
-        self._device_pos = pos + 1
+        self._decode_graph = self._run_step(self._decode_step, pos, self._decode_graph)
         return self._logits.clone()
 
     def _greedy_step_kernels(self) -> None:
@@ -512,16 +518,8 @@ class CudaFastModel(StaticKVState):
         with span("model"):
             if token != self._tok_host:
                 self._tok.fill_(token)
-            if index_pos != self._device_pos:  # after a prefill or a restart
-                self._pos.fill_(index_pos)
-            if not self.graphs or self._decode_runs == 0:  # the first step compiles the kernels
-                self._greedy_step_kernels()
-            else:
-                if self._greedy_graph is None:
-                    self._greedy_graph = self._capture(self._greedy_step_kernels)
-                self._greedy_graph.replay()
-            self._decode_runs += 1
-            self._device_pos = index_pos + 1
+            self._greedy_graph = self._run_step(self._greedy_step_kernels, index_pos,
+                                                self._greedy_graph)  # fmt: skip
             self._kv_len = index_pos + 1
             self._tok_host = int(self._tok.item())
         return self._tok_host
