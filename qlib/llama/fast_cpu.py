@@ -63,8 +63,10 @@ none of candle's sharp edges. What differs from the faithful path:
   head's positions cut into pieces read once for all its query heads, the pieces spread
   over the threads and combined as in flash-decoding); for prefill in C as above, or,
   without the C kernels, ``scaled_dot_product_attention(enable_gqa=True)`` with a causal
-  mask); RoPE as one complex multiplication; ``F.rms_norm``; in-place residual adds; a
-  ``model`` span only.
+  mask); a head_dim over 128 or not a multiple of 16 (the C attention's limits) takes the
+  torch attention in decode and prefill alike (tests/test_shapes.py: head_dim 32 to 256);
+  RoPE as one complex multiplication; ``F.rms_norm``; in-place residual adds; a ``model``
+  span only.
 
 ``index_pos`` must equal the cache length or be 0 (starts over): anything else
 raises ``IndexPosError``.
