@@ -63,8 +63,9 @@ none of candle's sharp edges. What differs from the faithful path:
   head's positions cut into pieces read once for all its query heads, the pieces spread
   over the threads and combined as in flash-decoding); for prefill in C as above, or,
   without the C kernels, ``scaled_dot_product_attention(enable_gqa=True)`` with a causal
-  mask); a head_dim over 128 or not a multiple of 16 (the C attention's limits) takes the
-  torch attention in decode and prefill alike (tests/test_shapes.py: head_dim 32 to 256);
+  mask); a head_dim over 128 or not a multiple of 16 (the C attention's limits) leaves the
+  C attention out: the decode step runs as a Python loop with the torch attention, the
+  prefill without the one-call C layers (tests/test_shapes.py: head_dim 32 to 256);
   RoPE as one complex multiplication; ``F.rms_norm``; in-place residual adds; a ``model``
   span only.
 
