@@ -39,6 +39,17 @@ def test_fast_on_cuda_is_cuda_fast_model(tiny):
     assert isinstance(model, CudaFastModel)
 
 
+@pytest.mark.parametrize("ids", [[[1, 256]], [[-2]], [[7, 1.0]]])
+def test_fast_cpu_engine_refuses_ids_outside_the_vocabulary(tiny, ids):
+    """A token id outside the vocabulary (or not an integer) is a clear error, not a wrapped
+    negative index or a read past the embedding."""
+    from qlib.llama.errors import InputError
+
+    fast, _ = engines.load(tiny, "cpu", engine="fast")
+    with pytest.raises(InputError, match="outside the vocabulary|must be integers"):
+        fast.forward(torch.tensor(ids), 0)
+
+
 class _TableModel:
     """An engine whose logits depend only on the last token (a fixed random table)."""
 

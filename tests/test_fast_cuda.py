@@ -31,7 +31,7 @@ from synthetic import (
 
 from qlib import models
 from qlib.gguf import Content, write
-from qlib.llama.errors import IndexPosError, ModelError, ShapeError
+from qlib.llama.errors import IndexPosError, InputError, ModelError, ShapeError
 from qlib.llama.faithful import ModelWeights
 from qlib.llama.fast_cuda import CudaFastModel, DenseWeight
 from qlib.quants.cuda import matmul as gpu
@@ -345,6 +345,12 @@ def test_index_pos_and_shape_errors(tmp_path):
         fast.forward(torch.tensor([1, 2]), 0)
     with pytest.raises(ModelError, match="exceed max_seq_len 16"):
         fast.forward(torch.tensor([list(range(17))]), 0)
+    with pytest.raises(InputError, match=r"token id 256 is outside the vocabulary \(0..255\)"):
+        fast.forward(torch.tensor([[1, 256]]), 0)
+    with pytest.raises(InputError, match="token id -1 is outside"):
+        fast.greedy_step(-1, 0)
+    with pytest.raises(InputError, match="must be integers"):
+        fast.forward(torch.tensor([[1.0]]), 0)
 
 
 def test_types_without_kernels_are_dense_parts(tmp_path):

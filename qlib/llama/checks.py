@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .config import MAX_SEQ_LEN
-from .errors import IndexPosError, ModelError, ShapeError
+from .errors import IndexPosError, InputError, ModelError, ShapeError
 
 
 def context_length(metadata: dict) -> int:
@@ -37,11 +37,24 @@ def check_max_seq_len(n) -> int:
     return n
 
 
-def check_input(x: torch.Tensor, index_pos: int, kv_len: int, max_seq_len: int) -> int:
-    """The fast paths' contract for ``forward``: one ``(1, t)`` sequence, ``index_pos`` equal to
-    the cache length or 0 (start over), ``index_pos + t <= max_seq_len``. Returns ``t``."""
+def check_token_ids(lo: int, hi: int, vocab: int) -> None:
+    """Token ids from ``lo`` to ``hi`` are in a vocabulary of ``vocab``, or ``InputError``."""
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise InputError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+
+def check_input(
+    x: torch.Tensor, index_pos: int, kv_len: int, max_seq_len: int, vocab: int | None = None
+) -> int:
+    """The fast paths' contract for ``forward``: one ``(1, t)`` sequence of integer token ids,
+    ``index_pos`` equal to the cache length or 0 (start over), ``index_pos + t <=
+    max_seq_len``; with ``vocab``, ids inside it (checked where that costs no device round
+    trip: ids on the CPU, or a prompt of several tokens). Returns ``t``."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ShapeError(f"the fast path takes one sequence (1, seq_len), got {list(x.shape)}")
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise InputError(f"token ids must be integers, got a {x.dtype} tensor")
     if index_pos != 0 and index_pos != kv_len:
         raise IndexPosError(
             f"index_pos {index_pos} disagrees with the KV cache, which holds "
@@ -50,6 +63,9 @@ def check_input(x: torch.Tensor, index_pos: int, kv_len: int, max_seq_len: int) 
     t = x.shape[1]
     if index_pos + t > max_seq_len:
         raise ModelError(f"{index_pos + t} positions exceed max_seq_len {max_seq_len}")
+    if vocab is not None and t and (x.device.type == "cpu" or t > 1):
+        lo, hi = torch.aminmax(x)
+        check_token_ids(int(lo), int(hi), vocab)
     return t
 
 
@@ -57,6 +73,7 @@ class StaticKVState:
     """A KV cache preallocated for ``max_seq_len`` positions, the first ``kv_len`` filled."""
 
     max_seq_len: int
+    vocab_size: int | None = None  # token ids must be below it (set by the engine)
     _kv_len: int = 0
 
     @property
@@ -68,4 +85,4 @@ class StaticKVState:
 
     def check_input(self, x: torch.Tensor, index_pos: int) -> int:
         """``check_input`` against this cache; returns the sequence length."""
-        return check_input(x, index_pos, self._kv_len, self.max_seq_len)
+        return check_input(x, index_pos, self._kv_len, self.max_seq_len, self.vocab_size)

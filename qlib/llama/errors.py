@@ -26,4 +26,5 @@ class IndexPosError(ModelError):
 
 
 class InputError(ModelError):
-    """``strict=True``: the input is not a 1 x T integer tensor of token ids."""
+    """The input is not a 1 x T integer tensor of token ids in the vocabulary (the faithful
+    engine checks with ``strict=True``, the fast engines always)."""

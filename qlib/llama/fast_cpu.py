@@ -456,6 +456,7 @@ class FastModel(StaticKVState):
         self.config = config
         self.device = torch.device("cpu")
         self.tok_embd = tok_embd
+        self.vocab_size = tok_embd.shape[0]
         # where ``embed`` reads rows: ``embed_rows`` (a packed weight of the same values,
         # the tied output's) or ``tok_embd``'s blocks, then ``embed_release(tok_embd.data)``
         self._embed_rows = embed_rows

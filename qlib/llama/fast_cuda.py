@@ -66,6 +66,7 @@ from .checks import (
     StaticKVState,
     check_kv_type,
     check_max_seq_len,
+    check_token_ids,
     context_length,
 )
 from .config import MAX_SEQ_LEN, LlamaConfig, rope_tables
@@ -298,6 +299,7 @@ class CudaFastModel(StaticKVState):
         self._split_attention = None
         self.device = device
         self.tok_embd = tok_embd
+        self.vocab_size = output.n
         self.layers = layers
         self.norm = norm
         self.output = output
@@ -515,6 +517,7 @@ class CudaFastModel(StaticKVState):
         step's CUDA graph and only its id comes back, not the logits. The id stays on the
         device as the next input, so a caller that feeds it back sends nothing there."""
         self.check_input(_ONE_TOKEN, index_pos)
+        check_token_ids(token, token, self.vocab_size)
         with span("model"):
             if token != self._tok_host:
                 self._tok.fill_(token)
