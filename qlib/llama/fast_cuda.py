@@ -64,6 +64,7 @@ from .checks import (
     DEFAULT_KV_TYPE,
     KV_TYPES,
     StaticKVState,
+    check_input,
     check_kv_type,
     check_max_seq_len,
     check_token_ids,
@@ -482,7 +483,9 @@ class CudaFastModel(StaticKVState):
         if self._persistent is None:  # (the persistent kernel advances it itself)
             self._pos.add_(1)
 
-    def _run_step(self, kernels, pos: int, graph: torch.cuda.CUDAGraph | None):
+    def _run_step(
+        self, kernels, pos: int, graph: torch.cuda.CUDAGraph | None
+    ) -> torch.cuda.CUDAGraph | None:
         """``kernels`` (a decode step's launches) at position ``pos``: eagerly on the first step
         (it compiles them), then replaying ``graph``, captured here when None; returns it."""
         if pos != self._device_pos:  # after a prefill or a restart; a step advances it itself
@@ -516,7 +519,7 @@ class CudaFastModel(StaticKVState):
         greedy token, read back to the host), all on the device: the argmax runs inside the
         step's CUDA graph and only its id comes back, not the logits. The id stays on the
         device as the next input, so a caller that feeds it back sends nothing there."""
-        self.check_input(_ONE_TOKEN, index_pos)
+        check_input(_ONE_TOKEN, index_pos, self._kv_len, self.max_seq_len)  # (the position)
         check_token_ids(token, token, self.vocab_size)
         with span("model"):
             if token != self._tok_host:
