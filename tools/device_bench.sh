@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # The fast CUDA path on the GPU machine: its tests, the benchmark (docs/design.md), a profile.
-# Stage the model as for tools/device_suite.sh (part.aa copied to /root/stage first), then:
+# Stage the model as for tools/device_suite.sh (tools/device_model.sh), then:
 #   bash tools/device_bench.sh            (results under $OUT)
 set -uo pipefail
 stage=/root/stage
 model=$stage/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f "$model" ]; then
-  cat $stage/part.aa .stage/part.ab > "$model" || exit 1
-fi
+bash tools/device_model.sh "$model" || exit 1
 [ -d .stage/whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/whl/*.whl 2>&1 | tail -1
 export PYTHONPATH=/tmp/site:$PWD QLIB_MODELS_DIR=$stage PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"

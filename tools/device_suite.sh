@@ -1,18 +1,15 @@
 #!/usr/bin/env bash
 # Run the experiment suite on the GPU machine (docs/suite.md, "GPU runs", says how it was used).
-# Stage the model first, in parts small enough for a call beside the working tree
-# (`split -b 32M data/models/SmolLM2-135M-Instruct.Q4_1.gguf .stage/part.`): each call but the
-# last copies one part to /root/stage, the last carries the last part and .whl/ (or .whl/ goes
-# to /root/whl in a call of its own when both do not fit in one) and runs:
+# Stage the model first, in parts small enough for a call beside the working tree (pieces of
+# the file or of its xz stream: tools/device_model.sh): each call but the last copies one part
+# to /root/stage, the last carries the last part and .whl/ (or .whl/ goes to /root/whl in a
+# call of its own when both do not fit in one) and runs:
 #   bash tools/device_suite.sh [suite args...]
 # Results come back as $OUT/results_cuda.tgz (the device folder allows only a few files).
 set -uo pipefail
 stage=/root/stage
 model=$stage/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f "$model" ]; then
-  cp .stage/part.* "$stage"/ 2>/dev/null  # the part this call carries, if any
-  cat "$stage"/part.* > "$model" || exit 1
-fi
+bash tools/device_model.sh "$model" || exit 1
 # the wheels come with this call (.whl/) or were copied to /root/whl by an earlier one
 wheels=.whl; [ -d .whl ] || wheels=/root/whl
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $wheels/*.whl \
