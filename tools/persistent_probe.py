@@ -105,15 +105,19 @@ def main() -> None:
     ap.add_argument("--stage-times", action="store_true", help="persistent: spans of a step")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if not (args.model or args.synthetic):
+        ap.error("give --model PATH or --synthetic PATH")
     path = args.model or write_synthetic(args.synthetic)
+    # positions: the prompt, the greedy steps, then 101 graph replays past them
+    max_seq_len = max(4096, args.prompt_tokens + args.steps + 128)
     models = {}
     for spec in args.variants:
         decode, options = parse_variant(spec)
         if args.stage_times and decode == "persistent":
             options["stage_times"] = 1
         t0 = time.perf_counter()
-        models[spec], _ = load(path, "cuda", engine="fast", decode=decode, max_seq_len=4096,
-                               decode_options=options or None)  # fmt: skip
+        models[spec], _ = load(path, "cuda", engine="fast", decode=decode,
+                               max_seq_len=max_seq_len, decode_options=options or None)  # fmt: skip
         print(f"{spec}: loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 40000, (1, args.prompt_tokens), generator=gen).cuda()
