@@ -21,6 +21,15 @@ def test_peak_rss_is_the_configurations_own():
     # with the parent's peak the child would report >= parent; its own is far below
     assert r["peak_rss_mb"] < parent - big.nbytes / 2**21, (r["peak_rss_mb"], parent)
     del big
+    # the model's own share: the peak above the RSS the child had before loading it (its
+    # imports); it holds the weights, so more than half the file's size (a loose bound)
+    from qlib import models
+    from qlib.cli.bench import markdown
+
+    added = r["peak_rss_mb"] - r["rss_before_load_mb"]
+    assert 0 < r["rss_before_load_mb"] < r["peak_rss_mb"]
+    assert added > models.path().stat().st_size / 2**20 / 2, added
+    assert f"peak RSS above the RSS before loading the model: qlib {added:.0f} MB" in markdown([r])
 
 
 def test_variant_names_the_engine_options():

@@ -263,6 +263,10 @@ def markdown(results: list[dict], ratios: dict | None = None) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     loads = [f"{r['runtime']} {r['load_ms']:.0f} ms" for r in results if r.get("load_ms")]
     notes = [f"\nload (read + build): {', '.join(loads)}"] if loads else []
+    added = [f"{r['runtime']} {r['peak_rss_mb'] - r['rss_before_load_mb']:.0f} MB"
+             for r in results if r.get("rss_before_load_mb") and "peak_rss_mb" in r]  # fmt: skip
+    if added:  # the runtime's own imports (torch: ~220 MB) apart
+        notes.append(f"peak RSS above the RSS before loading the model: {', '.join(added)}")
     notes += [f"{rw['runtime']}: FAILED {rw['error']}" for rw in rows(results) if "error" in rw]
     notes += [line for r in results if "error" not in r for line in curve_ratios(r)]
     for peer, r in (ratios or {}).items():

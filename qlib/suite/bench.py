@@ -39,6 +39,18 @@ STEPS = 128
 REPS = 5
 
 
+def rss_mb() -> float:
+    """Resident set size of this process now, in MiB (``VmRSS``; 0 where there is no /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def peak_rss_mb() -> float:
     """Peak resident set size of this process image, in MiB.
 
@@ -124,7 +136,7 @@ def _stats(first: tuple[float, float], runs: list[tuple[float, float]]) -> dict:
 def bench_qlib(args: argparse.Namespace) -> dict:
     import torch
 
-    from ..llama.engine import load, resolve
+    from ..llama.engine import GreedyOnDevice, load, resolve
     from ..tokenizer import Tokenizer
 
     options = {"prefill": args.prefill} if args.prefill else {}
@@ -135,12 +147,14 @@ def bench_qlib(args: argparse.Namespace) -> dict:
     if getattr(args, "decode", None) and resolve(args.engine, args.form)[0] == "fast":
         options["decode"] = args.decode  # (the fast CUDA engine's)
     times: dict[str, float] = {}
+    rss_before_load = rss_mb()
     model, content = load(
         args.model, args.device, engine=args.engine, form=args.form, times=times, **options
     )
     load_ms = times["read_ms"] + times["build_ms"]
     tokenizer = Tokenizer.from_metadata(content.metadata)
     device = model.device
+    on_device = isinstance(model, GreedyOnDevice)  # greedy steps as qlib.generate takes them
 
     def run_once(ids: list[int]) -> tuple[float, float]:
         model.clear_kv_cache()
@@ -151,15 +165,19 @@ def bench_qlib(args: argparse.Namespace) -> dict:
             t1 = time.perf_counter()
             pos = len(ids)
             for _ in range(args.steps):
-                logits = model.forward(torch.tensor([[token]], device=device), pos)
-                token = int(logits[0].argmax())
+                if on_device:  # the argmax on the device, the id read back
+                    token = model.greedy_step(token, pos)
+                else:
+                    logits = model.forward(torch.tensor([[token]], device=device), pos)
+                    token = int(logits[0].argmax())
                 pos += 1
             t2 = time.perf_counter()
         return (t1 - t0) * 1e3, (t2 - t1) * 1e3 / args.steps
 
     result = measure_prompts(run_once, tokenizer.encode, args)
     engine, form = resolve(args.engine, args.form)
-    result.update(runtime="qlib", engine=engine, form=form or "default", load_ms=load_ms)
+    result.update(runtime="qlib", engine=engine, form=form or "default", load_ms=load_ms,
+                  rss_before_load_mb=rss_before_load)  # fmt: skip
     if engine == "fast":
         result.update(prefill=getattr(model, "prefill", args.prefill),
                       kv_type=getattr(model, "kv_type", "f32"),
@@ -173,6 +191,7 @@ def bench_transformers(args: argparse.Namespace) -> dict:
 
     model_path = Path(args.model)
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+    rss_before_load = rss_mb()
     start = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
     model = (
@@ -201,7 +220,8 @@ def bench_transformers(args: argparse.Namespace) -> dict:
 
     encode = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
     result = measure_prompts(run_once, encode, args)
-    result.update(runtime="transformers", dtype=args.dtype, load_ms=load_ms)
+    result.update(runtime="transformers", dtype=args.dtype, load_ms=load_ms,
+                  rss_before_load_mb=rss_before_load)  # fmt: skip
     return result
 
 
@@ -212,6 +232,7 @@ def bench_llama_cpp(args: argparse.Namespace) -> dict:
     if getattr(args, "kv_type", None):
         t = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16}[args.kv_type]
         kv = {"type_k": t, "type_v": t}
+    rss_before_load = rss_mb()
     start = time.perf_counter()
     llm = llama_cpp.Llama(
         model_path=str(args.model),
@@ -247,7 +268,7 @@ def bench_llama_cpp(args: argparse.Namespace) -> dict:
     encode = lambda t: llm.tokenize(t.encode(), add_bos=False, special=False)  # noqa: E731
     result = measure_prompts(run_once, encode, args)
     result.update(runtime="llama.cpp", version=llama_cpp.__version__, load_ms=load_ms,
-                  kv_type=args.kv_type or "f16")  # fmt: skip
+                  kv_type=args.kv_type or "f16", rss_before_load_mb=rss_before_load)  # fmt: skip
     return result
 
 
