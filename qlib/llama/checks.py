@@ -64,8 +64,11 @@ def check_input(
     if index_pos + t > max_seq_len:
         raise ModelError(f"{index_pos + t} positions exceed max_seq_len {max_seq_len}")
     if vocab is not None and t and (x.device.type == "cpu" or t > 1):
-        lo, hi = torch.aminmax(x)
-        check_token_ids(int(lo), int(hi), vocab)
+        if t == 1:  # (a decode step's token: 0.3 us where aminmax takes 5)
+            lo = hi = x.item()
+        else:
+            lo, hi = (int(v) for v in torch.aminmax(x))
+        check_token_ids(lo, hi, vocab)
     return t
 
 
