@@ -153,6 +153,7 @@ CSV_COLUMNS = (
     "ms_min",
     "first_run_ms",
     "peak_rss_mb",
+    "rss_before_load_mb",
     "load_ms",
     "error",
 )
@@ -206,6 +207,7 @@ def rows(results: list[dict]) -> list[dict]:
         f = facts.setdefault(r["model"], model_facts(r["model"]))
         common = {**f, "runtime": r["runtime"], "variant": variant(r), "device": r["device"],
                   "threads": r["threads"], "peak_rss_mb": r["peak_rss_mb"],
+                  "rss_before_load_mb": r.get("rss_before_load_mb"),
                   "load_ms": r.get("load_ms")}  # fmt: skip
         points = r.get("curve") or [{**r, "context": None}]
         for p in points:
