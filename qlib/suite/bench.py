@@ -39,16 +39,21 @@ STEPS = 128
 REPS = 5
 
 
-def rss_mb() -> float:
-    """Resident set size of this process now, in MiB (``VmRSS``; 0 where there is no /proc)."""
+def _status_mb(key: str) -> float | None:
+    """Field ``key`` (``VmRSS``, ``VmHWM``) of /proc/self/status in MiB; None without /proc."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return 0.0
+    return None
+
+
+def rss_mb() -> float:
+    """Resident set size of this process now, in MiB (``VmRSS``; 0 where there is no /proc)."""
+    return _status_mb("VmRSS") or 0.0
 
 
 def peak_rss_mb() -> float:
@@ -58,13 +63,9 @@ def peak_rss_mb() -> float:
     keeps the parent's peak across fork + exec, so a configuration started from a big process
     (a notebook kernel, pytest) would report the parent's peak.
     """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
+    peak = _status_mb("VmHWM")
+    if peak is not None:
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
