@@ -44,6 +44,18 @@ def check_token_ids(lo: int, hi: int, vocab: int) -> None:
         raise InputError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
 
+def check_positions(index_pos: int, t: int, kv_len: int, max_seq_len: int) -> None:
+    """``t`` tokens from ``index_pos``: equal to the cache length or 0 (start over), and
+    ``index_pos + t <= max_seq_len``."""
+    if index_pos != 0 and index_pos != kv_len:
+        raise IndexPosError(
+            f"index_pos {index_pos} disagrees with the KV cache, which holds "
+            f"{kv_len} positions: pass index_pos={kv_len} or 0"
+        )
+    if index_pos + t > max_seq_len:
+        raise ModelError(f"{index_pos + t} positions exceed max_seq_len {max_seq_len}")
+
+
 def check_input(
     x: torch.Tensor, index_pos: int, kv_len: int, max_seq_len: int, vocab: int | None = None
 ) -> int:
@@ -55,14 +67,8 @@ def check_input(
         raise ShapeError(f"the fast path takes one sequence (1, seq_len), got {list(x.shape)}")
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
         raise InputError(f"token ids must be integers, got a {x.dtype} tensor")
-    if index_pos != 0 and index_pos != kv_len:
-        raise IndexPosError(
-            f"index_pos {index_pos} disagrees with the KV cache, which holds "
-            f"{kv_len} positions: pass index_pos={kv_len} or 0"
-        )
     t = x.shape[1]
-    if index_pos + t > max_seq_len:
-        raise ModelError(f"{index_pos + t} positions exceed max_seq_len {max_seq_len}")
+    check_positions(index_pos, t, kv_len, max_seq_len)
     if vocab is not None and t and (x.device.type == "cpu" or t > 1):
         if t == 1:  # (a decode step's token: 0.3 us where aminmax takes 5)
             lo = hi = x.item()

@@ -64,9 +64,9 @@ from .checks import (
     DEFAULT_KV_TYPE,
     KV_TYPES,
     StaticKVState,
-    check_input,
     check_kv_type,
     check_max_seq_len,
+    check_positions,
     check_token_ids,
     context_length,
 )
@@ -252,9 +252,6 @@ def _fp32_precision(mode: str):
         yield
     finally:
         matmul.fp32_precision = old
-
-
-_ONE_TOKEN = torch.zeros(1, 1, dtype=torch.int64)  # the shape greedy_step checks as forward's
 
 
 class CudaLayer:
@@ -519,7 +516,7 @@ class CudaFastModel(StaticKVState):
         greedy token, read back to the host), all on the device: the argmax runs inside the
         step's CUDA graph and only its id comes back, not the logits. The id stays on the
         device as the next input, so a caller that feeds it back sends nothing there."""
-        check_input(_ONE_TOKEN, index_pos, self._kv_len, self.max_seq_len)  # (the position)
+        check_positions(index_pos, 1, self._kv_len, self.max_seq_len)
         check_token_ids(token, token, self.vocab_size)
         with span("model"):
             if token != self._tok_host:
