@@ -52,6 +52,7 @@
 static_assert(THREADS % 32 == 0 && THREADS >= HD, "THREADS: whole warps, at least a head's HD");
 #define GQA (NH / NKV)
 #define CHUNK 16                     // hidden units per MLP task (half a quant block of down)
+static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' scratch: in S");
 #define NMLP_T (NFF / CHUNK)         // MLP tasks per layer
 #define MAXCH ((NMLP_T + MLP_BLOCKS - 1) / MLP_BLOCKS)  // MLP tasks per MLP block
 #define MLP_FIRST (GRID - MLP_BLOCKS)  // the MLP blocks are the last ones, apart from attention
@@ -66,6 +67,9 @@ static_assert(THREADS % 32 == 0 && THREADS >= HD, "THREADS: whole warps, at leas
 #endif
 #ifndef KV_STAGE
 #define KV_STAGE 1  // an attention split's cached keys and values staged into shared memory
+#endif
+#ifndef FLAT_DOTS
+#define FLAT_DOTS 1  // q/k/v and gate/up rows: all threads share each row's units (flat_dots)
 #endif
 #define NMARK 10  // stage-time marks per layer
 
@@ -268,6 +272,41 @@ __device__ __forceinline__ float row_dot(int t, const u8* row, const float* x, i
     float y;
     rows_dot<K, 1, MASK>(t, &row, x, lane, &y);
     return y;
+}
+
+// Every thread of the block: the dots of NR rows with x, THREADS / NR threads a row (a row's
+// 8-element units dealt to them in turn), so the block's work is spread evenly whatever NR is;
+// the partial sums are added in a fixed order (scratch: THREADS floats). y[r] (shared memory)
+// gets row r's dot; row_at(r) and type_at(r) name row r and its type (the rows of a warp share
+// a type). Ends with a barrier.
+template <int K, int NR, unsigned MASK, class RowAt, class TypeAt>
+__device__ __forceinline__ void flat_dots(RowAt row_at, TypeAt type_at, const float* x,
+                                          float* scratch, float* y) {
+    constexpr int TPR = THREADS / NR;
+    static_assert(THREADS % NR == 0, "flat_dots: NR must divide THREADS");
+    const int r = threadIdx.x / TPR, seg = threadIdx.x % TPR;
+    const u8* row = row_at(r);
+    float acc = 0.f;
+    QLIB_DISPATCH(MASK, type_at(r), {
+        if constexpr (is_float(T_)) {
+            for (int i = seg; i < K; i += TPR) acc += float_elem(T_, row, i) * x[i];
+        } else {
+            constexpr int bb = block_bytes(T_);
+            _Pragma("unroll") for (int j = 0; j < (K / 8 + TPR - 1) / TPR; j++) {
+                const int u = seg + TPR * j;
+                if (u < K / 8) acc += unit_dot<T_>(row + bb * (u >> 2), u & 3, x + 8 * u);
+            }
+        }
+    })
+    scratch[threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.x < NR) {
+        float sum = 0.f;
+#pragma unroll
+        for (int k = 0; k < TPR; k++) sum += scratch[threadIdx.x * TPR + k];
+        y[threadIdx.x] = sum;
+    }
+    __syncthreads();
 }
 
 // The output layer's rows [r0, r1) of one block: out[row] = W[row] . x, R rows per warp task
@@ -658,27 +697,39 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             const int head = seg < GQA ? g * GQA + seg : g;
             const int t = T[which];
             const usize rb = row_bytes(t, DIM);
-            for (int j = warp; j < QPB; j += WARPS) {
+            // pair j's two rows (x0, x1) -> RoPE (q, k) -> q into qbuf, k or v into the cache
+            auto store_pair = [&](int j, float x0, float x1) {
                 const int i = i0 + j;
-                const u8* rows[2] = {NEOX ? wp[P_QKV + 2 * k] + rb * j : wp[P_QKV + 2 * k] + rb * 2 * j,
-                                     NEOX ? wp[P_QKV + 2 * k + 1] + rb * j : wp[P_QKV + 2 * k] + rb * (2 * j + 1)};
+                if (which != W_V) {
+                    const float c = rope_c[i], sn = rope_s[i];
+                    const float y0 = x0 * c - x1 * sn, y1 = x0 * sn + x1 * c;
+                    x0 = y0;
+                    x1 = y1;
+                }
+                const int r0 = NEOX ? i : 2 * i, r1 = r0 + (NEOX ? HD / 2 : 1);
+                float* dst = which == W_Q ? qbuf + head * HD
+                                          : (which == W_K ? kc : vc) + ((usize)head * MAXSEQ + pos) * HD;
+                dst[r0] = x0;
+                dst[r1] = x1;
+            };
+            const u8 *b0 = wp[P_QKV + 2 * k], *b1 = wp[P_QKV + 2 * k + 1];
+#if FLAT_DOTS && THREADS % (2 * QPB) == 0
+            {  // row r: pair r / 2's first or second row
+                float* y = S + THREADS;
+                flat_dots<DIM, 2 * QPB, LAYER_TYPES>(
+                    [&](int r) { return NEOX ? (r & 1 ? b1 : b0) + rb * (r >> 1) : b0 + rb * r; },
+                    [&](int) { return t; }, xs, S, y);
+                if (threadIdx.x < QPB) store_pair(threadIdx.x, y[2 * threadIdx.x], y[2 * threadIdx.x + 1]);
+            }
+#else
+            for (int j = warp; j < QPB; j += WARPS) {
+                const u8* rows[2] = {NEOX ? b0 + rb * j : b0 + rb * 2 * j,
+                                     NEOX ? b1 + rb * j : b0 + rb * (2 * j + 1)};
                 float y2[2];
                 rows_dot<DIM, 2, LAYER_TYPES>(t, rows, xs, lane, y2);
-                if (lane == 0) {
-                    float x0 = y2[0], x1 = y2[1];
-                    if (which != W_V) {
-                        const float c = rope_c[i], sn = rope_s[i];
-                        const float y0 = x0 * c - x1 * sn, y1 = x0 * sn + x1 * c;
-                        x0 = y0;
-                        x1 = y1;
-                    }
-                    const int r0 = NEOX ? i : 2 * i, r1 = r0 + (NEOX ? HD / 2 : 1);
-                    float* dst = which == W_Q ? qbuf + head * HD
-                                              : (which == W_K ? kc : vc) + ((usize)head * MAXSEQ + pos) * HD;
-                    dst[r0] = x0;
-                    dst[r1] = x1;
-                }
+                if (lane == 0) store_pair(j, y2[0], y2[1]);
             }
+#endif
             signal_n(qkv_cnt + l * NKV + g, QPB);
         }
         if (b == 0) MARK(NMARK * l + 2);
@@ -831,6 +882,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                 const int c = mb + ci * MLP_BLOCKS;
                 if (c >= NMLP_T) break;
                 const u8 *gw = wp[P_MLP + 3 * ci], *uw = wp[P_MLP + 3 * ci + 1];
+#if FLAT_DOTS
+                {  // rows 0 .. CHUNK - 1: gate, CHUNK .. 2 CHUNK - 1: up
+                    float* y = S + THREADS;
+                    flat_dots<DIM, 2 * CHUNK, LAYER_TYPES>(
+                        [&](int r) { return r < CHUNK ? gw + rg * r : uw + ru * (r - CHUNK); },
+                        [&](int r) { return r < CHUNK ? tg : tu; }, xs, S, y);
+                    if (threadIdx.x < CHUNK) {
+                        const float a = y[threadIdx.x];
+                        gsm[threadIdx.x] = a / (1.0f + expf(-a)) * y[CHUNK + threadIdx.x];
+                    }
+                    __syncthreads();
+                }
+#else
                 for (int u = warp; u < CHUNK; u += WARPS) {
                     float ab[2];
                     if (tg == tu) {
@@ -843,6 +907,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                     if (lane == 0) gsm[u] = ab[0] / (1.0f + expf(-ab[0])) * ab[1];
                 }
                 __syncthreads();
+#endif
                 if (b == MLP_FIRST && ci == 0) MARK(NMARK * l + 8);
                 slab_rows_add<CHUNK>(td, wp[P_MLP + 3 * ci + 2], sbd, CHUNK * (c & 1), gsm,
                                      c == 0 ? res_in : nullptr, sum_at(A, 2 * (l + 1)));

@@ -238,7 +238,8 @@ class PersistentDecoder:
         while qpb < hd // 2 and pairs > qpb * blocks:
             qpb *= 2
         warps = threads // 32
-        smax_pos = -(-max(split, -(-max_seq // ns_max)) // 4) * 4  # (keeps what follows 16-aligned)
+        smax_pos = max(split, -(-max_seq // ns_max), threads + 2 * max(qpb, CHUNK))  # (S is
+        smax_pos = -(-smax_pos // 4) * 4  # flat_dots' scratch too; 4 keeps what follows 16-aligned)
         floats = 2 * dim + 5 * hd + smax_pos + warps * hd + CHUNK + warps + 7 * nl
         optin = _device_attribute(device, _SHARED_OPTIN_ATTR)
         wcap = (optin - 4 * floats - 256) // 32 * 16  # two staging areas
