@@ -24,8 +24,9 @@
 # launch (PDL: Hopper and later), and with the attention's combine merged into the output
 # projection's kernel (five kernels a layer instead of six); (d) one persistent kernel that walks all
 # the layers, each block waiting only on counters of the work it reads, no grid-wide barrier
-# (`qlib.quants.cuda.persistent`), also replayed from a graph; a rung that cannot run this model
-# says why. Per rung: kernels per token, host launches per token, host time per step,
+# (`qlib.quants.cuda.persistent`), also replayed from a graph; then the PDL graph and the
+# persistent kernel again with the greedy argmax inside the step's graph, only the id read back
+# (as `qlib generate` decodes); a rung that cannot run this model says why. Per rung: kernels per token, host launches per token, host time per step,
 # GPU busy time per step, ms/token and the share of the bandwidth floor (the bytes a step reads
 # / this GPU's measured copy bandwidth). CUDA only: elsewhere the notebook records why it skipped.
 
@@ -131,6 +132,16 @@ if runs_here:
                         "{busy:.3f} ms, {pct:.1f}% of the bandwidth floor.", table="ladder",
                         b=pk["ms_per_token"], x=pk["ms_per_token"] / graph["ms_per_token"],
                         k=pk["kernels_per_token"], busy=pk["gpu_busy_ms"], pct=pk["floor_pct"]))
+    for name, tag in (("fused, CUDA graph + PDL", "pdl"), ("persistent", "persistent")):
+        if f"{name} + argmax on device" in r and name in r:
+            a, b = r[name], r[f"{name} + argmax on device"]
+            print(w.finding(f"argmax_on_device_{tag}",
+                            "{name}: the argmax inside the step's graph, only the id read back "
+                            "(as `qlib generate` decodes), takes {a:.3f} to {b:.3f} ms/token "
+                            "({x:.2f}x; {k:.0f} kernels per token against {k0:.0f}).",
+                            table="ladder", name=name, a=a["ms_per_token"], b=b["ms_per_token"],
+                            x=b["ms_per_token"] / a["ms_per_token"], k=b["kernels_per_token"],
+                            k0=a["kernels_per_token"]))
     w.seed_reference("metal_per_op_commit", "decode step, Metal, one command buffer per op "
                      "(CANDLE_METAL_COMPUTE_PER_BUFFER=1) vs the default 50", "11.6 vs 2.4 ms",
                      ours=f"{per_op['ms_per_token']:.2f} (per-op) vs "

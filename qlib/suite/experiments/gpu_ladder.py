@@ -16,10 +16,15 @@ token read back to the host every step) on a different way of driving the GPU:
 * ``persistent``: one resident kernel walking the layers, its blocks waiting only on counters
   of the work they read, no grid-wide barrier (``qlib.quants.cuda.persistent``), in a CUDA
   graph too; where it cannot run (a type it has no code for, no NVRTC) the rung reports why
-  instead of a time.
+  instead of a time;
+* ``... + argmax on device``: the PDL graph and the persistent kernel again, each greedy step
+  taken as ``qlib.generate`` takes it (``CudaFastModel.greedy_step``): the argmax inside the
+  step's graph, only the id read back, and kept on the device as the next input, where the
+  rungs above run ``forward``, copy the token in, clone the logits and run the argmax apart.
 
 Per rung: kernels executed per token and the host's launches per token (torch profiler over
-a few steps), host time per step (the ``forward`` call returning: the enqueueing), GPU busy
+a few steps), host time per step (the ``forward`` call returning: the enqueueing; none for
+the argmax-on-device rungs, whose call returns with the id), GPU busy
 time per step (the kernels' summed durations), ms/token (wall, min over reps) and the share of
 the bandwidth floor (the weight + KV bytes a step reads / this GPU's measured copy bandwidth).
 """
@@ -39,7 +44,8 @@ from .common import bytes_per_step, copy_bandwidth
 class Rung:
     name: str
     engine: str  # faithful | fast
-    options: tuple[tuple[str, Any], ...] = ()
+    options: tuple[tuple[str, Any], ...] = ()  # for ``load``
+    argmax_on_device: bool = False  # greedy steps through ``greedy_step``
 
 
 LADDER = (
@@ -51,16 +57,50 @@ LADDER = (
         "merged, CUDA graph + PDL", "fast", (("decode", "merged"), ("graphs", True), ("pdl", True))
     ),  # fmt: skip
     Rung("persistent", "fast", (("decode", "persistent"), ("graphs", True))),
+    Rung(
+        "fused, CUDA graph + PDL + argmax on device",
+        "fast",
+        (("graphs", True), ("pdl", True)),
+        argmax_on_device=True,
+    ),
+    Rung(
+        "persistent + argmax on device",
+        "fast",
+        (("decode", "persistent"), ("graphs", True)),
+        argmax_on_device=True,
+    ),
 )
 
 
-def _greedy(model, prompt: torch.Tensor, steps: int) -> tuple[float, float, list[int]]:
-    """One greedy run after a fresh prefill: (wall ms/token, host ms per forward call, ids)."""
+def _stepper(model, on_device: bool):
+    """``step(token, pos) -> next token``: ``forward`` and the argmax of its logits read back,
+    or ``greedy_step`` (the argmax in the step's graph) when ``on_device``."""
+    if on_device:
+        return model.greedy_step
+
+    def step(token: int, pos: int) -> int:
+        logits = model.forward(torch.tensor([[token]], device=model.device), pos)
+        return int(logits.argmax(-1).item())  # the step's one read-back
+
+    return step
+
+
+def _greedy(model, prompt: torch.Tensor, steps: int,
+            on_device: bool = False) -> tuple[float, float | None, list[int]]:  # fmt: skip
+    """One greedy run after a fresh prefill: (wall ms/token, host ms per forward call, ids);
+    the host time is None when ``on_device`` (``greedy_step`` returns with the id)."""
     model.clear_kv_cache()
     logits = model.forward(prompt, 0)
     token = int(logits.argmax(-1).item())
     pos = prompt.shape[1]
     ids, host = [], 0.0
+    if on_device:
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = model.greedy_step(token, pos)
+            ids.append(token)
+            pos += 1
+        return (time.perf_counter() - start) / steps * 1e3, None, ids
     start = time.perf_counter()
     for _ in range(steps):
         x = torch.tensor([[token]], device=model.device)
@@ -74,18 +114,18 @@ def _greedy(model, prompt: torch.Tensor, steps: int) -> tuple[float, float, list
     return wall / steps * 1e3, host / steps * 1e3, ids
 
 
-def _profile(model, prompt: torch.Tensor, steps: int) -> dict[str, float]:
+def _profile(model, prompt: torch.Tensor, steps: int, on_device: bool = False) -> dict[str, float]:
     """Kernels executed per step, host launches per step and GPU busy ms per step."""
     from torch.profiler import ProfilerActivity, profile
 
     model.clear_kv_cache()
     logits = model.forward(prompt, 0)
     token, pos = int(logits.argmax(-1).item()), prompt.shape[1]
+    step = _stepper(model, on_device)
     torch.cuda.synchronize(model.device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            logits = model.forward(torch.tensor([[token]], device=model.device), pos)
-            token = int(logits.argmax(-1).item())
+            token = step(token, pos)
             pos += 1
         torch.cuda.synchronize(model.device)
     kernels, busy_us, launches = 0, 0.0, 0
@@ -116,14 +156,16 @@ def run_rung(rung: Rung, path: str, prompt_ids: list[int], *, steps: int, reps: 
     model, content = load(path, device, engine=rung.engine, **dict(rung.options))
     prompt = torch.tensor([prompt_ids], device=model.device)
     with torch.inference_mode():
-        _greedy(model, prompt, min(steps, 8))  # warm-up: compiles, captures graphs
-        runs = [_greedy(model, prompt, steps) for _ in range(reps)]
-        prof = _profile(model, prompt, profile_steps)
+        on_device = rung.argmax_on_device
+        _greedy(model, prompt, min(steps, 8), on_device)  # warm-up: compiles, captures graphs
+        runs = [_greedy(model, prompt, steps, on_device) for _ in range(reps)]
+        prof = _profile(model, prompt, profile_steps, on_device)
     best = min(runs, key=lambda r: r[0])
     row: dict[str, Any] = {
         "rung": rung.name, "engine": rung.engine, "ms_per_token": best[0],
         "ms_per_token_median": sorted(r[0] for r in runs)[len(runs) // 2],
-        "host_ms_per_step": min(r[1] for r in runs), **prof, "ids": best[2],
+        "host_ms_per_step": None if on_device else min(r[1] for r in runs), **prof,
+        "ids": best[2],
     }  # fmt: skip
     row.update(bytes_per_step(content, len(prompt_ids) + steps // 2))
     del model
