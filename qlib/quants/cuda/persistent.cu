@@ -1,16 +1,17 @@
 // qlib's persistent decode kernel: one launch runs a whole llama decode step.
 //
 // A resident grid (GRID blocks, one per SM, all co-resident) walks the layers as a dataflow:
-// a block waits only on counters of the work it reads, never on a grid-wide barrier. Per
-// layer, in every block (roles fixed for the launch):
+// a block waits only for the work it reads (counters, or the data itself as tagged words),
+// never on a grid-wide barrier. Per layer, in every block (roles fixed for the launch):
 //   q/k/v task (tasks b, b + GRID, ...: QPB RoPE pairs of one head's rows): wait until every
 //       MLP block has added its share into the residual (layer 0: the embedding row, which
-//       each block looks up itself), RmsNorm, the pairs' rows, RoPE, q into qbuf, k and v into
-//       the KV cache at the position; the pairs done are added to the KV head's counter.
-//   attention task (blocks < NH x ns: head h, split s of the positions): wait until the KV
-//       head's q, k and v are all done, scores, softmax and weighted values over the split;
-//       with ns > 1 splits each publishes its partial softmax and waits for the head's others
-//       (a counter), then every split merges them (the same sums in the same order, so the
+//       each block looks up itself), RmsNorm, the pairs' rows (flat_dots), RoPE, q, k and v
+//       as tagged words (XCHG, below), k and v into the KV cache at the position too.
+//   attention task (blocks < NH x ns: head h, split s of the positions): the head's q (and
+//       the KV head's new k and v, in the split that holds the position) once their words
+//       carry this step's tag, scores, softmax and weighted values over the split;
+//       with ns > 1 splits each publishes its partial softmax (tagged words) and gathers the
+//       head's others, then every split merges them (the same sums in the same order, so the
 //       same output). Then the split's 1 / ns of the rows of wo times the head's output,
 //       added into the residual with float atomics (head 0 adds the residual itself).
 //   MLP task (the last MLP_BLOCKS blocks, apart from the attention blocks while the heads fit
@@ -30,6 +31,12 @@
 // An attention block stages its split's keys and values cached before the step too (they do
 // not change during it): short splits score and weigh them from shared memory, and only the
 // new position's rows come from L2.
+//
+// XCHG (the default; 0 restores counters): data that one block writes and few read, q / new k,
+// v and the splits' partials, goes as 64-bit words of (this step's tag, float), stored and
+// loaded whole. A reader polls the words themselves, so no counter is bumped after a release
+// fence that first drains the writer's stores: one L2 trip instead of a drain, a flag's trip
+// and the data's (the residual sums, added by many blocks with atomics, keep their counters).
 //
 // The sums a layer accumulates (residual after attention, after the MLP) and the counters
 // live in two sets, chosen by the parity of a step counter; a launch zeroes the other set for
@@ -71,6 +78,12 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #ifndef FLAT_DOTS
 #define FLAT_DOTS 1  // q/k/v and gate/up rows: all threads share each row's units (flat_dots)
 #endif
+#ifndef XCHG
+#define XCHG 1  // q / new k, v and the splits' partials passed as tagged words, not after a counter
+#endif
+#define XQKV ((NH + 2 * NKV) * HD)        // tagged words a layer: q, the new k, the new v
+#define XPART (NH * NSMAX * (HD + 2))     // tagged words a layer: the splits' partial softmaxes
+static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials gathered in S");
 #define NMARK 10  // stage-time marks per layer
 
 // GGUF's type ids, and T_X8: the K-quants (Q2_K .. Q6_K) as persistent.py expands them, exactly
@@ -499,6 +512,38 @@ __device__ __forceinline__ u32 arrive(u32* c) {
     return old;
 }
 
+// Tagged words (XCHG): a float and the step's tag in one 64-bit word, stored and loaded whole
+// (single-copy atomic), so a reader polls the data itself: no counter, and no release fence
+// that drains the writer's earlier stores first. Every launch has its own tag (the step count
+// + 1), so words of earlier steps never pass.
+__device__ __forceinline__ void put_tagged(u64* p, u32 tag, float v) {
+    const u64 w = ((u64)tag << 32) | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+}
+// The N floats at p[i] (all loads in flight together), once every word carries tag.
+template <int N>
+__device__ __forceinline__ void get_tagged(const u64* const (&p)[N], u32 tag, float (&v)[N]) {
+    long long spins = 0;
+    for (;;) {
+        u64 w[N];
+        bool ok = true;
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[i]) : "l"(p[i]) : "memory");
+            ok = ok && (u32)(w[i] >> 32) == tag;
+        }
+        if (ok) {
+#pragma unroll
+            for (int i = 0; i < N; i++) v[i] = __uint_as_float((u32)w[i]);
+            return;
+        }
+        if (++spins > (1ll << 31)) __trap();  // seconds: a launch error, never a hang
+    }
+}
+
+// A word of the splits' partials where the merge reads them: shared memory (XCHG) or L2.
+__device__ __forceinline__ float part_at(const float* p) { return XCHG ? *p : __ldcg(p); }
+
 // QLIB_STAGE_TIMES: block 0 (a q/k/v and an attention task each layer) and the first MLP block
 // (marks 7-9) record %globaltimer (ns) at NMARK marks a layer, and at the step's start and end.
 #ifdef QLIB_STAGE_TIMES
@@ -529,7 +574,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     const float* __restrict__ out_norm, const float* __restrict__ cos_t,
     const float* __restrict__ sin_t, float* __restrict__ cache, const long long* __restrict__ tok,
     int* pos_p, float* acc, u32* counters, u32* steps, u64* best, long long* out_tok, float* part,
-    float* qbuf, float* __restrict__ logits, u64* stage_times) {
+    float* qbuf, float* __restrict__ logits, u64* stage_times, u64* xchg) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* xs = (float*)(smem_raw + 2 * WCAP);  // DIM: the normalized input
     float* res_in = xs + DIM;                   // DIM: the residual read at a stage's start
@@ -548,7 +593,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pos = *pos_p, L = pos + 1;
-    const u32 par = __ldcg(steps) & 1u;
+    const u32 step_no = __ldcg(steps), par = step_no & 1u;
+    const u32 tag = step_no + 1u;  // (the exchange starts zeroed: tag 0 is never a step's)
+    (void)tag;
     float* A = acc + (usize)par * ACC_N;  // res(l) = sum_at(A, 2 l) (l >= 1), mid(l) = sum_at(A, 2 l + 1)
     u32* C = counters + par * NCNT;
     u32* qkv_cnt = C;                     // NL x NKV: q/k/v pairs done per KV head
@@ -707,6 +754,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                     x1 = y1;
                 }
                 const int r0 = NEOX ? i : 2 * i, r1 = r0 + (NEOX ? HD / 2 : 1);
+#if XCHG  // q, k, v as tagged words for this step's attention; k, v into the cache for later
+                u64* X = xchg + (usize)l * XQKV + (which == W_Q ? 0 : which == W_K ? NH * HD
+                                                                  : (NH + NKV) * HD) + head * HD;
+                put_tagged(X + r0, tag, x0);
+                put_tagged(X + r1, tag, x1);
+                if (which == W_Q) return;
+#endif
                 float* dst = which == W_Q ? qbuf + head * HD
                                           : (which == W_K ? kc : vc) + ((usize)head * MAXSEQ + pos) * HD;
                 dst[r0] = x0;
@@ -730,7 +784,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                 if (lane == 0) store_pair(j, y2[0], y2[1]);
             }
 #endif
+#if XCHG
+            __syncthreads();
+#else
             signal_n(qkv_cnt + l * NKV + g, QPB);
+#endif
         }
         if (b == 0) MARK(NMARK * l + 2);
         BLOCK_MARK(1)
@@ -740,19 +798,40 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
         if (att) {
             const float* kh = kc + (usize)kvh * MAXSEQ * HD;
             const float* vh = vc + (usize)kvh * MAXSEQ * HD;
+#if !XCHG
             wait_count(qkv_cnt + l * NKV + kvh, PAIRS_G);
+#endif
             if (b == 0) MARK(NMARK * l + 3);
             const float scale = 1.0f / sqrtf((float)HD);
             // q, and the key and value rows at the position when it is in the split (written by
             // this step's q/k/v tasks: read from L2); the rows before it are staged (P_KV)
             if (threadIdx.x < HD) {
                 const int d = threadIdx.x;
+#if XCHG
+                const u64* X = xchg + (usize)l * XQKV;
+                float qd, kd = 0.f, vd = 0.f;
+                if (tc < t1) {
+                    const u64* const w3[3] = {X + h * HD + d, X + (NH + kvh) * HD + d,
+                                              X + (NH + NKV + kvh) * HD + d};
+                    float v3[3];
+                    get_tagged<3>(w3, tag, v3);
+                    qd = v3[0];
+                    kd = v3[1];
+                    vd = v3[2];
+                } else {
+                    const u64* const w1[1] = {X + h * HD + d};
+                    float v1[1];
+                    get_tagged<1>(w1, tag, v1);
+                    qd = v1[0];
+                }
+#else
                 const float qd = __ldcg(qbuf + h * HD + d);
                 float kd = 0.f, vd = 0.f;
                 if (tc < t1) {
                     kd = __ldcg(kh + (usize)pos * HD + d);
                     vd = __ldcg(vh + (usize)pos * HD + d);
                 }
+#endif
                 qv[d] = qd * scale;
                 knew[d] = kd;
                 vnew[d] = vd;
@@ -837,6 +916,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             }
             if (b == 0) MARK(NMARK * l + 5);
             if (ns > 1) {  // publish the partial; once all are in, every split merges them
+#if XCHG  // as tagged words; then every split's words gathered into S (free after the values)
+                u64* PX = xchg + (usize)NL * XQKV + (usize)l * XPART + (usize)h * NSMAX * (HD + 2);
+                for (int d = threadIdx.x; d < HD; d += THREADS) put_tagged(PX + s * (HD + 2) + 2 + d, tag, ovec[d]);
+                if (threadIdx.x == 0) {
+                    put_tagged(PX + s * (HD + 2), tag, mx);
+                    put_tagged(PX + s * (HD + 2) + 1, tag, sum);
+                }
+                for (int i = threadIdx.x; i < ns * (HD + 2); i += THREADS) {
+                    const u64* const w1[1] = {PX + i};
+                    float v1[1];
+                    get_tagged<1>(w1, tag, v1);
+                    S[i] = v1[0];
+                }
+                __syncthreads();
+                const float* P0 = S;
+#else
                 float* P = part + ((usize)h * NSMAX + s) * (HD + 2);
                 for (int d = threadIdx.x; d < HD; d += THREADS) P[2 + d] = ovec[d];
                 if (threadIdx.x == 0) {
@@ -846,15 +941,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                 signal(head_cnt + l * NH + h);
                 wait_count(head_cnt + l * NH + h, ns);
                 const float* P0 = part + (usize)h * NSMAX * (HD + 2);
+#endif
                 for (int d = threadIdx.x; d < HD; d += THREADS) {
                     float M = NEG_INF;
-                    for (int j = 0; j < ns; j++) M = fmaxf(M, __ldcg(P0 + (usize)j * (HD + 2)));
+                    for (int j = 0; j < ns; j++) M = fmaxf(M, part_at(P0 + (usize)j * (HD + 2)));
                     float num = 0.f, den = 0.f;
                     for (int j = 0; j < ns; j++) {
                         const float* pj = P0 + (usize)j * (HD + 2);
-                        const float w = expf(__ldcg(pj) - M);
-                        den += w * __ldcg(pj + 1);
-                        num += w * __ldcg(pj + 2 + d);
+                        const float w = expf(part_at(pj) - M);
+                        den += w * part_at(pj + 1);
+                        num += w * part_at(pj + 2 + d);
                     }
                     ovec[d] = num / den;
                 }

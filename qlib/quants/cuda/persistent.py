@@ -238,8 +238,11 @@ class PersistentDecoder:
         while qpb < hd // 2 and pairs > qpb * blocks:
             qpb *= 2
         warps = threads // 32
-        smax_pos = max(split, -(-max_seq // ns_max), threads + 2 * max(qpb, CHUNK))  # (S is
-        smax_pos = -(-smax_pos // 4) * 4  # flat_dots' scratch too; 4 keeps what follows 16-aligned)
+        # S: a split's scores, flat_dots' scratch, the splits' partials (XCHG); a multiple of 4
+        # keeps what follows 16-aligned
+        smax_pos = max(split, -(-max_seq // ns_max), threads + 2 * max(qpb, CHUNK),
+                       ns_max * (hd + 2))  # fmt: skip
+        smax_pos = -(-smax_pos // 4) * 4
         floats = 2 * dim + 5 * hd + smax_pos + warps * hd + CHUNK + warps + 7 * nl
         optin = _device_attribute(device, _SHARED_OPTIN_ATTR)
         wcap = (optin - 4 * floats - 256) // 32 * 16  # two staging areas
@@ -290,6 +293,9 @@ class PersistentDecoder:
         self.out_tok = torch.zeros(1, dtype=torch.int64, device=device)
         self.part = torch.empty(nh * ns_max * (hd + 2), device=device)
         self.q = torch.empty(nh * hd, device=device)
+        # tagged words (XCHG): per layer q / new k, v, then per layer the splits' partials
+        xchg = nl * (nh + 2 * c.head_count_kv) * hd + nl * nh * ns_max * (hd + 2)
+        self.xchg = torch.zeros(xchg, dtype=torch.int64, device=device)
         self.stage_times = torch.zeros(N_MARKS * nl + 2 + 6 * blocks, dtype=torch.int64,
                                        device=device)  # fmt: skip
         self.n_layers = nl
@@ -310,6 +316,7 @@ class PersistentDecoder:
             p(self.acc.data_ptr()), p(self.counters.data_ptr()), p(self.steps.data_ptr()),
             p(self.best.data_ptr()), p(self.out_tok.data_ptr()), p(self.part.data_ptr()),
             p(self.q.data_ptr()), p(logits.data_ptr()), p(self.stage_times.data_ptr()),
+            p(self.xchg.data_ptr()),
         ]  # fmt: skip
         self.kernel.launch(args)
 
