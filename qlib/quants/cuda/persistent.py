@@ -41,6 +41,7 @@ MIN_SPLIT = 64  # below that: splits of at least this many, on the blocks before
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 NORMS = ("attn_norm", "ffn_norm")
 # the spans of a layer that ``stage_times_ns`` reports, each ending at a mark of persistent.cu
+# (with XCHG, the default, an attention block waits for q, k and v inside "att: scores")
 MARKS = (
     "layer: wait",
     "norm",
