@@ -26,9 +26,10 @@
 # the layers, each block waiting only on counters of the work it reads, no grid-wide barrier
 # (`qlib.quants.cuda.persistent`), also replayed from a graph; then the PDL graph and the
 # persistent kernel again with the greedy argmax inside the step's graph, only the id read back
-# (as `qlib generate` decodes); a rung that cannot run this model says why. Per rung: kernels per token, host launches per token, host time per step,
-# GPU busy time per step, ms/token and the share of the bandwidth floor (the bytes a step reads
-# / this GPU's measured copy bandwidth). CUDA only: elsewhere the notebook records why it skipped.
+# (as `qlib generate` decodes); a rung that cannot run this model says why. Per rung: kernels
+# per token, host launches per token, host time per step, GPU busy time per step, ms/token and
+# the share of the bandwidth floor (the bytes a step reads / this GPU's measured copy
+# bandwidth). CUDA only: elsewhere the notebook records why it skipped.
 
 # %% tags=["parameters"]
 model_path = None  # GGUF file; None: the embedded SmolLM2 (qlib.models.path())

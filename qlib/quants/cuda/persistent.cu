@@ -744,7 +744,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             const int head = seg < GQA ? g * GQA + seg : g;
             const int t = T[which];
             const usize rb = row_bytes(t, DIM);
-            // pair j's two rows (x0, x1) -> RoPE (q, k) -> q into qbuf, k or v into the cache
+            // pair j's two rows (x0, x1) -> RoPE (q, k) -> q, k or v as tagged words (XCHG) or
+            // q into qbuf; k or v into the cache
             auto store_pair = [&](int j, float x0, float x1) {
                 const int i = i0 + j;
                 if (which != W_V) {
