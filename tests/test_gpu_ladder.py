@@ -48,3 +48,7 @@ def test_ladder_rungs_agree_and_order(model_path):
     assert graph["ms_per_token"] < built["per-op"]["ms_per_token"]
     assert graph["launches_per_token"] < eager["launches_per_token"]
     assert built["persistent"]["kernels_per_token"] < graph["kernels_per_token"]
+    # the argmax in the step's graph: no separate argmax kernels or logits copy, no host time
+    on_device = built["persistent + argmax on device"]
+    assert on_device["kernels_per_token"] < built["persistent"]["kernels_per_token"]
+    assert on_device["host_ms_per_step"] is None
