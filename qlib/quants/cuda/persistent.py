@@ -292,6 +292,7 @@ class PersistentDecoder:
         self.steps = torch.zeros(1, dtype=torch.int32, device=device)
         self.best = torch.zeros(2, dtype=torch.int64, device=device)
         self.out_tok = torch.zeros(1, dtype=torch.int64, device=device)
+        # the splits' partials and q as plain floats: read only with XCHG=0 (the A/B macro)
         self.part = torch.empty(nh * ns_max * (hd + 2), device=device)
         self.q = torch.empty(nh * hd, device=device)
         # tagged words (XCHG): per layer q / new k, v, then per layer the splits' partials
