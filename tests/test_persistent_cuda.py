@@ -89,6 +89,30 @@ def test_decode_steps_match_f32_form(tmp_path, type_name, graphs):
 
 
 @needs_cuda
+@pytest.mark.parametrize("xres", [0, 1])
+def test_residual_sums_float_atomics_or_counted_words(tmp_path, xres):
+    """The residual sums as float atomics (``XRES=0``, kept for models whose sums have 1024
+    or more addends) and as counted fixed-point words (``XRES=1``, the default): both decode as
+    the f32 form; the words' integer sums make a step's logits the same bit for bit when the
+    same steps run again (float atomics land in any order)."""
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=128, n_head=4,
+                            n_kv_head=2, n_ff=512)  # fmt: skip
+    ref, fast = load(path, decode_options={"macros": {"XRES": xres}})
+    assert fast._persistent.macros["XRES"] == xres
+    ids = torch.tensor([[1, 5, 9, 33, 7]])
+    runs = []
+    for _ in range(2):
+        fast.forward(ids, 0)
+        steps = enumerate((3, 44, 200))
+        runs.append([fast.forward(torch.tensor([[t]]), 5 + i).clone() for i, t in steps])
+    ref.forward(ids, 0)
+    for step, token in enumerate((3, 44, 200)):
+        close(runs[1][step], ref.forward(torch.tensor([[token]]), 5 + step))
+    if xres:
+        assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+@needs_cuda
 @pytest.mark.parametrize("split", [persistent.SPLIT, 16])
 def test_decode_from_position_zero_and_long_attention(tmp_path, split):
     """Every position decoded one token at a time (no prefill); MHA, tied output, head_dim 64.

@@ -84,6 +84,10 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #define XQKV ((NH + 2 * NKV) * HD)        // tagged words a layer: q, the new k, the new v
 #define XPART (NH * NSMAX * (HD + 2))     // tagged words a layer: the splits' partial softmaxes
 static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials gathered in S");
+#ifndef XRES
+#define XRES 1  // the residual sums as fixed-point words that count their addends (res_add)
+#endif
+
 #define NMARK 10  // stage-time marks per layer
 
 // GGUF's type ids, and T_X8: the K-quants (Q2_K .. Q6_K) as persistent.py expands them, exactly
@@ -163,6 +167,60 @@ __device__ __forceinline__ void read_sum(const float* r, float* dst) {
         if (i < DIM) dst[i] = v[k];
     }
 }
+
+// XRES: a residual sum is a 64-bit word, bits 54-63 the count of addends so far, bits 0-53
+// the sum of the addends' fixed-point values (RES_FRAC fraction bits) each offset by 2^RES_BIAS
+// so that it is positive; one 64-bit atomic add carries an addend and its count together, so a
+// reader polls the words until the count is complete: no counter, no release fence that drains
+// the adders' atomics, and an integer sum, the same whatever the atomics' order (bit for bit).
+// Addends are saturated to |v| < 2^16 (the fraction keeps 2^-(RES_FRAC + 1) of each; at most
+// 1023 addends a sum).
+__host__ __device__ constexpr int ceil_log2(int n) { return n <= 1 ? 0 : 1 + ceil_log2((n + 1) / 2); }
+constexpr int RES_ADDENDS = (NH > NFF / CHUNK ? NH : NFF / CHUNK);  // the most a sum gets
+constexpr int RES_BIAS = 53 - ceil_log2(RES_ADDENDS);
+constexpr int RES_FRAC = RES_BIAS - 16;
+static_assert(!XRES || RES_ADDENDS < 1024, "XRES: at most 1023 addends a residual sum");
+__device__ __forceinline__ void res_add(u64* p, float v) {
+    v = fminf(fmaxf(v, -65535.f), 65535.f);
+    const long long f = __float2ll_rn(v * (float)(1ll << RES_FRAC));  // (exact scaling)
+    const u64 add = (1ull << 54) + (u64)(f + (1ll << RES_BIAS));
+    asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(add) : "memory");
+}
+// dst[i] = residual sum i of the words at r once each has n addends (a thread's loads in flight
+// together, polled until all of them are complete)
+__device__ __forceinline__ void read_res(const u64* r, int n, float* dst) {
+    constexpr int N = (DIM + THREADS - 1) / THREADS;
+    u64 w[N];
+    long long spins = 0;
+    if (threadIdx.x == 0) {  // one word first (the adders' last row): one load a poll, not DIM
+        u64 s;
+        do {
+            asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(s) : "l"(r + DIM - 1) : "memory");
+            if (++spins > (1ll << 31)) __trap();
+        } while ((int)(s >> 54) != n);
+    }
+    __syncthreads();
+    for (;;) {
+        bool ok = true;
+#pragma unroll
+        for (int k = 0; k < N; k++) {
+            const int i = threadIdx.x + k * THREADS;
+            w[k] = (u64)n << 54;
+            if (i < DIM) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[k]) : "l"(r + i) : "memory");
+            ok = ok && (int)(w[k] >> 54) == n;
+        }
+        if (ok) break;
+        if (++spins > (1ll << 31)) __trap();  // seconds: a launch error, never a hang
+    }
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+        const int i = threadIdx.x + k * THREADS;
+        const long long sum = (long long)(w[k] & ((1ull << 54) - 1)) - ((long long)n << RES_BIAS);
+        if (i < DIM) dst[i] = __ll2float_rn(sum) / (float)(1ll << RES_FRAC);  // (exact division)
+    }
+}
+__device__ __forceinline__ void add_to(float* p, float v) { atomicAdd(p, v); }
+__device__ __forceinline__ void add_to(u64* p, float v) { res_add(p, v); }
 
 __host__ __device__ constexpr bool is_float(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
 __host__ __device__ constexpr int block_bytes(int t) {  // bytes of 32 elements of a block type
@@ -429,17 +487,17 @@ __device__ __forceinline__ float slab_dot_t(const u8* row, int e0, const float* 
     return acc;
 }
 
-// dst[i] += slab row i . v (+ base[i] where base is given) for rows r0 <= i < r1, with float
-// atomics; row i at slab + sb (i - r0), its elements [e0, e0 + W).
-template <int W>
+// dst[i] += slab row i . v (+ base[i] where base is given) for rows r0 <= i < r1, with
+// atomics (float, or XRES words); row i at slab + sb (i - r0), its elements [e0, e0 + W).
+template <int W, class Dst>
 __device__ __forceinline__ void slab_rows_add(int t, const u8* slab, usize sb, int e0,
-                                              const float* v, const float* base, float* dst,
+                                              const float* v, const float* base, Dst* dst,
                                               int r0 = 0, int r1 = DIM) {
     QLIB_DISPATCH(LAYER_TYPES, t, {
         for (int i = r0 + threadIdx.x; i < r1; i += THREADS) {
             float y = slab_dot_t<W, T_>(slab + sb * (i - r0), e0, v);
             if (base) y += base[i];
-            atomicAdd(dst + i, y);
+            add_to(dst + i, y);
         }
     })
 }
@@ -596,7 +654,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     const u32 step_no = __ldcg(steps), par = step_no & 1u;
     const u32 tag = step_no + 1u;  // (the exchange starts zeroed: tag 0 is never a step's)
     (void)tag;
+#if XRES  // res(l) = A + 2 l DIM (l >= 1), mid(l) = A + (2 l + 1) DIM: words
+    u64* A = (u64*)acc + (usize)par * ACC_N;
+#else
     float* A = acc + (usize)par * ACC_N;  // res(l) = sum_at(A, 2 l) (l >= 1), mid(l) = sum_at(A, 2 l + 1)
+#endif
     u32* C = counters + par * NCNT;
     u32* qkv_cnt = C;                     // NL x NKV: q/k/v pairs done per KV head
     u32* attn_done = qkv_cnt + NL * NKV;  // NL: attention tasks (head, split) added into mid(l)
@@ -606,9 +668,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     const int b = blockIdx.x;
     if (b == 0) MARK(NMARK * NL);
     {  // the other set, for the next launch
+#if XRES
+        u64* Z = (u64*)acc + (usize)(par ^ 1u) * ACC_N;
+#else
         float* Z = acc + (usize)(par ^ 1u) * ACC_N;
+#endif
         u32* ZC = counters + (par ^ 1u) * NCNT;
-        for (int i = b * THREADS + threadIdx.x; i < ACC_N; i += gridDim.x * THREADS) Z[i] = 0.f;
+        for (int i = b * THREADS + threadIdx.x; i < ACC_N; i += gridDim.x * THREADS) Z[i] = 0;
         for (int i = b * THREADS + threadIdx.x; i < NCNT; i += gridDim.x * THREADS) ZC[i] = 0u;
         if (b == 0 && threadIdx.x == 0) best[par ^ 1u] = 0ull;
     }
@@ -725,9 +791,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             const u8* row = tok_embd + row_bytes(emb_type, DIM) * (usize)tok[0];
             for (int i = threadIdx.x; i < DIM; i += THREADS) res_in[i] = row_elem(emb_type, row, i);
         } else {
+#if XRES
+            BLOCK_MARK(5)
+            read_res(A + (usize)2 * l * DIM, NMLP_T, res_in);
+#else
             wait_count(mlp_done + l - 1, MLP_BLOCKS);
             BLOCK_MARK(5)
             read_sum(sum_at(A, 2 * l), res_in);
+#endif
         }
         if (b == 0) MARK(NMARK * l);
         BLOCK_MARK(0)
@@ -959,18 +1030,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             __syncthreads();
             const int to = T[W_O];
             slab_rows_add<HD>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
-                              sum_at(A, 2 * l + 1), wo_r0, wo_r1);
+                              A + (usize)(2 * l + 1) * DIM, wo_r0, wo_r1);
+#if XRES
+            __syncthreads();
+#else
             signal(attn_done + l);
+#endif
             if (b == 0) MARK(NMARK * l + 6);
             if (!mlp) stage_next();  // (it waits for the next layer's residual next)
         }
 
         // ---- MLP tasks: RmsNorm, gate and up of CHUNK units, SwiGLU, their share of down
         if (mlp) {
+#if XRES
+            read_res(A + (usize)(2 * l + 1) * DIM, NH, res_in);
+            if (b == MLP_FIRST) MARK(NMARK * l + 7);
+            BLOCK_MARK(2)
+#else
             wait_count(attn_done + l, NH * ns);
             if (b == MLP_FIRST) MARK(NMARK * l + 7);
             BLOCK_MARK(2)
             read_sum(sum_at(A, 2 * l + 1), res_in);
+#endif
             rmsnorm_shared(res_in, (const float*)wp[1], xs, red);
             const int tg = T[W_GATE], tu = T[W_UP], td = T[W_DOWN];
             const usize rg = row_bytes(tg, DIM), ru = row_bytes(tu, DIM), sbd = row_bytes(td, 32);
@@ -1007,10 +1088,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
 #endif
                 if (b == MLP_FIRST && ci == 0) MARK(NMARK * l + 8);
                 slab_rows_add<CHUNK>(td, wp[P_MLP + 3 * ci + 2], sbd, CHUNK * (c & 1), gsm,
-                                     c == 0 ? res_in : nullptr, sum_at(A, 2 * (l + 1)));
+                                     c == 0 ? res_in : nullptr, A + (usize)2 * (l + 1) * DIM);
                 __syncthreads();
             }
+#if XRES
+            __syncthreads();
+#else
             signal(mlp_done + l);
+#endif
             if (b == MLP_FIRST) MARK(NMARK * l + 9);
             BLOCK_MARK(3)
             if (att) stage_next();
@@ -1019,8 +1104,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     asm volatile("cp.async.wait_all;" ::: "memory");
 
     // ---- every block: the output layer and the argmax
+#if XRES
+    read_res(A + (usize)2 * NL * DIM, NMLP_T, res_in);
+#else
     wait_count(mlp_done + NL - 1, MLP_BLOCKS);
     read_sum(sum_at(A, 2 * NL), res_in);
+#endif
     rmsnorm_shared(res_in, out_norm, xs, red);
     const u64 mine = output_rows<DIM, 4, OUT_TYPES>(out_type, out_w, xs, logits, out_r0, out_r1, warp, lane);
     if (lane == 0 && mine) atomicMax(best + par, mine);

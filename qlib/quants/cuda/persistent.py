@@ -254,6 +254,8 @@ class PersistentDecoder:
                            MLP_BLOCKS=mlp_blocks, NSMAX=ns_max, SPLIT=split,
                            MIN_SPLIT=min(min_split, split), QPB=qpb,
                            SMAXPOS=smax_pos, WCAP=wcap, KV_STAGE=int(kv_stage),
+                           # counted fixed-point residual words hold at most 1023 addends a sum
+                           XRES=int(max(nh, n_ff // CHUNK) < 1024),
                            LAYER_TYPES=sum({1 << TYPE_IDS[ly[n].dtype.name]
                                             for ly in layers for n in MATRICES}),
                            OUT_TYPES=1 << TYPE_IDS[output.dtype.name])  # fmt: skip
@@ -287,7 +289,8 @@ class PersistentDecoder:
         self.keep += [self.tok_embd, self.output, out_norm, cos, sin, cache]
         acc_n = (2 * nl + 1) * dim
         n_counters = nl * (c.head_count_kv + 2 + nh) + 1
-        self.acc = torch.zeros(2 * acc_n, device=device)  # two sets, by the step's parity
+        # two sets, by the step's parity, of float32 sums or (XRES) 64-bit words
+        self.acc = torch.zeros(2 * 2 * acc_n, device=device)
         self.counters = torch.zeros(2 * n_counters, dtype=torch.int32, device=device)
         self.steps = torch.zeros(1, dtype=torch.int32, device=device)
         self.best = torch.zeros(2, dtype=torch.int64, device=device)
