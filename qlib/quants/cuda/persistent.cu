@@ -1,7 +1,7 @@
 // qlib's persistent decode kernel: one launch runs a whole llama decode step.
 //
 // A resident grid (GRID blocks, one per SM, all co-resident) walks the layers as a dataflow:
-// a block waits only for the work it reads (counters, or the data itself as tagged words),
+// a block waits only for the work it reads (the data itself: tagged or counted words),
 // never on a grid-wide barrier. Per layer, in every block (roles fixed for the launch):
 //   q/k/v task (tasks b, b + GRID, ...: QPB RoPE pairs of one head's rows): wait until every
 //       MLP block has added its share into the residual (layer 0: the embedding row, which
@@ -13,11 +13,11 @@
 //       with ns > 1 splits each publishes its partial softmax (tagged words) and gathers the
 //       head's others, then every split merges them (the same sums in the same order, so the
 //       same output). Then the split's 1 / ns of the rows of wo times the head's output,
-//       added into the residual with float atomics (head 0 adds the residual itself).
+//       added into the residual (XRES words; head 0 adds the residual itself).
 //   MLP task (the last MLP_BLOCKS blocks, apart from the attention blocks while the heads fit
 //       beside them: CHUNK hidden units each): wait until every head has added
 //       its share, RmsNorm, the units' gate and up rows, g = silu(gate) * up, and their CHUNK
-//       columns of down, added into the next residual with float atomics.
+//       columns of down, added into the next residual (XRES words).
 // Then every block: RmsNorm, its rows of the output layer, the argmax as one 64-bit atomicMax
 // of (order-preserving float bits, inverted index): the first maximum wins, as torch.argmax.
 // The last block to finish writes the token and advances the position.
@@ -36,10 +36,12 @@
 // v and the splits' partials, goes as 64-bit words of (this step's tag, float), stored and
 // loaded whole. A reader polls the words themselves, so no counter is bumped after a release
 // fence that first drains the writer's stores: one L2 trip instead of a drain, a flag's trip
-// and the data's (the residual sums, added by many blocks with atomics, keep their counters).
+// and the data's. XRES (the default; 0 restores float atomics and counters): the residual
+// sums, added by many blocks, as words that count their addends (res_add, read_res): a reader
+// polls them until the count is complete, and the integer sums make the step bit-reproducible.
 //
-// The sums a layer accumulates (residual after attention, after the MLP) and the counters
-// live in two sets, chosen by the parity of a step counter; a launch zeroes the other set for
+// The sums a layer accumulates (residual after attention, after the MLP) and the XRES=0
+// counters live in two sets, chosen by the parity of a step counter; a launch zeroes the other set for
 // the next launch, so nothing is reset from the host and the launch replays from a CUDA graph.
 //
 // Weights are the GGUF blocks as they are in the file (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,

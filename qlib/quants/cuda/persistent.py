@@ -6,7 +6,7 @@ CUDA driver API and launches it on torch's current stream, so the launch can be 
 CUDA graph like any other. Both libraries are reached through ctypes: NVRTC from the
 ``nvidia-cuda-nvrtc`` wheel that CUDA builds of torch depend on (``$QLIB_NVRTC`` names another),
 the driver from ``libcuda.so.1``; nothing else is needed. The grid is one block per SM, all
-resident at once, which the kernel's waits on other blocks' counters require.
+resident at once, which the kernel's waits on other blocks' words require.
 
 The weights are the GGUF blocks as in the file (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0),
 each tensor a device copy of its bytes. The K-quants (Q2_K .. Q6_K) are expanded once, exactly,
