@@ -23,7 +23,8 @@
 # kernels captured once in a CUDA graph and replayed, without and with programmatic dependent
 # launch (PDL: Hopper and later), and with the attention's combine merged into the output
 # projection's kernel (five kernels a layer instead of six); (d) one persistent kernel that walks all
-# the layers, each block waiting only on counters of the work it reads, no grid-wide barrier
+# the layers, each block waiting only for the words it reads (they carry the step's tag or
+# count their addends), no grid-wide barrier
 # (`qlib.quants.cuda.persistent`), also replayed from a graph; then the PDL graph and the
 # persistent kernel again with the greedy argmax inside the step's graph, only the id read back
 # (as `qlib generate` decodes); a rung that cannot run this model says why. Per rung: kernels
