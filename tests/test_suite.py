@@ -185,6 +185,28 @@ def test_parallel_run_on_another_device_sits_beside(first_run, notebooks):
     assert md.index("### 01_good on cpu") < md.index("### 01_good on cuda")
 
 
+def test_run_without_device_files_under_cpu_whatever_the_default(tmp_path):
+    """A notebook whose own `device` default is "cuda" (as notebook 11), run with no --device:
+    it gets device="cpu", the run's tag, so results of an earlier cuda run stay untouched."""
+    nbs = tmp_path / "nbs"
+    nbs.mkdir()
+    code = (
+        "from qlib.suite.results import ResultWriter\n"
+        'w = ResultWriter("01_gpu", params=dict(device=device))\n'
+        'w.skipped("x", f"ran with {device}")'
+    )
+    _notebook(nbs / "01_gpu.ipynb", 'device = "cuda"', code, "GPU only")
+    argv = ["suite", "run", "--notebooks", str(nbs), "--output-dir", str(tmp_path / "out")]
+    assert main([*argv, "--device", "cuda"]) == 0  # (the notebook never touches a GPU)
+    out = tmp_path / "out"
+    cuda_meta = (out / "01_gpu" / "meta_cuda.json").read_bytes()
+    assert main(argv) == 0
+    assert (out / "01_gpu" / "meta_cuda.json").read_bytes() == cuda_meta
+    meta = json.loads((out / "01_gpu" / "meta_cpu.json").read_text())
+    assert meta["params"]["device"] == "cpu"
+    assert _status(out, "01_gpu")["parameters"] == {"device": "cpu"}
+
+
 def test_parse_value():
     assert parse_value("3") == 3 and isinstance(parse_value("3"), int)
     assert parse_value("2.5") == 2.5 and parse_value("1e3") == 1000.0

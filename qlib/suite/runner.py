@@ -18,6 +18,7 @@ run ended ok with the same three (``resume_check``) and runs the others.
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import contextlib
 import hashlib
@@ -366,11 +367,24 @@ def _run_in_worker(args: tuple) -> NotebookResult:
 
 
 def select_parameters(path: Path, given: dict[str, Any]) -> dict[str, Any]:
-    """The ``given`` parameters that the notebook declares (all of them if it declares none)."""
+    """The ``given`` parameters that the notebook declares (all of them if it declares none).
+
+    With no ``device`` given the run is tagged (and its results filed) as "cpu", so a notebook
+    whose own ``device`` default is another (notebook 11's "cuda") gets ``device="cpu"``:
+    else it would save under that device's tag, over that device's results.
+    """
     declared = notebook_parameters(path)
     if not declared:
         return dict(given)
-    return {k: v for k, v in given.items() if k in declared}
+    chosen = {k: v for k, v in given.items() if k in declared}
+    if "device" in declared and "device" not in chosen:
+        try:
+            default = ast.literal_eval(declared["device"].get("default") or "'cpu'")
+        except (ValueError, SyntaxError):  # not a literal: leave the notebook's own
+            default = "cpu"
+        if device_tag(default) != "cpu":
+            chosen["device"] = "cpu"
+    return chosen
 
 
 def run_suite(
