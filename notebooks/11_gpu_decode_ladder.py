@@ -56,7 +56,8 @@ w = ResultWriter("11_gpu_decode_ladder", params=dict(
     model_path=model_path, device=device, prompt_tokens=prompt_tokens, steps=steps, reps=reps))
 runs_here = device == "cuda" and torch.cuda.is_available()
 if not runs_here:
-    why = "no CUDA device here" if device == "cuda" else f"device {device!r}: CUDA only"
+    why = ("no CUDA device here" if device == "cuda"
+           else f"a CUDA experiment: run it with device 'cuda' (this run: {device!r})")
     print(w.skipped("ladder", why))
 
 # %% [markdown]
