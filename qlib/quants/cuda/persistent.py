@@ -290,7 +290,8 @@ class PersistentDecoder:
         acc_n = (2 * nl + 1) * dim
         n_counters = nl * (c.head_count_kv + 2 + nh) + 1
         # two sets, by the step's parity, of float32 sums or (XRES) 64-bit words
-        self.acc = torch.zeros(2 * 2 * acc_n, device=device)
+        words = 2 if self.macros["XRES"] else 1
+        self.acc = torch.zeros(2 * words * acc_n, device=device)
         self.counters = torch.zeros(2 * n_counters, dtype=torch.int32, device=device)
         self.steps = torch.zeros(1, dtype=torch.int32, device=device)
         self.best = torch.zeros(2, dtype=torch.int64, device=device)
