@@ -19,7 +19,8 @@
  * From qlib_gemm_min_rows rows (4; prefill) a tiled GEMM path (below) computes the same
  * exact integer block dots with weight tiles re-laid once per call: equal to the GEMV
  * loops to float rounding (the float32 order of the per-block terms), rows independent
- * within each path.
+ * within each path. The tiled path also takes Q5_1 weights as their GGUF blocks
+ * (qlib_q51_gemm, for kquants.c: codes 0..31 unpacked into the tiles, Q4_1's formula).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -30,7 +31,11 @@
 
 #include "simd.h"
 
-enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q8_0 = 8 }; /* Q5_0: repack only */
+enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8 };
+/* Q5_0: repack only; Q5_1: its GGUF blocks, in the tiled path only (qlib_q51_gemm) */
+
+/* Whether a weight type's blocks have minimums (the m_w s_a term; no code offset). */
+static inline int has_min(int type) { return type == QLIB_Q4_1 || type == QLIB_Q5_1; }
 
 /* Dots of R consecutive repacked weight rows with one quantized activation row
  * (R is a compile-time constant at each call: the loops unroll, the R chains overlap). */
@@ -104,7 +109,8 @@ int qlib_gemm_min_rows = 4;
 void qlib_qgemm_set_min_rows(int rows) { qlib_gemm_min_rows = rows; }
 
 /* The tile's codes as unsigned bytes in steps of 4 elements: wt[(s * GT + r) * 4 + t] = code
- * of element 4s + t of tile row r (rows past n repeat the last row); dt / mt: float d / m. */
+ * of element 4s + t of tile row r (rows past n repeat the last row); dt / mt: float d / m.
+ * Q5_1: codes are the GGUF blocks (rows of row_bytes), d and m read from them. */
 static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const uint16_t *dw,
                       const uint16_t *mw, int j0, int n, int k, uint8_t *wt, float *dt,
                       float *mt) {
@@ -119,7 +125,9 @@ static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const ui
         for (int c = 0; c < k / 64; c++) { /* 64 elements: 16 steps */
             __m512i x[16];
             for (int l = 0; l < 16; l++) {
-                if (type == QLIB_Q8_0) {
+                if (type == QLIB_Q5_1) {
+                    x[l] = q51_pair_codes(row[l] + 48 * c);
+                } else if (type == QLIB_Q8_0) {
                     x[l] = _mm512_loadu_si512(row[l] + 64 * c);
                 } else {
                     const __m256i p = _mm256_loadu_si256((const __m256i *)(row[l] + 32 * c));
@@ -135,6 +143,14 @@ static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const ui
     }
     for (int r = 0; r < GT; r++) {
         const size_t jr = (size_t)(j0 + (r < last ? r : last)) * G;
+        if (type == QLIB_Q5_1) {
+            for (int b = 0; b < G; b++) {
+                uint16_t dm[2];
+                memcpy(dm, codes + (jr + b) * 24, 4);
+                dt[b * GT + r] = _cvtsh_ss(dm[0]), mt[b * GT + r] = _cvtsh_ss(dm[1]);
+            }
+            continue;
+        }
         for (int b = 0; b < G; b++) {
             dt[b * GT + r] = _cvtsh_ss(dw[jr + b]);
             if (mt) mt[b * GT + r] = _cvtsh_ss(mw[jr + b]);
@@ -156,11 +172,11 @@ static inline __attribute__((always_inline)) void gemm_rows(
     for (int b = 0; b < G; b++) {
         __m512i iacc[GEMM_MR][NV];
         for (int i = 0; i < MR; i++) {
-            /* Q4_1 has no offset: zeros (a zero idiom, not a register move per accumulator) */
-            const __m512i c0 = type == QLIB_Q4_1 ? _mm512_setzero_si512()
-                                                 : _mm512_set1_epi32(cb[(size_t)i * G + b]);
-            for (int v = 0; v < NV; v++)
-                iacc[i][v] = type == QLIB_Q4_1 ? _mm512_setzero_si512() : c0;
+            /* Q4_1 / Q5_1 have no offset: zeros (a zero idiom, not a register move per
+             * accumulator) */
+            const __m512i c0 = has_min(type) ? _mm512_setzero_si512()
+                                             : _mm512_set1_epi32(cb[(size_t)i * G + b]);
+            for (int v = 0; v < NV; v++) iacc[i][v] = has_min(type) ? _mm512_setzero_si512() : c0;
         }
         const uint8_t *wb = wt + (size_t)b * 8 * GT * 4;
         const int8_t *ab = aq + b * 32;
@@ -180,7 +196,7 @@ static inline __attribute__((always_inline)) void gemm_rows(
                 const __m512 dd = _mm512_mul_ps(dwv, _mm512_set1_ps(ad[(size_t)i * G + b]));
                 facc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i][v]), dd, facc[i][v]);
             }
-            if (type == QLIB_Q4_1) {
+            if (has_min(type)) {
                 const __m512 mwv = _mm512_loadu_ps(mt + b * GT + v * 16);
                 for (int i = 0; i < MR; i++)
                     facc[i][v] = _mm512_fmadd_ps(mwv, _mm512_set1_ps(as[(size_t)i * G + b]),
@@ -207,7 +223,7 @@ static void act_row_gemm(int type, const float *x, int k, int i, const float *no
         input_row(src, k, norm_w, eps, swiglu, ri);
         src = ri;
     }
-    quantize_row_q8(src, k, q, ad + (size_t)i * G, type == QLIB_Q4_1 ? as + (size_t)i * G : NULL);
+    quantize_row_q8(src, k, q, ad + (size_t)i * G, has_min(type) ? as + (size_t)i * G : NULL);
     if (!offset) return;
     const __m512i ones = _mm512_set1_epi8(1);
     for (int e = 0; e < k; e += 64) { /* two blocks: lanes 0-7 and 8-15 hold their 4-sums */
@@ -261,7 +277,7 @@ static int qgemm_tiled(int type, const uint8_t *codes, size_t row_bytes, const u
 #pragma omp for schedule(static) nowait
             for (int tj = 0; tj < ntiles; tj++) {
                 const int j0 = tj * GT, cols = n - j0 < GT ? n - j0 : GT;
-                float *mt = type == QLIB_Q4_1 ? dt + GT * (size_t)G : NULL;
+                float *mt = has_min(type) ? dt + GT * (size_t)G : NULL;
                 gemm_tile(type, codes, row_bytes, dw, mw, j0, n, k, wt, dt, mt);
                 int i = r0;
                 for (; i + GEMM_MR <= r1; i += GEMM_MR)
@@ -277,6 +293,17 @@ static int qgemm_tiled(int type, const uint8_t *codes, size_t row_bytes, const u
         free(wt), free(dt), free(ri);
     }
     return failed ? -1 : 0;
+}
+
+/* y[m, n] (+)= f(x)[m, k] @ W[n, k].T for Q5_1 weights as GGUF blocks ([n, k / 32], 24
+ * bytes each), through the tiled path: the unpacked 5-bit codes times the Q8_1 activation
+ * codes (exact), per block float(sum) * (d_w d_a) + m_w s_a, as kquants.c's Q5_1 GEMV to float
+ * rounding (kquants.c's qlib_kgemm calls it from qlib_gemm_min_rows rows). Returns 0 or -1. */
+int qlib_q51_gemm(const uint8_t *blocks, int n, int k, const float *x, int m, float *y,
+                  const float *norm_w, float eps, int swiglu, int accumulate) {
+    if (k % 64) return -1;
+    return qgemm_tiled(QLIB_Q5_1, blocks, (size_t)k / 32 * 24, NULL, NULL, n, k, x, m, y, norm_w,
+                       eps, swiglu, accumulate);
 }
 
 /* Activation row i of qlib_qgemm_ex: the input row (scratch ri), its Q8_0 / Q8_1 codes,

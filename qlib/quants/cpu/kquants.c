@@ -23,7 +23,7 @@
  * Requires k % 256 == 0 (K-quants), k % 64 == 0 (Q5_1). F32 / F16 / BF16 rows, which the
  * Python side passes as one more kind of GGUF rows, go to floats.c.
  * From qlib_gemm_min_rows rows (4; prefill) the K-quants take a tiled GEMM path (below; Q5_1
- * keeps the GEMV loops): the same
+ * kernels.c's, qlib_q51_gemm): the same
  * exact integer block dots with weight tiles re-laid once per call: equal to the GEMV
  * loops to float rounding (the float32 order of the per-block terms), rows independent
  * within each path.
@@ -44,6 +44,9 @@ int qlib_fgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
 void qlib_fgemv_region(int type, const uint8_t *w, int n, int k, const float *x, float *y,
                        const float *norm_w, float eps, int swiglu, int accumulate,
                        float *scratch, float *shared);
+/* kernels.c: the tiled GEMM of Q5_1 blocks (many rows) */
+int qlib_q51_gemm(const uint8_t *blocks, int n, int k, const float *x, int m, float *y,
+                  const float *norm_w, float eps, int swiglu, int accumulate);
 
 /* ggml's type ids */
 enum { QLIB_Q5_1 = 7, QLIB_Q2_K = 10, QLIB_Q3_K = 11, QLIB_Q4_K = 12, QLIB_Q5_K = 13,
@@ -341,9 +344,6 @@ static inline __attribute__((always_inline)) void kcols(
 static inline __attribute__((always_inline)) void q51rows(
     const int R, const uint8_t *w, size_t row_bytes, int G, const int8_t *aq, const float *ad,
     const float *as, const char *pf, float *y) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m512i order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11); /* lo0 hi0 lo1 hi1 */
-    const __m512i b4 = _mm512_set1_epi8(0x10);
     __m512 acc[4];
     float macc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), macc[r] = 0.0f;
@@ -354,16 +354,7 @@ static inline __attribute__((always_inline)) void q51rows(
                 _mm_prefetch(pf + (size_t)p * R * 24 + off, QLIB_PF_HINT);
         for (int r = 0; r < R; r++) {
             const uint8_t *b0 = w + r * row_bytes + (size_t)p * 24, *b1 = b0 + 24;
-            const __m256i t = _mm256_inserti128_si256(
-                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 8))),
-                _mm_loadu_si128((const __m128i *)(b1 + 8)), 1);
-            const __m256i lo = _mm256_and_si256(t, m4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), m4);
-            __m512i v = _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), order,
-                                                  _mm512_castsi256_si512(hi));
-            uint32_t h0, h1;
-            memcpy(&h0, b0 + 4, 4), memcpy(&h1, b1 + 4, 4);
-            v = _mm512_mask_add_epi8(v, (__mmask64)h0 | (__mmask64)h1 << 32, v, b4);
+            const __m512i v = q51_pair_codes(b0);
             const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, a);
             const __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16_at(b0) * ad[p]),
                                                    _mm512_set1_ps(f16_at(b1) * ad[p + 1]));
@@ -680,6 +671,8 @@ int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
         return qlib_fgemm(type, w, n, k, x, m, y, norm_w, eps, swiglu, accumulate);
     const int bsize = block_bytes(type), kq = type != QLIB_Q5_1;
     if (!bsize || (kq ? k % 256 : k % 64)) return -1;
+    if (!kq && m >= qlib_gemm_min_rows) /* Q5_1, many rows: kernels.c's tiled path */
+        return qlib_q51_gemm(w, n, k, x, m, y, norm_w, eps, swiglu, accumulate);
     const size_t row_bytes = (size_t)(k / (kq ? 256 : 32)) * bsize;
     const int G = k / 32, NB = k / 256;
     int8_t *aq = malloc((size_t)m * k);
