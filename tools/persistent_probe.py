@@ -27,6 +27,9 @@ import torch
 
 from qlib.llama.engine import load
 
+# block_times_ns's six points of the middle layer, in its order
+BLOCK_POINTS = ("residual in", "q/k/v done", "heads in", "MLP done", "staging issued", "count seen")
+
 
 def parse_variant(spec: str) -> tuple[str, dict]:
     """``persistent:kv_stage=0,split=128`` -> (``persistent``, {kv_stage: 0, split: 128})."""
@@ -145,6 +148,20 @@ def main() -> None:
                 if args.stage_times and model.decode == "persistent":
                     spans = model._persistent.stage_times_ns()
                     print("   ", "  ".join(f"{k} {v / 1e3:.0f}" for k, v in spans.items()))
+                    blocks = model._persistent.block_times_ns().double() / 1e3
+                    cols = []
+                    for name, col in zip(BLOCK_POINTS, blocks.T, strict=True):
+                        seen = col[col != 0] if name != "residual in" else col
+                        if seen.numel():
+                            cols.append(
+                                f"{name} {seen.min():.1f} / {seen.median():.1f} / "
+                                f"{seen.max():.1f} ({seen.numel()})"
+                            )
+                    print(
+                        "    middle layer, us from block 0's residual (min / median / max, "
+                        "blocks):",
+                        "; ".join(cols),
+                    )
     print("\nvariant: forward + argmax ms/token, generate ms/token, graph us/step: min / median")
     for spec, res in results.items():
         print(f"{spec:40s}", "   ".join(

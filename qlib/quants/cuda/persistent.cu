@@ -90,7 +90,7 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #define XRES 1  // the residual sums as fixed-point words that count their addends (res_add)
 #endif
 
-#define NMARK 10  // stage-time marks per layer
+#define NMARK 12  // stage-time marks per layer
 
 // GGUF's type ids, and T_X8: the K-quants (Q2_K .. Q6_K) as persistent.py expands them, exactly
 // (every value is a * q + b as ggml computes it, a * q exact in float32): per 32 elements a0 b0
@@ -605,7 +605,7 @@ __device__ __forceinline__ void get_tagged(const u64* const (&p)[N], u32 tag, fl
 __device__ __forceinline__ float part_at(const float* p) { return XCHG ? *p : __ldcg(p); }
 
 // QLIB_STAGE_TIMES: block 0 (a q/k/v and an attention task each layer) and the first MLP block
-// (marks 7-9) record %globaltimer (ns) at NMARK marks a layer, and at the step's start and end.
+// (marks 8-11) record %globaltimer (ns) at NMARK marks a layer, and at the step's start and end.
 #ifdef QLIB_STAGE_TIMES
 #define MARK(i)                                                  \
     if (threadIdx.x == 0) {                                      \
@@ -1030,6 +1030,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                 }
             }
             __syncthreads();
+            if (b == 0) MARK(NMARK * l + 6);
             const int to = T[W_O];
             slab_rows_add<HD>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
                               A + (usize)(2 * l + 1) * DIM, wo_r0, wo_r1);
@@ -1038,7 +1039,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
 #else
             signal(attn_done + l);
 #endif
-            if (b == 0) MARK(NMARK * l + 6);
+            if (b == 0) MARK(NMARK * l + 7);
             if (!mlp) stage_next();  // (it waits for the next layer's residual next)
         }
 
@@ -1046,15 +1047,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
         if (mlp) {
 #if XRES
             read_res(A + (usize)(2 * l + 1) * DIM, NH, res_in);
-            if (b == MLP_FIRST) MARK(NMARK * l + 7);
+            if (b == MLP_FIRST) MARK(NMARK * l + 8);
             BLOCK_MARK(2)
 #else
             wait_count(attn_done + l, NH * ns);
-            if (b == MLP_FIRST) MARK(NMARK * l + 7);
+            if (b == MLP_FIRST) MARK(NMARK * l + 8);
             BLOCK_MARK(2)
             read_sum(sum_at(A, 2 * l + 1), res_in);
 #endif
             rmsnorm_shared(res_in, (const float*)wp[1], xs, red);
+            if (b == MLP_FIRST) MARK(NMARK * l + 9);
             const int tg = T[W_GATE], tu = T[W_UP], td = T[W_DOWN];
             const usize rg = row_bytes(tg, DIM), ru = row_bytes(tu, DIM), sbd = row_bytes(td, 32);
 #pragma unroll
@@ -1088,7 +1090,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                 }
                 __syncthreads();
 #endif
-                if (b == MLP_FIRST && ci == 0) MARK(NMARK * l + 8);
+                if (b == MLP_FIRST && ci == 0) MARK(NMARK * l + 10);
                 slab_rows_add<CHUNK>(td, wp[P_MLP + 3 * ci + 2], sbd, CHUNK * (c & 1), gsm,
                                      c == 0 ? res_in : nullptr, A + (usize)2 * (l + 1) * DIM);
                 __syncthreads();
@@ -1098,7 +1100,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
 #else
             signal(mlp_done + l);
 #endif
-            if (b == MLP_FIRST) MARK(NMARK * l + 9);
+            if (b == MLP_FIRST) MARK(NMARK * l + 11);
             BLOCK_MARK(3)
             if (att) stage_next();
         }

@@ -49,9 +49,11 @@ MARKS = (
     "att: wait qkv",
     "att: scores",
     "att: values",
+    "att: merge",
     "att: wo+signal",
     "mlp: wait",
-    "mlp: norm+gate/up",
+    "mlp: norm",
+    "mlp: gate/up",
     "mlp: down+signal",
 )
 N_MARKS = len(MARKS)
