@@ -90,6 +90,11 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #define XRES 1  // the residual sums as fixed-point words that count their addends (res_add)
 #endif
 
+#ifndef WHERE_SHARED
+#define WHERE_SHARED 1  // the staged pieces' addresses in shared memory, not a local array
+#endif
+#define WHERE_MAX 32  // pieces a layer at most (persistent.py leaves WHERE_BYTES of shared memory)
+
 #define NMARK 12  // stage-time marks per layer
 
 // GGUF's type ids, and T_X8: the K-quants (Q2_K .. Q6_K) as persistent.py expands them, exactly
@@ -709,7 +714,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     const int out_r0 = min(VOCAB, b * OUT_RB), out_r1 = min(VOCAB, out_r0 + OUT_RB);
     constexpr int P_QKV = 2, P_WO = 2 + 2 * MAXQ, P_MLP = P_WO + 1, P_KV = P_MLP + 3 * MAXCH;
     constexpr int NP = P_KV + 2;
+#if WHERE_SHARED  // the staged pieces' addresses, the same in every thread: in shared memory, as a
+    // local array indexed by the layer's parity they lived on the stack, one load of L1 (or of L2
+    // when the staging had evicted the line) at the head of every task
+    static_assert(NP <= WHERE_MAX, "WHERE_MAX: the staged pieces of a layer");
+    __shared__ const u8* where[2][WHERE_MAX];
+#else
     const u8* where[2][NP];
+#endif
     auto stage_layer = [&](int l) {
         const u64* W = weights + (usize)l * W_PER_LAYER;
         const int* T = stypes + l * 7;

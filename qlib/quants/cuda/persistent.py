@@ -57,6 +57,7 @@ MARKS = (
     "mlp: down+signal",
 )
 N_MARKS = len(MARKS)
+WHERE_BYTES = 2 * 32 * 8  # persistent.cu's static `where` (2 x WHERE_MAX pointers)
 _SHARED_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _SHARED_OPTIN_ATTR = 97  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 
@@ -248,7 +249,8 @@ class PersistentDecoder:
         smax_pos = -(-smax_pos // 4) * 4
         floats = 2 * dim + 5 * hd + smax_pos + warps * hd + CHUNK + warps + 7 * nl
         optin = _device_attribute(device, _SHARED_OPTIN_ATTR)
-        wcap = (optin - 4 * floats - 256) // 32 * 16  # two staging areas
+        # two staging areas, beside the floats and the static addresses (WHERE_BYTES)
+        wcap = (optin - 4 * floats - 256 - WHERE_BYTES) // 32 * 16
         shared = 2 * wcap + 4 * floats
         self.macros = dict(THREADS=threads, DIM=dim, NFF=n_ff, NH=nh, NKV=c.head_count_kv,
                            HD=hd, NL=nl, VOCAB=vocab, MAXSEQ=max_seq,
