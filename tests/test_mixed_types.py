@@ -17,10 +17,12 @@ CPU (``FastModel``), with what each comparison allows and why:
   default where the kernels are: C RmsNorm, SwiGLU and tiled attention between the int8
   GEMMs) and decode run another float order (another exp, sums in other orders; observed
   0 to 2.6e-3 x, the larger ones on Q5_1, F16 and the legacy / float mixes: flipped codes,
-  as below). The C prefill is bounded by ``C_PREFILL_TOL`` = 3e-2 x: on the Q5_K_M mix one
-  flipped code moves every logit from position 5 on by up to 1.34e-2 x (seen when Q5_1's
-  prefill GEMM took the tiled path, another float order of the same block dots; the kernels'
-  own outputs agree to 3e-7 x, ``tests/test_gemm_paths.py``). A wiring error is far above it
+  as below). The C prefill is bounded by ``C_PREFILL_TOL`` = 3e-2 x: on the Q5_K_M mix the
+  logits from position 5 on differ by up to 1.34e-2 x, the first row untouched (seen once
+  Q5_1's prefill took the tiled GEMM, and with every GEMM forced onto the GEMV loops: both
+  engines call the same kernels, so what differs is the C RmsNorm / SwiGLU / attention's last
+  bits, which round Q8 activation codes the other way; the kernels' own outputs agree to 3e-7
+  x, ``tests/test_gemm_paths.py``). A wiring error is far above it
   (the Q5_1 part's first minimum zeroed in each row: 0.36 x); a single wrong code in every
   row (1.9e-2 x) is the kernel tests' to catch (1e-5 x of their outputs). The decode steps
   after it attend over its cache and share its bound. Decode runs the C attention kernel

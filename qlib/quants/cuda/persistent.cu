@@ -93,7 +93,9 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #ifndef WHERE_SHARED
 #define WHERE_SHARED 1  // the staged pieces' addresses in shared memory, not a local array
 #endif
-#define WHERE_MAX 32  // pieces a layer at most (persistent.py leaves WHERE_BYTES of shared memory)
+#ifndef WHERE_MAX
+#define WHERE_MAX 32  // staged pieces a layer at most (persistent.py passes its WHERE_MAX)
+#endif
 
 #define NMARK 12  // stage-time marks per layer
 
@@ -714,9 +716,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     const int out_r0 = min(VOCAB, b * OUT_RB), out_r1 = min(VOCAB, out_r0 + OUT_RB);
     constexpr int P_QKV = 2, P_WO = 2 + 2 * MAXQ, P_MLP = P_WO + 1, P_KV = P_MLP + 3 * MAXCH;
     constexpr int NP = P_KV + 2;
-#if WHERE_SHARED  // the staged pieces' addresses, the same in every thread: in shared memory, as a
-    // local array indexed by the layer's parity they lived on the stack, one load of L1 (or of L2
-    // when the staging had evicted the line) at the head of every task
+#if WHERE_SHARED
+    // The staged pieces' addresses (the same in every thread) in shared memory. As a local array
+    // indexed by the layer's parity they lived on the stack: every task began with a load from
+    // L1, or from L2 once the staging's traffic had evicted the line.
     static_assert(NP <= WHERE_MAX, "WHERE_MAX: the staged pieces of a layer");
     __shared__ const u8* where[2][WHERE_MAX];
 #else

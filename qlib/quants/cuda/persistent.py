@@ -57,7 +57,8 @@ MARKS = (
     "mlp: down+signal",
 )
 N_MARKS = len(MARKS)
-WHERE_BYTES = 2 * 32 * 8  # persistent.cu's static `where` (2 x WHERE_MAX pointers)
+WHERE_MAX = 32  # staged pieces a layer at most: persistent.cu's static `where` of 2 x as many
+WHERE_BYTES = 2 * WHERE_MAX * 8  # pointers, left out of the staging areas
 _SHARED_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _SHARED_OPTIN_ATTR = 97  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 
@@ -260,6 +261,7 @@ class PersistentDecoder:
                            SMAXPOS=smax_pos, WCAP=wcap, KV_STAGE=int(kv_stage),
                            # counted fixed-point residual words hold at most 1023 addends a sum
                            XRES=int(max(nh, n_ff // CHUNK) < 1024),
+                           WHERE_MAX=WHERE_MAX,
                            LAYER_TYPES=sum({1 << TYPE_IDS[ly[n].dtype.name]
                                             for ly in layers for n in MATRICES}),
                            OUT_TYPES=1 << TYPE_IDS[output.dtype.name])  # fmt: skip
