@@ -113,6 +113,25 @@ def test_residual_sums_float_atomics_or_counted_words(tmp_path, xres):
 
 
 @needs_cuda
+@pytest.mark.parametrize("macros", [{"WHERE_SHARED": 0}, {"FLAT_DOTS": 0}])
+@pytest.mark.parametrize("shape", [(4, 2, 128, None), (2, 2, 128, 16)])
+def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
+    """The A/B macros that ``tools/persistent_probe.py`` compares against the default (the
+    staged pieces' addresses in a local array; a warp a row instead of ``flat_dots``) stay
+    correct: decode steps from position 0 as the f32 form, GQA 2:1 and MHA with ``split=16``
+    (several blocks a head past 16 positions)."""
+    n_head, n_kv, n_embd, split = shape
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=n_embd,
+                            n_head=n_head, n_kv_head=n_kv, n_ff=256)  # fmt: skip
+    options = {"macros": macros, **({"split": split} if split else {})}
+    ref, fast = load(path, decode_options=options)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    want = ref.forward(ids, 0, all_logits=True)[0]
+    for pos in range(ids.shape[1]):
+        close(fast.forward(ids[:, pos : pos + 1], pos)[0], want[pos], tol=1e-4)
+
+
+@needs_cuda
 @pytest.mark.parametrize("split", [persistent.SPLIT, 16])
 def test_decode_from_position_zero_and_long_attention(tmp_path, split):
     """Every position decoded one token at a time (no prefill); MHA, tied output, head_dim 64.
