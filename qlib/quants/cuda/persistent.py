@@ -57,8 +57,8 @@ MARKS = (
     "mlp: down+signal",
 )
 N_MARKS = len(MARKS)
-WHERE_MAX = 32  # staged pieces a layer at most: persistent.cu's static `where` of 2 x as many
-WHERE_BYTES = 2 * WHERE_MAX * 8  # pointers, left out of the staging areas
+WHERE_MAX = 32  # staged pieces a layer at most (persistent.cu's `where`, passed as a macro)
+WHERE_BYTES = 2 * WHERE_MAX * 8  # that static array of 2 x WHERE_MAX pointers: not for staging
 _SHARED_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _SHARED_OPTIN_ATTR = 97  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 
