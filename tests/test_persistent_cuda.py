@@ -113,13 +113,42 @@ def test_residual_sums_float_atomics_or_counted_words(tmp_path, xres):
 
 
 @needs_cuda
-@pytest.mark.parametrize("macros", [{"WHERE_SHARED": 0}, {"FLAT_DOTS": 0}])
+def test_two_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
+    """``DOWN_COPIES=2``: the MLP tasks add into two copies of the next residual's counted
+    words (half the atomics on each address), which the readers add as integers, so a step's
+    logits are the same bit for bit as with one copy."""
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=128, n_head=4,
+                            n_kv_head=2, n_ff=512)  # fmt: skip
+    ids = torch.tensor([[1, 5, 9, 33, 7]])
+    runs = []
+    for copies in (1, 2):
+        _, fast = load(path, decode_options={"macros": {"DOWN_COPIES": copies}})
+        assert fast._persistent.macros.get("DOWN_COPIES", 1) == copies
+        fast.forward(ids, 0)
+        runs.append(
+            [fast.forward(torch.tensor([[t]]), 5 + i).clone() for i, t in enumerate((3, 44))]
+        )
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "macros",
+    [
+        {"WHERE_SHARED": 0},
+        {"FLAT_DOTS": 0},
+        {"ROWB_CONST": 0},
+        {"DOWN_COPIES": 1},
+        {"FLAT_SHFL": 0},
+    ],
+)
 @pytest.mark.parametrize("shape", [(4, 2, 128, None), (2, 2, 128, 16)])
 def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
     """The A/B macros that ``tools/persistent_probe.py`` compares against the default (the
-    staged pieces' addresses in a local array; a warp a row instead of ``flat_dots``) stay
-    correct: decode steps from position 0 as the f32 form, GQA 2:1 and MHA with ``split=16``
-    (several blocks a head past 16 positions)."""
+    staged pieces' addresses in a local array; a warp a row instead of ``flat_dots``; types
+    and row sizes read at run time; the MLP's sums in one copy; ``flat_dots``' partial sums
+    through shared memory only) stay correct: decode steps from position 0 as the f32 form,
+    GQA 2:1 and MHA with ``split=16`` (several blocks a head past 16 positions)."""
     n_head, n_kv, n_embd, split = shape
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=n_embd,
                             n_head=n_head, n_kv_head=n_kv, n_ff=256)  # fmt: skip

@@ -39,6 +39,8 @@
 // and the data's. XRES (the default; 0 restores float atomics and counters): the residual
 // sums, added by many blocks, as words that count their addends (res_add, read_res): a reader
 // polls them until the count is complete, and the integer sums make the step bit-reproducible.
+// DOWN_COPIES 2 (the default with XRES): the MLP tasks add into two copies of a layer's words by
+// turns (half the atomics on each address), which the readers add as integers: the same sums.
 //
 // The sums a layer accumulates (residual after attention, after the MLP) and the XRES=0
 // counters live in two sets, chosen by the parity of a step counter; a launch zeroes the other set for
@@ -69,7 +71,11 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #define PAIRS_G ((GQA + 2) * HD / 2)  // RoPE pairs of one KV head's q, k and v rows
 #define QKV_T (NKV * PAIRS_G / QPB)   // q/k/v tasks per layer, QPB pairs each
 #define MAXQ ((QKV_T + GRID - 1) / GRID)  // q/k/v tasks per block
-#define ACC_N ((2 * NL + 1) * DIM)  // one set of residual sums
+#ifndef DOWN_COPIES
+#define DOWN_COPIES 2  // copies of a layer's residual words that the MLP tasks add into (1; 2 needs XRES)
+#endif
+// one set of residual sums: res(l) and mid(l), then (DOWN_COPIES 2) a second copy of res(l)
+#define ACC_N ((2 * NL + 1 + (DOWN_COPIES - 1) * NL) * DIM)
 #define NCNT (NL * (NKV + 2 + NH) + 1)  // one set of counters
 #ifndef OUT_PREFETCH
 #define OUT_PREFETCH 2  // layers before the end at which the output rows are prefetched into L2
@@ -95,6 +101,13 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #endif
 #ifndef WHERE_MAX
 #define WHERE_MAX 32  // staged pieces a layer at most (persistent.py passes its WHERE_MAX)
+#endif
+
+#ifndef ROWB_CONST
+#define ROWB_CONST 1  // one layer type (LAYER_TYPES a single bit): types and row sizes as constants
+#endif
+#ifndef FLAT_SHFL
+#define FLAT_SHFL 1  // flat_dots: a row's partial sums added by shuffles in groups of lanes first
 #endif
 
 #define NMARK 12  // stage-time marks per layer
@@ -189,6 +202,7 @@ constexpr int RES_ADDENDS = (NH > NFF / CHUNK ? NH : NFF / CHUNK);  // the most 
 constexpr int RES_BIAS = 53 - ceil_log2(RES_ADDENDS);
 constexpr int RES_FRAC = RES_BIAS - 16;
 static_assert(!XRES || RES_ADDENDS < 1024, "XRES: at most 1023 addends a residual sum");
+static_assert(DOWN_COPIES == 1 || (DOWN_COPIES == 2 && XRES), "DOWN_COPIES: 1, or 2 with XRES");
 __device__ __forceinline__ void res_add(u64* p, float v) {
     v = fminf(fmaxf(v, -65535.f), 65535.f);
     const long long f = __float2ll_rn(v * (float)(1ll << RES_FRAC));  // (exact scaling)
@@ -197,36 +211,68 @@ __device__ __forceinline__ void res_add(u64* p, float v) {
 }
 // dst[i] = residual sum i of the words at r once each has n addends (a thread's loads in flight
 // together, polled until all of them are complete)
-__device__ __forceinline__ void read_res(const u64* r, int n, float* dst) {
+template <int NC = 1>
+__device__ __forceinline__ void read_res(const u64* const (&r)[NC], const int (&n)[NC], float* dst) {
     constexpr int N = (DIM + THREADS - 1) / THREADS;
-    u64 w[N];
+    u64 w[NC][N];
     long long spins = 0;
     if (threadIdx.x == 0) {  // one word first (the adders' last row): one load a poll, not DIM
-        u64 s;
-        do {
-            asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(s) : "l"(r + DIM - 1) : "memory");
-            if (++spins > (1ll << 31)) __trap();
-        } while ((int)(s >> 54) != n);
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            u64 s;
+            do {
+                asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(s) : "l"(r[c] + DIM - 1) : "memory");
+                if (++spins > (1ll << 31)) __trap();
+            } while ((int)(s >> 54) != n[c]);
+        }
     }
     __syncthreads();
     for (;;) {
         bool ok = true;
 #pragma unroll
-        for (int k = 0; k < N; k++) {
-            const int i = threadIdx.x + k * THREADS;
-            w[k] = (u64)n << 54;
-            if (i < DIM) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[k]) : "l"(r + i) : "memory");
-            ok = ok && (int)(w[k] >> 54) == n;
-        }
+        for (int c = 0; c < NC; c++)
+#pragma unroll
+            for (int k = 0; k < N; k++) {
+                const int i = threadIdx.x + k * THREADS;
+                w[c][k] = (u64)n[c] << 54;
+                if (i < DIM) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[c][k]) : "l"(r[c] + i) : "memory");
+                ok = ok && (int)(w[c][k] >> 54) == n[c];
+            }
         if (ok) break;
         if (++spins > (1ll << 31)) __trap();  // seconds: a launch error, never a hang
     }
 #pragma unroll
     for (int k = 0; k < N; k++) {
         const int i = threadIdx.x + k * THREADS;
-        const long long sum = (long long)(w[k] & ((1ull << 54) - 1)) - ((long long)n << RES_BIAS);
+        long long sum = 0;  // the copies' integer sums: the same value however the addends split
+#pragma unroll
+        for (int c = 0; c < NC; c++)
+            sum += (long long)(w[c][k] & ((1ull << 54) - 1)) - ((long long)n[c] << RES_BIAS);
         if (i < DIM) dst[i] = __ll2float_rn(sum) / (float)(1ll << RES_FRAC);  // (exact division)
     }
+}
+__device__ __forceinline__ void read_res(const u64* r, int n, float* dst) {
+    const u64* const rr[1] = {r};
+    const int nn[1] = {n};
+    read_res<1>(rr, nn, dst);
+}
+// res(l) (l >= 1) as the MLP tasks added it: task c into copy c % DOWN_COPIES
+__device__ __forceinline__ void read_layer_res(const u64* A, int l, float* dst) {
+#if DOWN_COPIES == 2
+    const u64* const rr[2] = {A + (usize)2 * l * DIM, A + (usize)(2 * NL + l) * DIM};
+    const int nn[2] = {(NMLP_T + 1) / 2, NMLP_T / 2};
+    read_res<2>(rr, nn, dst);
+#else
+    read_res(A + (usize)2 * l * DIM, NMLP_T, dst);
+#endif
+}
+// where MLP task c adds its share of res(l + 1)
+template <class W>
+__device__ __forceinline__ W* layer_res_copy(W* A, int l, int c) {
+#if DOWN_COPIES == 2
+    if (c & 1) return A + (usize)(2 * NL + l + 1) * DIM;
+#endif
+    return A + (usize)2 * (l + 1) * DIM;
 }
 __device__ __forceinline__ void add_to(float* p, float v) { atomicAdd(p, v); }
 __device__ __forceinline__ void add_to(u64* p, float v) { res_add(p, v); }
@@ -239,6 +285,14 @@ __host__ __device__ constexpr int block_bytes(int t) {  // bytes of 32 elements 
 __device__ __forceinline__ usize row_bytes(int t, int k) {
     return t == T_F32 ? 4 * (usize)k : is_float(t) ? 2 * (usize)k : (usize)(k / 32) * block_bytes(t);
 }
+// The layers' one type when LAYER_TYPES names one (ROWB_CONST), else -1: then a matrix's type
+// and its rows' sizes are constants, not a shared-memory load and a chain of selects and 64-bit
+// multiplies at the head of every task.
+__host__ __device__ constexpr int only_type(unsigned m, int t = 0) {
+    return m == 0 || (m & (m - 1)) ? -1 : (m & 1) ? t : only_type(m >> 1, t + 1);
+}
+constexpr int LTYPE = ROWB_CONST ? only_type(LAYER_TYPES) : -1;
+__device__ __forceinline__ int layer_type(const int* T, int w) { return LTYPE >= 0 ? LTYPE : T[w]; }
 
 // The 8 codes of part p (elements 8p .. 8p+7) of a 4/5-bit block: low nibbles of bytes
 // 0..15 are elements 0..15, high nibbles elements 16..31; Q5_* add bit j of qh. The bytes come
@@ -378,12 +432,22 @@ __device__ __forceinline__ void flat_dots(RowAt row_at, TypeAt type_at, const fl
             }
         }
     })
+#if FLAT_SHFL
+    // a row's threads in aligned groups of G lanes (G: the largest power of two dividing both
+    // TPR and 32) add by shuffles first, so NR threads add TPR / G sums, not TPR
+    constexpr int G = (TPR & -TPR) < 32 ? (TPR & -TPR) : 32;
+#pragma unroll
+    for (int o = 1; o < G; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (seg % G == 0) scratch[threadIdx.x / G] = acc;
+#else
+    constexpr int G = 1;
     scratch[threadIdx.x] = acc;
+#endif
     __syncthreads();
     if (threadIdx.x < NR) {
         float sum = 0.f;
 #pragma unroll
-        for (int k = 0; k < TPR; k++) sum += scratch[threadIdx.x * TPR + k];
+        for (int k = 0; k < TPR / G; k++) sum += scratch[threadIdx.x * (TPR / G) + k];
         y[threadIdx.x] = sum;
     }
     __syncthreads();
@@ -740,7 +804,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             const int seg = r / (HD / 2), i0 = r % (HD / 2);
             const int which = seg < GQA ? W_Q : seg == GQA ? W_K : W_V;
             const int head = seg < GQA ? g * GQA + seg : g;
-            const int rb = (int)row_bytes(T[which], DIM);
+            const int rb = (int)row_bytes(layer_type(T, which), DIM);
             const u8* base = (const u8*)W[which] + (usize)head * HD * rb;
             const bool mine = task < QKV_T;
             src[P_QKV + 2 * k] = base + (usize)(NEOX ? i0 : 2 * i0) * rb;
@@ -748,11 +812,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             bytes[P_QKV + 2 * k] = mine ? (NEOX ? QPB : 2 * QPB) * rb : 0;
             bytes[P_QKV + 2 * k + 1] = mine && NEOX ? QPB * rb : 0;
         }
-        const int sbo = (int)row_bytes(T[W_O], HD);
+        const int sbo = (int)row_bytes(layer_type(T, W_O), HD);
         src[P_WO] = (const u8*)W[W_O] + ((usize)h * DIM + wo_r0) * sbo;
         bytes[P_WO] = att ? (wo_r1 - wo_r0) * sbo : 0;
-        const int rbg = (int)row_bytes(T[W_GATE], DIM), rbu = (int)row_bytes(T[W_UP], DIM);
-        const int sbd = (int)row_bytes(T[W_DOWN], 32);
+        const int rbg = (int)row_bytes(layer_type(T, W_GATE), DIM), rbu = (int)row_bytes(layer_type(T, W_UP), DIM);
+        const int sbd = (int)row_bytes(layer_type(T, W_DOWN), 32);
 #pragma unroll
         for (int ci = 0; ci < MAXCH; ci++) {
             const int c = mb + ci * MLP_BLOCKS;
@@ -810,7 +874,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
         } else {
 #if XRES
             BLOCK_MARK(5)
-            read_res(A + (usize)2 * l * DIM, NMLP_T, res_in);
+            read_layer_res(A, l, res_in);
 #else
             wait_count(mlp_done + l - 1, MLP_BLOCKS);
             BLOCK_MARK(5)
@@ -830,7 +894,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             const int seg = r / (HD / 2), i0 = r % (HD / 2);
             const int which = seg < GQA ? W_Q : seg == GQA ? W_K : W_V;
             const int head = seg < GQA ? g * GQA + seg : g;
-            const int t = T[which];
+            const int t = layer_type(T, which);
             const usize rb = row_bytes(t, DIM);
             // pair j's two rows (x0, x1) -> RoPE (q, k) -> q, k or v as tagged words (XCHG) or
             // q into qbuf; k or v into the cache
@@ -1046,7 +1110,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             }
             __syncthreads();
             if (b == 0) MARK(NMARK * l + 6);
-            const int to = T[W_O];
+            const int to = layer_type(T, W_O);
             slab_rows_add<HD>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
                               A + (usize)(2 * l + 1) * DIM, wo_r0, wo_r1);
 #if XRES
@@ -1072,7 +1136,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
 #endif
             rmsnorm_shared(res_in, (const float*)wp[1], xs, red);
             if (b == MLP_FIRST) MARK(NMARK * l + 9);
-            const int tg = T[W_GATE], tu = T[W_UP], td = T[W_DOWN];
+            const int tg = layer_type(T, W_GATE), tu = layer_type(T, W_UP), td = layer_type(T, W_DOWN);
             const usize rg = row_bytes(tg, DIM), ru = row_bytes(tu, DIM), sbd = row_bytes(td, 32);
 #pragma unroll
             for (int ci = 0; ci < MAXCH; ci++) {
@@ -1107,7 +1171,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
 #endif
                 if (b == MLP_FIRST && ci == 0) MARK(NMARK * l + 10);
                 slab_rows_add<CHUNK>(td, wp[P_MLP + 3 * ci + 2], sbd, CHUNK * (c & 1), gsm,
-                                     c == 0 ? res_in : nullptr, A + (usize)2 * (l + 1) * DIM);
+                                     c == 0 ? res_in : nullptr, layer_res_copy(A, l, c));
                 __syncthreads();
             }
 #if XRES
@@ -1124,7 +1188,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
 
     // ---- every block: the output layer and the argmax
 #if XRES
-    read_res(A + (usize)2 * NL * DIM, NMLP_T, res_in);
+    read_layer_res(A, NL, res_in);
 #else
     wait_count(mlp_done + NL - 1, MLP_BLOCKS);
     read_sum(sum_at(A, 2 * NL), res_in);

@@ -268,6 +268,8 @@ class PersistentDecoder:
         if stage_times:  # block 0 notes the time at every mark (``stage_times_ns``)
             self.macros["QLIB_STAGE_TIMES"] = 1
         self.macros.update(macros or {})  # experiments: persistent.cu's macros (KV_STAGE, ...)
+        # the MLP tasks' sums in two copies of the counted words (half the atomics an address)
+        self.macros.setdefault("DOWN_COPIES", 2 if self.macros["XRES"] else 1)
         major, minor = torch.cuda.get_device_capability(device)
         self.kernel = Kernel(compile_cubin(self.macros, f"sm_{major}{minor}"), shared, device,
                              threads)  # fmt: skip
@@ -293,7 +295,7 @@ class PersistentDecoder:
         self.output, self.out_type = (
             (self.tok_embd, self.emb_type) if tied else kernel_matrix(output))  # fmt: skip
         self.keep += [self.tok_embd, self.output, out_norm, cos, sin, cache]
-        acc_n = (2 * nl + 1) * dim
+        acc_n = (2 * nl + 1 + (self.macros["DOWN_COPIES"] - 1) * nl) * dim  # ACC_N
         n_counters = nl * (c.head_count_kv + 2 + nh) + 1
         # two sets, by the step's parity, of float32 sums or (XRES) 64-bit words
         words = 2 if self.macros["XRES"] else 1
