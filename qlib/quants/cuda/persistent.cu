@@ -72,9 +72,9 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #define QKV_T (NKV * PAIRS_G / QPB)   // q/k/v tasks per layer, QPB pairs each
 #define MAXQ ((QKV_T + GRID - 1) / GRID)  // q/k/v tasks per block
 #ifndef DOWN_COPIES
-#define DOWN_COPIES 2  // copies of a layer's residual words that the MLP tasks add into (1; 2 needs XRES)
+#define DOWN_COPIES 2  // copies of a layer's residual words that the MLP tasks add into (> 1 needs XRES)
 #endif
-// one set of residual sums: res(l) and mid(l), then (DOWN_COPIES 2) a second copy of res(l)
+// one set of residual sums: res(l) and mid(l), then DOWN_COPIES - 1 more copies of res(l)
 #define ACC_N ((2 * NL + 1 + (DOWN_COPIES - 1) * NL) * DIM)
 #define NCNT (NL * (NKV + 2 + NH) + 1)  // one set of counters
 #ifndef OUT_PREFETCH
@@ -105,6 +105,9 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 
 #ifndef ROWB_CONST
 #define ROWB_CONST 1  // one layer type (LAYER_TYPES a single bit): types and row sizes as constants
+#endif
+#ifndef OUT_LANES
+#define OUT_LANES 8  // lanes a row of the output layer (0: a warp a row, 4 rows together)
 #endif
 #ifndef FLAT_SHFL
 #define FLAT_SHFL 1  // flat_dots: a row's partial sums added by shuffles in groups of lanes first
@@ -202,7 +205,7 @@ constexpr int RES_ADDENDS = (NH > NFF / CHUNK ? NH : NFF / CHUNK);  // the most 
 constexpr int RES_BIAS = 53 - ceil_log2(RES_ADDENDS);
 constexpr int RES_FRAC = RES_BIAS - 16;
 static_assert(!XRES || RES_ADDENDS < 1024, "XRES: at most 1023 addends a residual sum");
-static_assert(DOWN_COPIES == 1 || (DOWN_COPIES == 2 && XRES), "DOWN_COPIES: 1, or 2 with XRES");
+static_assert(DOWN_COPIES == 1 || (DOWN_COPIES <= 8 && XRES), "DOWN_COPIES: 1, or up to 8 with XRES");
 __device__ __forceinline__ void res_add(u64* p, float v) {
     v = fminf(fmaxf(v, -65535.f), 65535.f);
     const long long f = __float2ll_rn(v * (float)(1ll << RES_FRAC));  // (exact scaling)
@@ -216,14 +219,17 @@ __device__ __forceinline__ void read_res(const u64* const (&r)[NC], const int (&
     constexpr int N = (DIM + THREADS - 1) / THREADS;
     u64 w[NC][N];
     long long spins = 0;
-    if (threadIdx.x == 0) {  // one word first (the adders' last row): one load a poll, not DIM
+    if (threadIdx.x == 0) {  // one word a copy first (the adders' last row): NC loads a poll
+        for (;;) {
+            bool ok = true;
 #pragma unroll
-        for (int c = 0; c < NC; c++) {
-            u64 s;
-            do {
+            for (int c = 0; c < NC; c++) {
+                u64 s;
                 asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(s) : "l"(r[c] + DIM - 1) : "memory");
-                if (++spins > (1ll << 31)) __trap();
-            } while ((int)(s >> 54) != n[c]);
+                ok = ok && (int)(s >> 54) == n[c];
+            }
+            if (ok) break;
+            if (++spins > (1ll << 31)) __trap();
         }
     }
     __syncthreads();
@@ -256,23 +262,26 @@ __device__ __forceinline__ void read_res(const u64* r, int n, float* dst) {
     const int nn[1] = {n};
     read_res<1>(rr, nn, dst);
 }
+// Copy k of res(l) (l >= 1): copy 0 among the sums, copy k > 0 after them (NL DIM words each)
+template <class W>
+__device__ __forceinline__ W* res_copy(W* A, int l, int k) {
+    return k == 0 ? A + (usize)2 * l * DIM : A + (usize)((2 + k - 1) * NL + 1 + l - 1) * DIM;
+}
 // res(l) (l >= 1) as the MLP tasks added it: task c into copy c % DOWN_COPIES
 __device__ __forceinline__ void read_layer_res(const u64* A, int l, float* dst) {
-#if DOWN_COPIES == 2
-    const u64* const rr[2] = {A + (usize)2 * l * DIM, A + (usize)(2 * NL + l) * DIM};
-    const int nn[2] = {(NMLP_T + 1) / 2, NMLP_T / 2};
-    read_res<2>(rr, nn, dst);
-#else
-    read_res(A + (usize)2 * l * DIM, NMLP_T, dst);
-#endif
+    const u64* rr[DOWN_COPIES];
+    int nn[DOWN_COPIES];
+#pragma unroll
+    for (int k = 0; k < DOWN_COPIES; k++) {
+        rr[k] = res_copy(A, l, k);
+        nn[k] = (NMLP_T + DOWN_COPIES - 1 - k) / DOWN_COPIES;  // the tasks c = k (mod DOWN_COPIES)
+    }
+    read_res<DOWN_COPIES>(rr, nn, dst);
 }
 // where MLP task c adds its share of res(l + 1)
 template <class W>
 __device__ __forceinline__ W* layer_res_copy(W* A, int l, int c) {
-#if DOWN_COPIES == 2
-    if (c & 1) return A + (usize)(2 * NL + l + 1) * DIM;
-#endif
-    return A + (usize)2 * (l + 1) * DIM;
+    return res_copy(A, l + 1, c % DOWN_COPIES);
 }
 __device__ __forceinline__ void add_to(float* p, float v) { atomicAdd(p, v); }
 __device__ __forceinline__ void add_to(u64* p, float v) { res_add(p, v); }
@@ -478,6 +487,48 @@ __device__ __forceinline__ u64 output_rows(int t, const u8* base, const float* x
                 }
             }
         }
+    }
+    return mine;
+}
+
+// The same with OUT_LANES lanes a row (32 / OUT_LANES rows of a warp at a time, every lane busy:
+// SmolLM2's 72 units a row are 9 a lane, where 32 lanes a row leave 24 of them idle a third of
+// the time); returns the warp's largest argmax_key in every lane.
+template <int K, unsigned MASK>
+__device__ __forceinline__ u64 output_rows_lanes(int t, const u8* base, const float* x, float* out,
+                                                 int r0, int r1, int warp, int lane) {
+    constexpr int LPR = OUT_LANES, RPW = 32 / LPR;
+    static_assert(32 % LPR == 0, "OUT_LANES divides 32");
+    const usize rb = row_bytes(t, K);
+    const int sub = lane / LPR, seg = lane % LPR;
+    u64 mine = 0ull;
+    for (int row0 = r0 + warp * RPW; row0 < r1; row0 += RPW * WARPS) {  // (warp-uniform)
+        const int row = row0 + sub;
+        const u8* rp = base + rb * min(row, r1 - 1);
+        float y = 0.f;
+        QLIB_DISPATCH(MASK, t, {
+            if constexpr (is_float(T_)) {
+                for (int i = seg; i < K; i += LPR) y += float_elem(T_, rp, i) * x[i];
+            } else {
+                constexpr int bb = block_bytes(T_);
+                _Pragma("unroll") for (int j = 0; j < (K / 8 + LPR - 1) / LPR; j++) {
+                    const int u = seg + LPR * j;
+                    if (u < K / 8) y += unit_dot<T_>(rp + bb * (u >> 2), u & 3, x + 8 * u);
+                }
+            }
+        })
+#pragma unroll
+        for (int o = 1; o < LPR; o <<= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
+        if (seg == 0 && row < r1) {
+            out[row] = y;
+            const u64 key = argmax_key(y, row);
+            mine = key > mine ? key : mine;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(0xffffffffu, mine, o);
+        mine = other > mine ? other : mine;
     }
     return mine;
 }
@@ -723,6 +774,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                                                 // loads of the critical path)
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int otype = ROWB_CONST ? only_type(OUT_TYPES) : out_type;  // (OUT_TYPES: one bit)
     const int pos = *pos_p, L = pos + 1;
     const u32 step_no = __ldcg(steps), par = step_no & 1u;
     const u32 tag = step_no + 1u;  // (the exchange starts zeroed: tag 0 is never a step's)
@@ -863,7 +915,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             BLOCK_MARK(4)
         };
         if (l == NL - OUT_PREFETCH) {
-            const usize rb = row_bytes(out_type, DIM);
+            const usize rb = row_bytes(otype, DIM);
             const u8* o0 = out_w + rb * out_r0;
             for (usize j = threadIdx.x * 128; j < rb * (out_r1 - out_r0); j += THREADS * 128) prefetch_l2(o0 + j);
         }
@@ -1194,7 +1246,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     read_sum(sum_at(A, 2 * NL), res_in);
 #endif
     rmsnorm_shared(res_in, out_norm, xs, red);
-    const u64 mine = output_rows<DIM, 4, OUT_TYPES>(out_type, out_w, xs, logits, out_r0, out_r1, warp, lane);
+#if OUT_LANES
+    const u64 mine = output_rows_lanes<DIM, OUT_TYPES>(otype, out_w, xs, logits, out_r0, out_r1, warp, lane);
+#else
+    const u64 mine = output_rows<DIM, 4, OUT_TYPES>(otype, out_w, xs, logits, out_r0, out_r1, warp, lane);
+#endif
     if (lane == 0 && mine) atomicMax(best + par, mine);
     const u32 old = arrive(done);
     if (threadIdx.x == 0 && old == gridDim.x - 1) {  // the last block: every argmax is in
