@@ -109,9 +109,6 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #ifndef OUT_LANES
 #define OUT_LANES 8  // lanes a row of the output layer (0: a warp a row, 4 rows together)
 #endif
-#ifndef ATT_WARP
-#define ATT_WARP 1  // a split's softmax per warp, merged once (no block max / sum between passes)
-#endif
 #ifndef FLAT_SHFL
 #define FLAT_SHFL 1  // flat_dots: a row's partial sums added by shuffles in groups of lanes first
 #endif
@@ -772,9 +769,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     float* S = vnew + HD;                       // SMAXPOS: the split's scores, then weights
     float* oacc = S + SMAXPOS;                  // WARPS x HD: the warps' weighted value sums
     float* gsm = oacc + WARPS * HD;             // CHUNK: silu(gate) * up of an MLP task
-    float* red = gsm + CHUNK;                   // 2 x WARPS: block reductions; the warps'
-                                                // softmax maxima and sums (ATT_WARP)
-    int* stypes = (int*)(red + 2 * WARPS);      // NL x 7: the matrices' types (off the global
+    float* red = gsm + CHUNK;                   // WARPS: block reductions
+    int* stypes = (int*)(red + WARPS);          // NL x 7: the matrices' types (off the global
                                                 // loads of the critical path)
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1074,31 +1070,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                     if (ok) mx = fmaxf(mx, sc);
                 }
             }
-            float sum = 0.f;
-#if ATT_WARP
-            // each warp's softmax over its own positions (its max mw, its sum lw; S's entries of
-            // a warp are its own): no block-wide reduction between the passes, one exchange after
-            const float mw = warp_max(mx);
-            float lw = 0.f;
-            for (int tb = t0 + 4 * warp; tb < t1; tb += 4 * WARPS) {  // (warp-uniform)
-                const int t = tb + (lane >> 3);
-                if (t < t1 && (lane & 7) == 0) {
-                    const float p = expf(S[t - t0] - mw);
-                    S[t - t0] = p;
-                    lw += p;
-                }
-            }
-            lw = warp_sum(lw);
-            __syncwarp();
-#else
             mx = block_max(mx, red);
+            float sum = 0.f;
             for (int t = t0 + threadIdx.x; t < t1; t += THREADS) {
                 const float p = expf(S[t - t0] - mx);
                 S[t - t0] = p;
                 sum += p;
             }
             sum = block_sum(sum, red);  // (its barriers also publish S)
-#endif
             if (b == 0) MARK(NMARK * l + 4);
             {  // the weighted values as the scores: eight lanes per position, HD / 8 dims each
                 const int sub = lane & 7;
@@ -1133,29 +1112,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                 if (lane < 8)
 #pragma unroll
                     for (int j = 0; j < HD / 32; j++) ((float4*)(oacc + warp * HD))[sub + 8 * j] = o[j];
-#if ATT_WARP
-                if (lane == 0) {
-                    red[warp] = mw;
-                    red[WARPS + warp] = lw;
-                }
-#endif
             }
             __syncthreads();
             for (int d = threadIdx.x; d < HD; d += THREADS) {
                 float v = 0.f;
-#if ATT_WARP  // the warps' partials merged: weights e^(mw - M) (0 for a warp without positions)
-                float M = NEG_INF, den = 0.f;
-                for (int w = 0; w < WARPS; w++) M = fmaxf(M, red[w]);
-                for (int w = 0; w < WARPS; w++) {
-                    const float e = expf(red[w] - M);
-                    den += e * red[WARPS + w];
-                    v += e * oacc[w * HD + d];
-                }
-                mx = M;  // (thread 0 publishes them below)
-                sum = den;
-#else
                 for (int w = 0; w < WARPS; w++) v += oacc[w * HD + d];
-#endif
                 ovec[d] = ns == 1 ? v / sum : v;
             }
             if (b == 0) MARK(NMARK * l + 5);

@@ -248,7 +248,7 @@ class PersistentDecoder:
         smax_pos = max(split, -(-max_seq // ns_max), threads + 2 * max(qpb, CHUNK),
                        ns_max * (hd + 2))  # fmt: skip
         smax_pos = -(-smax_pos // 4) * 4
-        floats = 2 * dim + 5 * hd + smax_pos + warps * hd + CHUNK + 2 * warps + 7 * nl
+        floats = 2 * dim + 5 * hd + smax_pos + warps * hd + CHUNK + warps + 7 * nl
         optin = _device_attribute(device, _SHARED_OPTIN_ATTR)
         # two staging areas, beside the floats and the static addresses (WHERE_BYTES)
         wcap = (optin - 4 * floats - 256 - WHERE_BYTES) // 32 * 16
