@@ -123,7 +123,7 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
     runs = []
     for copies in (1, 2, 4):
         _, fast = load(path, decode_options={"macros": {"DOWN_COPIES": copies}})
-        assert fast._persistent.macros.get("DOWN_COPIES", 1) == copies
+        assert fast._persistent.macros["DOWN_COPIES"] == copies
         fast.forward(ids, 0)
         runs.append(
             [fast.forward(torch.tensor([[t]]), 5 + i).clone() for i, t in enumerate((3, 44))]
