@@ -373,26 +373,26 @@ __device__ __forceinline__ float unit_dot(const u8* blk, int p, const float* xp)
     return d * (s - offset * sx) + m * sx;
 }
 
-// One lane's share of the dot of a weight row of type T (K elements) with x (shared
-// memory): lanes take 8 consecutive elements at a time; the loop is unrolled, so all of a
-// lane's loads are in flight together.
-template <int K, int T>
-__device__ __forceinline__ float partial(const u8* row, const float* x, int lane) {
+// One thread's share of the dot of a row of type T (K elements) with x (shared memory), the
+// row dealt in 8-element units (elements, for a float row) to STRIDE threads in turn: units
+// seg, seg + STRIDE, ...; the loop is unrolled, so all of a thread's loads are in flight
+// together.
+template <int K, int T, int STRIDE>
+__device__ __forceinline__ float strided_dot(const u8* row, const float* x, int seg) {
     float acc = 0.f;
-    if (is_float(T)) {
+    if constexpr (is_float(T)) {
 #pragma unroll
-        for (int it = 0; it < (K + 31) / 32; it++) {
-            const int i = lane + 32 * it;
+        for (int j = 0; j < (K + STRIDE - 1) / STRIDE; j++) {
+            const int i = seg + STRIDE * j;
             if (i < K) acc += float_elem(T, row, i) * x[i];
         }
-        return acc;
-    }
-    constexpr int bb = block_bytes(T);
+    } else {
+        constexpr int bb = block_bytes(T);
 #pragma unroll
-    for (int it = 0; it < (K / 8 + 31) / 32; it++) {
-        const int u = lane + 32 * it;
-        if (u >= K / 8) break;
-        acc += unit_dot<T>(row + bb * (u >> 2), u & 3, x + 8 * u);
+        for (int j = 0; j < (K / 8 + STRIDE - 1) / STRIDE; j++) {
+            const int u = seg + STRIDE * j;
+            if (u < K / 8) acc += unit_dot<T>(row + bb * (u >> 2), u & 3, x + 8 * u);
+        }
     }
     return acc;
 }
@@ -404,7 +404,7 @@ __device__ __forceinline__ void rows_dot(int t, const u8* const* rows, const flo
 #pragma unroll
     for (int r = 0; r < R; r++) out[r] = 0.f;
     QLIB_DISPATCH(MASK, t, {
-        _Pragma("unroll") for (int r = 0; r < R; r++) out[r] = partial<K, T_>(rows[r], x, lane);
+        _Pragma("unroll") for (int r = 0; r < R; r++) out[r] = strided_dot<K, T_, 32>(rows[r], x, lane);
     })
 #pragma unroll
     for (int r = 0; r < R; r++) out[r] = warp_sum(out[r]);
@@ -430,17 +430,7 @@ __device__ __forceinline__ void flat_dots(RowAt row_at, TypeAt type_at, const fl
     const int r = threadIdx.x / TPR, seg = threadIdx.x % TPR;
     const u8* row = row_at(r);
     float acc = 0.f;
-    QLIB_DISPATCH(MASK, type_at(r), {
-        if constexpr (is_float(T_)) {
-            for (int i = seg; i < K; i += TPR) acc += float_elem(T_, row, i) * x[i];
-        } else {
-            constexpr int bb = block_bytes(T_);
-            _Pragma("unroll") for (int j = 0; j < (K / 8 + TPR - 1) / TPR; j++) {
-                const int u = seg + TPR * j;
-                if (u < K / 8) acc += unit_dot<T_>(row + bb * (u >> 2), u & 3, x + 8 * u);
-            }
-        }
-    })
+    QLIB_DISPATCH(MASK, type_at(r), acc = strided_dot<K, T_, TPR>(row, x, seg))
 #if FLAT_SHFL
     // a row's threads in aligned groups of G lanes (G: the largest power of two dividing both
     // TPR and 32) add by shuffles first, so NR threads add TPR / G sums, not TPR
@@ -506,17 +496,7 @@ __device__ __forceinline__ u64 output_rows_lanes(int t, const u8* base, const fl
         const int row = row0 + sub;
         const u8* rp = base + rb * min(row, r1 - 1);
         float y = 0.f;
-        QLIB_DISPATCH(MASK, t, {
-            if constexpr (is_float(T_)) {
-                for (int i = seg; i < K; i += LPR) y += float_elem(T_, rp, i) * x[i];
-            } else {
-                constexpr int bb = block_bytes(T_);
-                _Pragma("unroll") for (int j = 0; j < (K / 8 + LPR - 1) / LPR; j++) {
-                    const int u = seg + LPR * j;
-                    if (u < K / 8) y += unit_dot<T_>(rp + bb * (u >> 2), u & 3, x + 8 * u);
-                }
-            }
-        })
+        QLIB_DISPATCH(MASK, t, y = strided_dot<K, T_, LPR>(rp, x, seg))
 #pragma unroll
         for (int o = 1; o < LPR; o <<= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
         if (seg == 0 && row < r1) {
