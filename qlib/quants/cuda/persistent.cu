@@ -109,6 +109,9 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #ifndef OUT_LANES
 #define OUT_LANES 8  // lanes a row of the output layer (0: a warp a row, 4 rows together)
 #endif
+#ifndef NORM_FAST
+#define NORM_FAST 1  // RmsNorm's factor by rsqrtf, block sums as a tree
+#endif
 #ifndef FLAT_SHFL
 #define FLAT_SHFL 1  // flat_dots: a row's partial sums added by shuffles in groups of lanes first
 #endif
@@ -541,9 +544,20 @@ __device__ float block_sum(float v, float* red) {
     __syncthreads();
     if (lane == 0) red[warp] = v;
     __syncthreads();
+#if NORM_FAST  // a pairwise tree (4 dependent adds for 12 warps, not 11)
+    float t[WARPS];
+#pragma unroll
+    for (int i = 0; i < WARPS; i++) t[i] = red[i];
+#pragma unroll
+    for (int w = 1; w < WARPS; w <<= 1)
+#pragma unroll
+        for (int i = 0; i + w < WARPS; i += 2 * w) t[i] += t[i + w];
+    return t[0];  // (the same order in every thread and block)
+#else
     float s = 0.f;
     for (int i = 0; i < WARPS; i++) s += red[i];  // the same order in every thread and block
     return s;
+#endif
 }
 
 __device__ __forceinline__ u64 argmax_key(float v, int idx) {
@@ -568,7 +582,12 @@ __device__ float block_max(float v, float* red) {
 __device__ void rmsnorm_shared(const float* v, const float* w, float* xs, float* red) {
     float ss = 0.f;
     for (int i = threadIdx.x; i < DIM; i += THREADS) ss += v[i] * v[i];
+#if NORM_FAST  // one rsqrt (as the fused kernels' approximate 1 / sqrt), not a division, a
+               // square root and a reciprocal in IEEE arithmetic on the critical path
+    const float r = rsqrtf(block_sum(ss, red) * (1.0f / (float)DIM) + EPS);
+#else
     const float r = 1.0f / sqrtf(block_sum(ss, red) / (float)DIM + EPS);
+#endif
     for (int i = threadIdx.x; i < DIM; i += THREADS) xs[i] = v[i] * r * w[i];
     __syncthreads();
 }
