@@ -160,15 +160,14 @@ def first_split(mats: dict, qin: dict, ggml) -> str:
             continue
         lines = [f"first differing quantized input: {name} ({wtype} x {dot}), input max|diff| "
                  f"{np.abs(x_l - qin[key]).max():.3g}"]  # fmt: skip
+        bs = a_l.shape[1] // (x_l.shape[1] // (256 if dot == "Q8_K" else 32))  # bytes a block
         if dot == "Q8_K":  # super-blocks of 256 with a float32 d: counted, not described
-            bs = a_l.shape[1] // (x_l.shape[1] // 256)
             for row in range(a_l.shape[0]):
                 blocks = (a_l[row].reshape(-1, bs) != a_q[row].reshape(-1, bs)).any(1)
                 if blocks.any():
                     lines.append(f"  position {row}: {int(blocks.sum())} of {blocks.size} Q8_K "
                                  f"blocks differ, the first {int(np.argmax(blocks))}")  # fmt: skip
             return "\n".join(lines)
-        bs = a_l.shape[1] // (x_l.shape[1] // 32)
         for row in range(a_l.shape[0]):
             bl, bq = a_l[row].reshape(-1, bs), a_q[row].reshape(-1, bs)
             for b in np.nonzero((bl != bq).any(1))[0][:4]:

@@ -142,9 +142,9 @@ static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const ui
         }
     }
     for (int r = 0; r < GT; r++) {
-        const size_t jr = (size_t)(j0 + (r < last ? r : last)) * G;
+        const size_t row = (size_t)(j0 + (r < last ? r : last)), jr = row * G;
         if (type == QLIB_Q5_1) { /* d, m: the first 4 bytes of each 24-byte block */
-            const uint8_t *blocks = codes + (size_t)(j0 + (r < last ? r : last)) * row_bytes;
+            const uint8_t *blocks = codes + row * row_bytes;
             for (int b = 0; b < G; b++) {
                 uint16_t dm[2];
                 memcpy(dm, blocks + (size_t)b * 24, 4);
