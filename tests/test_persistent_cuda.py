@@ -144,6 +144,8 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
         {"OUT_LANES": 0},
         {"DOWN_COPIES": 4},
         {"NORM_FAST": 0},
+        {"MLP_PAIR": 0},
+        {"MLP_PAIR": 1, "DOWN_COPIES": 1},
     ],
 )
 @pytest.mark.parametrize("shape", [(4, 2, 128, None), (2, 2, 128, 16)])
@@ -152,12 +154,14 @@ def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
     staged pieces' addresses in a local array; a warp a row instead of ``flat_dots``; types
     and row sizes read at run time; the MLP's sums in one copy; ``flat_dots``' partial sums
     through shared memory only; a warp an output row; the MLP's sums in four copies; the
-    norm's factor in IEEE division and square root) stay correct: decode steps from position
-    0 as the f32 form, GQA 2:1 and MHA with ``split=16`` (several blocks a head past 16
-    positions)."""
+    norm's factor in IEEE division and square root; the MLP tasks one a block, not in
+    clusters of two) stay correct: decode steps from position 0 as the f32 form, GQA 2:1 and
+    MHA with ``split=16`` (several blocks a head past 16 positions); a Q8_0 output layer, as
+    SmolLM2's."""
     n_head, n_kv, n_embd, split = shape
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=n_embd,
-                            n_head=n_head, n_kv_head=n_kv, n_ff=256)  # fmt: skip
+                            n_head=n_head, n_kv_head=n_kv, n_ff=256,
+                            weight_types={"token_embd.weight": "Q8_0"})  # fmt: skip
     options = {"macros": macros, **({"split": split} if split else {})}
     ref, fast = load(path, decode_options=options)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))

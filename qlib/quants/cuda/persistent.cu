@@ -17,7 +17,9 @@
 //   MLP task (the last MLP_BLOCKS blocks, apart from the attention blocks while the heads fit
 //       beside them: CHUNK hidden units each): wait until every head has added
 //       its share, RmsNorm, the units' gate and up rows, g = silu(gate) * up, and their CHUNK
-//       columns of down, added into the next residual (XRES words).
+//       columns of down, added into the next residual (XRES words); with MLP_PAIR two tasks on
+//       a cluster of two blocks pool their g and each adds half of the rows of both tasks'
+//       columns.
 // Then every block: RmsNorm, its rows of the output layer, the argmax as one 64-bit atomicMax
 // of (order-preserving float bits, inverted index): the first maximum wins, as torch.argmax.
 // The last block to finish writes the token and advances the position.
@@ -115,6 +117,22 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #ifndef FLAT_SHFL
 #define FLAT_SHFL 1  // flat_dots: a row's partial sums added by shuffles in groups of lanes first
 #endif
+#ifndef MLP_PAIR
+#define MLP_PAIR 0  // MLP tasks c, c + 1 on a cluster of two blocks (below; persistent.py sets it)
+#endif
+
+// MLP_PAIR: the grid runs as clusters of two blocks, and MLP tasks 2p and 2p + 1 sit on the two
+// blocks of one cluster. Each computes its CHUNK units' silu(gate) * up and writes them as tagged
+// words into both blocks' shared memory (distributed shared memory; a block polls its own copy),
+// then each adds half of the rows of the pair's 2 CHUNK columns of down: half the residual
+// atomics a layer, each word with half the addends.
+static_assert(!MLP_PAIR || (XRES && GRID % 2 == 0 && MLP_FIRST % 2 == 0 && MLP_BLOCKS % 2 == 0 &&
+                            NMLP_T % 2 == 0), "MLP_PAIR: XRES, and even block and task counts");
+#define DOWN_ADDERS (MLP_PAIR ? NMLP_T / 2 : NMLP_T)  // addends of a layer's res(l + 1) from down
+#define PAIR_HALF ((DIM / 2 + 15) / 16 * 16)          // MLP_PAIR: rank 0's rows of down
+// silu(gate) * up: a task's CHUNK floats, or (MLP_PAIR) a pair's 2 CHUNK, then the pair's
+// tagged words, two buffers of 2 CHUNK (8 floats' room each)
+#define GSM_N (10 * CHUNK)
 
 #define NMARK 12  // stage-time marks per layer
 
@@ -277,14 +295,14 @@ __device__ __forceinline__ void read_layer_res(const u64* A, int l, float* dst) 
 #pragma unroll
     for (int k = 0; k < DOWN_COPIES; k++) {
         rr[k] = res_copy(A, l, k);
-        nn[k] = (NMLP_T + DOWN_COPIES - 1 - k) / DOWN_COPIES;  // the tasks c = k (mod DOWN_COPIES)
+        nn[k] = (DOWN_ADDERS + DOWN_COPIES - 1 - k) / DOWN_COPIES;  // adders a = k (mod DOWN_COPIES)
     }
     read_res<DOWN_COPIES>(rr, nn, dst);
 }
-// where MLP task c adds its share of res(l + 1)
+// where adder a (MLP task a, or with MLP_PAIR the pair a) adds its share of res(l + 1)
 template <class W>
-__device__ __forceinline__ W* layer_res_copy(W* A, int l, int c) {
-    return res_copy(A, l + 1, c % DOWN_COPIES);
+__device__ __forceinline__ W* layer_res_copy(W* A, int l, int a) {
+    return res_copy(A, l + 1, a % DOWN_COPIES);
 }
 __device__ __forceinline__ void add_to(float* p, float v) { atomicAdd(p, v); }
 __device__ __forceinline__ void add_to(u64* p, float v) { res_add(p, v); }
@@ -693,6 +711,35 @@ __device__ __forceinline__ u32 arrive(u32* c) {
     return old;
 }
 
+// MLP_PAIR: a barrier of both blocks of the cluster (every thread), in its two halves
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The word w at p in this block's shared memory and at the same address in the other block's
+__device__ __forceinline__ void put_both(u64* p, u64 w) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+#pragma unroll
+    for (u32 rank = 0; rank < 2; rank++) {
+        u32 at;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(at) : "r"(a), "r"(rank));
+        asm volatile("st.relaxed.cluster.shared::cluster.u64 [%0], %1;" ::"r"(at), "l"(w) : "memory");
+    }
+}
+// The float of the tagged word at p (this block's shared memory) once it carries tag
+__device__ __forceinline__ float get_shared_tagged(const u64* p, u32 tag) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    u64 w;
+    long long spins = 0;
+    for (;;) {
+        asm volatile("ld.relaxed.cluster.shared::cta.u64 %0, [%1];" : "=l"(w) : "r"(a) : "memory");
+        if ((u32)(w >> 32) == tag) return __uint_as_float((u32)w);
+        if (++spins > (1ll << 31)) __trap();
+    }
+}
+
 // Tagged words (XCHG): a float and the step's tag in one 64-bit word, stored and loaded whole
 // (single-copy atomic), so a reader polls the data itself: no counter, and no release fence
 // that drains the writer's earlier stores first. Every launch has its own tag (the step count
@@ -747,8 +794,15 @@ __device__ __forceinline__ float part_at(const float* p) { return XCHG ? *p : __
 #define MARK(i)
 #define BLOCK_MARK(i)
 #endif
+// block 0's marks in the output layer: residual in, normalized, its rows done
+#define OUT_MARK(k) MARK(NMARK * NL + 2 + 6 * GRID + (k))
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
+#if MLP_PAIR
+#define QLIB_CLUSTER __cluster_dims__(2, 1, 1)
+#else
+#define QLIB_CLUSTER
+#endif
+extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decode_step(
     const u64* __restrict__ weights,  // per layer W_PER_LAYER pointers (wo, down: slabs; norms: float32)
     const int* __restrict__ types,    // per layer the GGUF type of W_Q .. W_DOWN
     const u8* __restrict__ tok_embd, int emb_type, const u8* __restrict__ out_w, int out_type,
@@ -767,8 +821,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     float* vnew = knew + HD;
     float* S = vnew + HD;                       // SMAXPOS: the split's scores, then weights
     float* oacc = S + SMAXPOS;                  // WARPS x HD: the warps' weighted value sums
-    float* gsm = oacc + WARPS * HD;             // CHUNK: silu(gate) * up of an MLP task
-    float* red = gsm + CHUNK;                   // WARPS: block reductions
+    float* gsm = oacc + WARPS * HD;             // GSM_N: silu(gate) * up of an MLP task
+    float* red = gsm + GSM_N;                   // WARPS: block reductions
     int* stypes = (int*)(red + WARPS);          // NL x 7: the matrices' types (off the global
                                                 // loads of the critical path)
 
@@ -874,10 +928,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
             const bool mine = mlp && c < NMLP_T;
             src[P_MLP + 3 * ci] = (const u8*)W[W_GATE] + (usize)c * CHUNK * rbg;
             src[P_MLP + 3 * ci + 1] = (const u8*)W[W_UP] + (usize)c * CHUNK * rbu;
-            src[P_MLP + 3 * ci + 2] = (const u8*)W[W_DOWN] + (usize)(c / 2) * DIM * sbd;
+            // down: the pair's slab; its rows [dr0, dr1): with MLP_PAIR this block's half
+            const int dr0 = MLP_PAIR && (c & 1) ? PAIR_HALF : 0, dr1 = MLP_PAIR && !(c & 1) ? PAIR_HALF : DIM;
+            src[P_MLP + 3 * ci + 2] = (const u8*)W[W_DOWN] + ((usize)(c / 2) * DIM + dr0) * sbd;
             bytes[P_MLP + 3 * ci] = mine ? CHUNK * rbg : 0;
             bytes[P_MLP + 3 * ci + 1] = mine ? CHUNK * rbu : 0;
-            bytes[P_MLP + 3 * ci + 2] = mine ? DIM * sbd : 0;
+            bytes[P_MLP + 3 * ci + 2] = mine ? (dr1 - dr0) * sbd : 0;
         }
         // the split's keys and values cached before this step (rows [t0, tc)): staged last, so
         // into shared memory where they fit beside the weights (short splits), else into L2
@@ -897,7 +953,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
         stage<NP>(src, bytes, smem_raw + (l & 1) * WCAP, WCAP, where[l & 1]);
     };
 
+#if MLP_PAIR
+    // the pair's tagged words, two buffers by turns (an address computed where it is used)
+#define MBOX ((u64*)(gsm + 2 * CHUNK))
+    for (int i = threadIdx.x; i < 4 * CHUNK; i += THREADS) MBOX[i] = 0ull;
+    cluster_arrive();  // (zeroed, and the other block started, before either writes)
+#endif
     stage_layer(0);
+#if MLP_PAIR
+    cluster_wait();
+#endif
     for (int l = 0; l < NL; l++) {
         const int* T = stypes + l * 7;
         float* kc = cache + (usize)l * 2 * NKV * MAXSEQ * HD;  // [NKV][MAXSEQ][HD]
@@ -1194,17 +1259,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                 const int c = mb + ci * MLP_BLOCKS;
                 if (c >= NMLP_T) break;
                 const u8 *gw = wp[P_MLP + 3 * ci], *uw = wp[P_MLP + 3 * ci + 1];
+                // unit u's silu(gate) * up: into gsm[u], or (MLP_PAIR) as a tagged word into
+                // both blocks of the pair, a buffer by turns
+                const u32 mtag = (tag * NL + l) * MAXCH + ci;
+                auto publish = [&](int u, float a, float up) {
+                    const float g = a / (1.0f + expf(-a)) * up;
+#if MLP_PAIR
+                    put_both(MBOX + 2 * CHUNK * (ci & 1) + CHUNK * (c & 1) + u,
+                             ((u64)mtag << 32) | __float_as_uint(g));
+#else
+                    gsm[u] = g;
+#endif
+                };
 #if FLAT_DOTS
                 {  // rows 0 .. CHUNK - 1: gate, CHUNK .. 2 CHUNK - 1: up
                     float* y = S + THREADS;
                     flat_dots<DIM, 2 * CHUNK, LAYER_TYPES>(
                         [&](int r) { return r < CHUNK ? gw + rg * r : uw + ru * (r - CHUNK); },
                         [&](int r) { return r < CHUNK ? tg : tu; }, xs, S, y);
-                    if (threadIdx.x < CHUNK) {
-                        const float a = y[threadIdx.x];
-                        gsm[threadIdx.x] = a / (1.0f + expf(-a)) * y[CHUNK + threadIdx.x];
-                    }
-                    __syncthreads();
+                    if (threadIdx.x < CHUNK) publish(threadIdx.x, y[threadIdx.x], y[CHUNK + threadIdx.x]);
                 }
 #else
                 for (int u = warp; u < CHUNK; u += WARPS) {
@@ -1216,13 +1289,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
                         ab[0] = row_dot<DIM, LAYER_TYPES>(tg, gw + rg * u, xs, lane);
                         ab[1] = row_dot<DIM, LAYER_TYPES>(tu, uw + ru * u, xs, lane);
                     }
-                    if (lane == 0) gsm[u] = ab[0] / (1.0f + expf(-ab[0])) * ab[1];
+                    if (lane == 0) publish(u, ab[0], ab[1]);
                 }
-                __syncthreads();
 #endif
+#if MLP_PAIR  // the pair's 2 CHUNK values, once both blocks' words are in
+                if (threadIdx.x < 2 * CHUNK)
+                    gsm[threadIdx.x] = get_shared_tagged(MBOX + 2 * CHUNK * (ci & 1) + threadIdx.x, mtag);
+#endif
+                __syncthreads();
                 if (b == MLP_FIRST && ci == 0) MARK(NMARK * l + 10);
+#if MLP_PAIR  // this block's half of the rows, the pair's 2 CHUNK columns
+                slab_rows_add<2 * CHUNK>(td, wp[P_MLP + 3 * ci + 2], sbd, 0, gsm,
+                                         c < 2 ? res_in : nullptr, layer_res_copy(A, l, c >> 1),
+                                         (c & 1) ? PAIR_HALF : 0, (c & 1) ? DIM : PAIR_HALF);
+#else
                 slab_rows_add<CHUNK>(td, wp[P_MLP + 3 * ci + 2], sbd, CHUNK * (c & 1), gsm,
                                      c == 0 ? res_in : nullptr, layer_res_copy(A, l, c));
+#endif
                 __syncthreads();
             }
 #if XRES
@@ -1244,12 +1327,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) qlib_decode_step(
     wait_count(mlp_done + NL - 1, MLP_BLOCKS);
     read_sum(sum_at(A, 2 * NL), res_in);
 #endif
+    if (b == 0) OUT_MARK(0);
     rmsnorm_shared(res_in, out_norm, xs, red);
+    if (b == 0) OUT_MARK(1);
 #if OUT_LANES
     const u64 mine = output_rows_lanes<DIM, OUT_TYPES>(otype, out_w, xs, logits, out_r0, out_r1, warp, lane);
 #else
     const u64 mine = output_rows<DIM, 4, OUT_TYPES>(otype, out_w, xs, logits, out_r0, out_r1, warp, lane);
 #endif
+    if (b == 0) {
+        __syncthreads();
+        OUT_MARK(2);
+    }
     if (lane == 0 && mine) atomicMax(best + par, mine);
     const u32 old = arrive(done);
     if (threadIdx.x == 0 && old == gridDim.x - 1) {  // the last block: every argmax is in

@@ -6,7 +6,9 @@ CUDA driver API and launches it on torch's current stream, so the launch can be 
 CUDA graph like any other. Both libraries are reached through ctypes: NVRTC from the
 ``nvidia-cuda-nvrtc`` wheel that CUDA builds of torch depend on (``$QLIB_NVRTC`` names another),
 the driver from ``libcuda.so.1``; nothing else is needed. The grid is one block per SM, all
-resident at once, which the kernel's waits on other blocks' words require.
+resident at once, which the kernel's waits on other blocks' words require; on Hopper and later
+the grid runs as clusters of two blocks (``MLP_PAIR``: two MLP tasks pool their values through
+distributed shared memory), where ``cuOccupancyMaxActiveClusters`` says they all fit at once.
 
 The weights are the GGUF blocks as in the file (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0),
 each tensor a device copy of its bytes. The K-quants (Q2_K .. Q6_K) are expanded once, exactly,
@@ -134,10 +136,17 @@ def compile_cubin(macros: dict[str, object], arch: str) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("n_attrs", ctypes.c_uint)]  # fmt: skip
+
+
 class Kernel:
     """A loaded ``qlib_decode_step`` and its launch through ``cuLaunchKernel``."""
 
-    def __init__(self, cubin: bytes, shared_bytes: int, device: torch.device, threads: int):
+    def __init__(self, cubin: bytes, shared_bytes: int, device: torch.device, threads: int,
+                 cluster: int = 1):  # fmt: skip
         torch.cuda.init()
         torch.empty(1, device=device)  # the primary context is current on this thread
         self.cu = _driver()
@@ -152,6 +161,16 @@ class Kernel:
         self.shared_bytes, self.threads = shared_bytes, threads
         self.blocks = torch.cuda.get_device_properties(device).multi_processor_count
         self.device = device
+        if cluster > 1:  # every cluster resident at once, or the kernel's waits never end
+            config = _LaunchConfig((self.blocks, 1, 1), (threads, 1, 1), shared_bytes)
+            n = ctypes.c_int()
+            occupancy = self.cu.cuOccupancyMaxActiveClusters
+            rc = occupancy(ctypes.byref(n), self.fn, ctypes.byref(config))
+            if rc or n.value * cluster < self.blocks:
+                raise PersistentError(
+                    f"clusters of {cluster} blocks: {n.value} resident at once, not the "
+                    f"{self.blocks // cluster} the grid needs (driver code {rc})"
+                )
 
     def _check(self, rc: int, what: str) -> None:
         if rc:
@@ -248,7 +267,7 @@ class PersistentDecoder:
         smax_pos = max(split, -(-max_seq // ns_max), threads + 2 * max(qpb, CHUNK),
                        ns_max * (hd + 2))  # fmt: skip
         smax_pos = -(-smax_pos // 4) * 4
-        floats = 2 * dim + 5 * hd + smax_pos + warps * hd + CHUNK + warps + 7 * nl
+        floats = 2 * dim + 5 * hd + smax_pos + warps * hd + 10 * CHUNK + warps + 7 * nl
         optin = _device_attribute(device, _SHARED_OPTIN_ATTR)
         # two staging areas, beside the floats and the static addresses (WHERE_BYTES)
         wcap = (optin - 4 * floats - 256 - WHERE_BYTES) // 32 * 16
@@ -267,12 +286,28 @@ class PersistentDecoder:
                            OUT_TYPES=1 << TYPE_IDS[output.dtype.name])  # fmt: skip
         if stage_times:  # block 0 notes the time at every mark (``stage_times_ns``)
             self.macros["QLIB_STAGE_TIMES"] = 1
-        self.macros.update(macros or {})  # experiments: persistent.cu's macros (KV_STAGE, ...)
+        # experiments: persistent.cu's macros (KV_STAGE, ...), from $QLIB_PERSISTENT_MACROS
+        # ("MLP_PAIR=0,NORM_FAST=0": any command's kernel) and from the caller
+        for item in filter(None, os.environ.get("QLIB_PERSISTENT_MACROS", "").split(",")):
+            name, _, value = item.partition("=")
+            self.macros[name.strip()] = int(value)
+        self.macros.update(macros or {})
         # the MLP tasks' sums in two copies of the counted words (half the atomics an address)
         self.macros.setdefault("DOWN_COPIES", 2 if self.macros["XRES"] else 1)
         major, minor = torch.cuda.get_device_capability(device)
-        self.kernel = Kernel(compile_cubin(self.macros, f"sm_{major}{minor}"), shared, device,
-                             threads)  # fmt: skip
+        arch = f"sm_{major}{minor}"
+        # the MLP tasks in pairs on clusters of two blocks (Hopper on): where the counts allow
+        pair_given = "MLP_PAIR" in self.macros
+        if not pair_given:
+            even = all(n % 2 == 0 for n in (blocks, mlp_blocks, n_ff // CHUNK))
+            self.macros["MLP_PAIR"] = int(major >= 9 and even and bool(self.macros["XRES"]))
+        try:
+            self.kernel = self._kernel(arch, shared, device, threads)
+        except PersistentError:
+            if pair_given or not self.macros["MLP_PAIR"]:
+                raise
+            self.macros["MLP_PAIR"] = 0  # (clusters of two that do not all fit at once)
+            self.kernel = self._kernel(arch, shared, device, threads)
         self.keep: list[torch.Tensor] = []  # every tensor the kernel reads by address
         ptrs, types = [], []
         for ly in layers:
@@ -310,10 +345,16 @@ class PersistentDecoder:
         # tagged words (XCHG): per layer q / new k, v, then per layer the splits' partials
         xchg = nl * (nh + 2 * c.head_count_kv) * hd + nl * nh * ns_max * (hd + 2)
         self.xchg = torch.zeros(xchg, dtype=torch.int64, device=device)
-        self.stage_times = torch.zeros(N_MARKS * nl + 2 + 6 * blocks, dtype=torch.int64,
+        # the layers' marks, the step's start and end, 6 a block, then the output layer's 3
+        self.stage_times = torch.zeros(N_MARKS * nl + 2 + 6 * blocks + 6, dtype=torch.int64,
                                        device=device)  # fmt: skip
+        self.blocks = blocks
         self.n_layers = nl
         self.out_norm, self.cos, self.sin, self.cache = out_norm, cos, sin, cache
+
+    def _kernel(self, arch: str, shared: int, device: torch.device, threads: int) -> Kernel:
+        cluster = 2 if self.macros["MLP_PAIR"] else 1
+        return Kernel(compile_cubin(self.macros, arch), shared, device, threads, cluster)
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor) -> None:
         """Enqueue one step: token ``tok`` (int64 [1]) at position ``pos`` (int32 [1]) ->
@@ -346,6 +387,11 @@ class PersistentDecoder:
         prev = torch.cat([start.view(1), m[:-1, -1]])
         spans = torch.cat([(m[:, 0] - prev).view(-1, 1), m[:, 1:] - m[:, :-1]], 1).sum(0)
         out = dict(zip(MARKS, spans.tolist(), strict=True))
+        o = t[N_MARKS * nl + 2 + 6 * self.blocks :][:3]  # block 0 in the output layer
+        if bool((o > 0).all()):
+            marks = {"out: wait": o[0] - m[-1, -1], "out: norm": o[1] - o[0],
+                     "out: rows": o[2] - o[1], "out: argmax": end - o[2]}  # fmt: skip
+            out.update({k: float(v) for k, v in marks.items()})
         out.update(output=float(end - m[-1, -1]), total=float(end - start))
         return out
 
@@ -354,7 +400,8 @@ class PersistentDecoder:
         layer (residual in, q/k/v task done, every head in, MLP task done, the next layer's
         staging issued, the residual's count seen; 0 where a block has no such point), from
         block 0's first point."""
-        t = self.stage_times[N_MARKS * self.n_layers + 2 :].view(-1, 6).cpu()
+        first = N_MARKS * self.n_layers + 2
+        t = self.stage_times[first : first + 6 * self.blocks].view(-1, 6).cpu()
         return torch.where(t > 0, t - t[0, 0], torch.zeros_like(t))
 
     def next_token(self) -> torch.Tensor:
