@@ -146,6 +146,8 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
         {"NORM_FAST": 0},
         {"MLP_PAIR": 0},
         {"MLP_PAIR": 1, "DOWN_COPIES": 1},
+        {"GU_JOINT": 1},
+        {"GU_JOINT": 1, "ROWB_CONST": 0},
     ],
 )
 @pytest.mark.parametrize("shape", [(4, 2, 128, None), (2, 2, 128, 16)])

@@ -117,6 +117,9 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #ifndef FLAT_SHFL
 #define FLAT_SHFL 1  // flat_dots: a row's partial sums added by shuffles in groups of lanes first
 #endif
+#ifndef GU_JOINT
+#define GU_JOINT 0  // gate/up: a thread's units of a gate row and of the same unit's up row together
+#endif
 #ifndef MLP_PAIR
 #define MLP_PAIR 0  // MLP tasks c, c + 1 on a cluster of two blocks (below; persistent.py sets it)
 #endif
@@ -349,12 +352,10 @@ __device__ __forceinline__ void load8(const float* p, float* xx) {
     xx[4] = b.x; xx[5] = b.y; xx[6] = b.z; xx[7] = b.w;
 }
 
-// d * (the dot of the 8 codes of part p of a legacy block with xp[0..8)) (+ m * sum xp): the
-// block's dequantized elements 8p .. 8p+7 times xp, as ggml's d * q (+ m).
+// d * (the dot of the 8 codes of part p of a legacy block with xx[0..8)) (+ m * sum xx): the
+// block's dequantized elements 8p .. 8p+7 times xx, as ggml's d * q (+ m).
 template <int T>
-__device__ __forceinline__ float unit_dot(const u8* blk, int p, const float* xp) {
-    float xx[8];
-    load8(xp, xx);
+__device__ __forceinline__ float unit_dot_x(const u8* blk, int p, const float (&xx)[8]) {
     constexpr int has_m = T == T_Q4_1 || T == T_Q5_1;
     constexpr int five = T == T_Q5_0 || T == T_Q5_1;
     constexpr float offset = T == T_Q4_0 ? 8.f : T == T_Q5_0 ? 16.f : 0.f;
@@ -392,6 +393,13 @@ __device__ __forceinline__ float unit_dot(const u8* blk, int p, const float* xp)
         sx += xx[i];
     }
     return d * (s - offset * sx) + m * sx;
+}
+// The same with the activations at xp (shared memory, 16-byte aligned)
+template <int T>
+__device__ __forceinline__ float unit_dot(const u8* blk, int p, const float* xp) {
+    float xx[8];
+    load8(xp, xx);
+    return unit_dot_x<T>(blk, p, xx);
 }
 
 // One thread's share of the dot of a row of type T (K elements) with x (shared memory), the
@@ -468,6 +476,63 @@ __device__ __forceinline__ void flat_dots(RowAt row_at, TypeAt type_at, const fl
         float sum = 0.f;
 #pragma unroll
         for (int k = 0; k < TPR / G; k++) sum += scratch[threadIdx.x * (TPR / G) + k];
+        y[threadIdx.x] = sum;
+    }
+    __syncthreads();
+}
+
+// GU_JOINT: the dots of an MLP task's CHUNK gate rows and CHUNK up rows (one type T) with x,
+// THREADS / CHUNK threads a unit, each taking the unit's gate and up row over the same 8-element
+// parts: one load of x serves both rows (with flat_dots every row's threads load it apart). The
+// partial sums added in a fixed order (scratch: 2 THREADS / 8 floats); y[u] gets gate row u's
+// dot, y[CHUNK + u] up row u's. Ends with a barrier.
+template <int K, int T>
+__device__ __forceinline__ void gate_up_joint(const u8* gw, const u8* uw, usize rg, usize ru,
+                                              const float* x, float* scratch, float* y) {
+    constexpr int TPR = THREADS / CHUNK;
+    static_assert(THREADS % CHUNK == 0, "GU_JOINT: CHUNK divides THREADS");
+    const int u = threadIdx.x / TPR, seg = threadIdx.x % TPR;
+    const u8 *g = gw + rg * u, *up = uw + ru * u;
+    float ag = 0.f, au = 0.f;
+    if constexpr (is_float(T)) {
+#pragma unroll
+        for (int j = 0; j < (K + TPR - 1) / TPR; j++) {
+            const int i = seg + TPR * j;
+            if (i < K) {
+                ag += float_elem(T, g, i) * x[i];
+                au += float_elem(T, up, i) * x[i];
+            }
+        }
+    } else {
+        constexpr int bb = block_bytes(T);
+#pragma unroll
+        for (int j = 0; j < (K / 8 + TPR - 1) / TPR; j++) {
+            const int v = seg + TPR * j;
+            if (v < K / 8) {
+                float xx[8];
+                load8(x + 8 * v, xx);
+                ag += unit_dot_x<T>(g + bb * (v >> 2), v & 3, xx);
+                au += unit_dot_x<T>(up + bb * (v >> 2), v & 3, xx);
+            }
+        }
+    }
+    // a unit's threads in aligned groups of G lanes add by shuffles first
+    constexpr int G = (TPR & -TPR) < 32 ? (TPR & -TPR) : 32, NG = THREADS / G;
+#pragma unroll
+    for (int o = 1; o < G; o <<= 1) {
+        ag += __shfl_xor_sync(0xffffffffu, ag, o);
+        au += __shfl_xor_sync(0xffffffffu, au, o);
+    }
+    if (seg % G == 0) {
+        scratch[threadIdx.x / G] = ag;
+        scratch[NG + threadIdx.x / G] = au;
+    }
+    __syncthreads();
+    if (threadIdx.x < 2 * CHUNK) {
+        const float* sc = scratch + (threadIdx.x < CHUNK ? 0 : NG) + (threadIdx.x % CHUNK) * (TPR / G);
+        float sum = 0.f;
+#pragma unroll
+        for (int k = 0; k < TPR / G; k++) sum += sc[k];
         y[threadIdx.x] = sum;
     }
     __syncthreads();
@@ -1274,6 +1339,11 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #if FLAT_DOTS
                 {  // rows 0 .. CHUNK - 1: gate, CHUNK .. 2 CHUNK - 1: up
                     float* y = S + THREADS;
+#if GU_JOINT
+                    if (tg == tu) {
+                        QLIB_DISPATCH(LAYER_TYPES, tg, (gate_up_joint<DIM, T_>(gw, uw, rg, ru, xs, S, y)))
+                    } else
+#endif
                     flat_dots<DIM, 2 * CHUNK, LAYER_TYPES>(
                         [&](int r) { return r < CHUNK ? gw + rg * r : uw + ru * (r - CHUNK); },
                         [&](int r) { return r < CHUNK ? tg : tu; }, xs, S, y);
