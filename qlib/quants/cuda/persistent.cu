@@ -1405,10 +1405,12 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #else
     const u64 mine = output_rows<DIM, 4, OUT_TYPES>(otype, out_w, xs, logits, out_r0, out_r1, warp, lane);
 #endif
+#ifdef QLIB_STAGE_TIMES
     if (b == 0) {
         __syncthreads();
         OUT_MARK(2);
     }
+#endif
     if (lane == 0 && mine) atomicMax(best + par, mine);
     const u32 old = arrive(done);
     if (threadIdx.x == 0 && old == gridDim.x - 1) {  // the last block: every argmax is in

@@ -290,6 +290,8 @@ class PersistentDecoder:
         # ("MLP_PAIR=0,NORM_FAST=0": any command's kernel) and from the caller
         for item in filter(None, os.environ.get("QLIB_PERSISTENT_MACROS", "").split(",")):
             name, _, value = item.partition("=")
+            if not name.strip().isidentifier() or not value.strip().lstrip("-").isdigit():
+                raise PersistentError(f"QLIB_PERSISTENT_MACROS: {item!r} is not NAME=integer")
             self.macros[name.strip()] = int(value)
         self.macros.update(macros or {})
         # the MLP tasks' sums in two copies of the counted words (half the atomics an address)
