@@ -23,6 +23,7 @@ from synthetic import write_tiny_llama
 from qlib.gguf import Content
 from qlib.llama import fast_cpu as fast
 from qlib.quants import cpu
+from qlib.quants.cpu import ops
 from qlib.quants.qtensor import QTensor
 
 needs_kernels = pytest.mark.skipif(
@@ -98,6 +99,26 @@ def test_one_call_step_is_bit_identical(tmp_path, monkeypatch, name, kv_type):
         logits, cache = runs[mode]
         assert all(torch.equal(a, b) for a, b in zip(ref_logits, logits, strict=True)), mode
         assert torch.equal(ref_cache, cache), mode
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["Q4_K_M mix", "legacy mix"])
+def test_next_step_prefetch_changes_nothing(tmp_path, name):
+    """The one-region step's prefetch of the next GEMV's first rows (``set_decode_prefetch``:
+    none, the default 8 groups, more groups than a thread's share) leaves the logits and the
+    cache equal bit for bit."""
+    path = write_tiny_llama(tmp_path / "m.gguf", **SIZES, **FILES[name][0])
+    model = _build(path, max_seq_len=256)
+    runs = []
+    try:
+        for groups in (0, 8, 1000):
+            ops.set_decode_prefetch(groups)
+            runs.append(_decode(model, "region", 20, 6))
+    finally:
+        ops.set_decode_prefetch(8)
+    for logits, cache in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][0], logits, strict=True))
+        assert torch.equal(runs[0][1], cache)
 
 
 @needs_kernels

@@ -12,8 +12,11 @@
  *         ~8 us a layer alone); the scratch is allocated once per call of the list.
  * Both compute every output element with the same code in the same order as the separate
  * calls (the same row groups, the same attention pieces), so the results are bit-identical.
+ * In mode 1 each thread also prefetches, before a step, the first groups of its share of the
+ * next GEMV into L2 (qlib_decode_prefetch_groups), so that no GEMV starts on a cold read.
  * The position and the RoPE rows are read through pointers at each run (ops.DecodePosition).
  * Returns 0, or -1 (a step's arguments, out of memory: nothing is run then in mode 1). */
+#include <immintrin.h>
 #include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -61,6 +64,39 @@ void qlib_kgemv_region(int type, const uint8_t *w, int n, int k, const float *x,
 void qlib_attn_decode_region(float *qkv, void *kc, void *vc, int pos, int n_head, int n_kv,
                              int d, int max_seq, const float *cos, const float *sin, int neox,
                              float *out, int kv_f16, int split, int max_threads, float *buf);
+
+size_t qlib_kgemv_row_bytes(int type, int k);
+
+/* Groups of 4 rows of the next GEMV that each thread prefetches before a step (an A/B hook,
+ * qlib_decode_set_prefetch; 0: none). */
+int qlib_decode_prefetch_groups = 8;
+void qlib_decode_set_prefetch(int groups) { qlib_decode_prefetch_groups = groups; }
+
+/* The first qlib_decode_prefetch_groups groups of thread t's share of GEMV s into L2: the
+ * static schedule's contiguous ranges (the first nblk % nth threads one group more), the codes
+ * and, for the planes, their scales and minimums. A hint only: nothing depends on it. */
+static void prefetch_share(const qlib_step *s, int t, int nth) {
+    const int groups = qlib_decode_prefetch_groups;
+    if (groups <= 0 || (s->kind != STEP_QGEMV && s->kind != STEP_KGEMV)) return;
+    const int nblk = (s->n + 3) / 4, q = nblk / nth, r = nblk % nth;
+    const int first = t * q + (t < r ? t : r), count = q + (t < r);
+    const int rows = 4 * (count < groups ? count : groups), j = 4 * first;
+    if (rows <= 0) return;
+    size_t row_bytes;
+    if (s->kind == STEP_QGEMV) {
+        row_bytes = s->type == 8 ? (size_t)s->k : (size_t)s->k / 2; /* Q8_0 : Q4_0, Q4_1 */
+        const size_t planes = sizeof(uint16_t) * (size_t)(s->k / 32);
+        for (size_t off = 0; off < planes * rows; off += 64) {
+            _mm_prefetch((const char *)s->d + planes * j + off, _MM_HINT_T1);
+            if (s->m) _mm_prefetch((const char *)s->m + planes * j + off, _MM_HINT_T1);
+        }
+    } else {
+        row_bytes = qlib_kgemv_row_bytes(s->type, s->k);
+        if (!row_bytes) return; /* float rows: not prefetched here */
+    }
+    const char *w = (const char *)s->w + row_bytes * j;
+    for (size_t off = 0; off < row_bytes * rows; off += 64) _mm_prefetch(w + off, _MM_HINT_T1);
+}
 
 /* the checks of the kernels' entry points (ops checked the shapes at plan time) */
 static int step_ok(const qlib_step *s) {
@@ -123,9 +159,11 @@ int qlib_decode_run(const qlib_step *steps, int count, int mode) {
 #pragma omp parallel num_threads(nth)
     {
         /* a team smaller than asked (OMP_DYNAMIC) only shares the same loops out differently */
-        uint8_t *mine = scratch + per_thread * omp_get_thread_num();
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
+        uint8_t *mine = scratch + per_thread * t;
         for (int i = 0; i < count; i++) {
             const qlib_step *s = &steps[i];
+            if (i + 1 < count) prefetch_share(&steps[i + 1], t, team);
             switch (s->kind) {
             case STEP_QGEMV:
                 qlib_qgemv_region(s->type, s->w, s->d, s->m, s->n, s->k, s->x, s->y, s->norm,

@@ -755,6 +755,12 @@ size_t qlib_kgemv_scratch(int k) {
            kup64(sizeof(int16_t) * 16 * (NB ? NB : 1)) + kup64(sizeof(float) * (size_t)k);
 }
 
+/* Bytes of one weight row of k for qlib_kgemv_region's block types (0 for the float types,
+ * whose rows floats.c reads) */
+size_t qlib_kgemv_row_bytes(int type, int k) {
+    return (size_t)(k / (type != QLIB_Q5_1 ? 256 : 32)) * block_bytes(type);
+}
+
 /* qlib_kgemm's GEMV for one row (m = 1), called by every thread of an enclosing parallel
  * region (decode.c): each thread quantizes the row into its own scratch (the bytes of
  * qlib_kgemm's one serial quantization), then the groups of 4 weight rows are shared out by

@@ -55,6 +55,7 @@ _SIGNATURES = {
     "qlib_kgemm": ([_i, _p, _i, _i, _p, _i, _p, _p, _f, _i, _i], _i),
     "qlib_qgemm_set_min_rows": ([_i], None),
     "qlib_gemv_set_prefetch": ([_i, _i], None),
+    "qlib_decode_set_prefetch": ([_i], None),
     "qlib_attn_decode": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p], _i),
     "qlib_attn_decode_kv": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p, _i, _i], _i),
     "qlib_repack": ([_i, _p, _i, _i, _p, _p, _p], None),
@@ -122,6 +123,12 @@ def set_gemv_prefetch(spread: bool = True, spread_k: int = 0) -> None:
     hook; results are the same): ``spread`` (the default) a few lines per block step for rows
     of ``k >= spread_k``, else one burst per group (the earlier kernel)."""
     _lib().qlib_gemv_set_prefetch(int(spread), int(spread_k))
+
+
+def set_decode_prefetch(groups: int = 8) -> None:
+    """How many groups of 4 rows of the next GEMV each thread of the one-region decode step
+    prefetches into L2 before a step (an A/B hook; results are the same; 0: none)."""
+    _lib().qlib_decode_set_prefetch(int(groups))
 
 
 def amx_available() -> bool:
