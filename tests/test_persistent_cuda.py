@@ -71,6 +71,16 @@ def test_kquants_expand_exactly(type_name):
     assert torch.equal(decode_x8(data), t.dequantize())
 
 
+def test_macros_from_the_environment():
+    """``$QLIB_PERSISTENT_MACROS`` items become macros; one that is not NAME=integer is
+    refused with its text in the message (on any machine)."""
+    assert persistent.env_macros("") == {}
+    assert persistent.env_macros("MLP_PAIR=0, NORM_FAST = 1,") == {"MLP_PAIR": 0, "NORM_FAST": 1}
+    for bad in ("MLP_PAIR", "MLP_PAIR=on", "1X=2", "=3"):
+        with pytest.raises(persistent.PersistentError, match="is not NAME=integer"):
+            persistent.env_macros(bad)
+
+
 @needs_cuda
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("graphs", [False, True])

@@ -82,6 +82,18 @@ def unsupported(types: dict[str, str], head_dim: int, rope_dim: int) -> str | No
     return None
 
 
+def env_macros(text: str) -> dict[str, int]:
+    """``$QLIB_PERSISTENT_MACROS`` (``"MLP_PAIR=0,NORM_FAST=0"``) as macros for the kernel;
+    PersistentError names an item that is not ``NAME=integer``."""
+    macros = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        name, _, value = (part.strip() for part in item.partition("="))
+        if not name.isidentifier() or not value.lstrip("-").isdigit():
+            raise PersistentError(f"QLIB_PERSISTENT_MACROS: {item!r} is not NAME=integer")
+        macros[name] = int(value)
+    return macros
+
+
 def _nvrtc() -> ctypes.CDLL:
     names = [os.environ.get("QLIB_NVRTC", "")]
     for base in sys.path:
@@ -287,12 +299,8 @@ class PersistentDecoder:
         if stage_times:  # block 0 notes the time at every mark (``stage_times_ns``)
             self.macros["QLIB_STAGE_TIMES"] = 1
         # experiments: persistent.cu's macros (KV_STAGE, ...), from $QLIB_PERSISTENT_MACROS
-        # ("MLP_PAIR=0,NORM_FAST=0": any command's kernel) and from the caller
-        for item in filter(None, os.environ.get("QLIB_PERSISTENT_MACROS", "").split(",")):
-            name, _, value = item.partition("=")
-            if not name.strip().isidentifier() or not value.strip().lstrip("-").isdigit():
-                raise PersistentError(f"QLIB_PERSISTENT_MACROS: {item!r} is not NAME=integer")
-            self.macros[name.strip()] = int(value)
+        # (any command's kernel) and from the caller
+        self.macros.update(env_macros(os.environ.get("QLIB_PERSISTENT_MACROS", "")))
         self.macros.update(macros or {})
         # the MLP tasks' sums in two copies of the counted words (half the atomics an address)
         self.macros.setdefault("DOWN_COPIES", 2 if self.macros["XRES"] else 1)
