@@ -90,3 +90,22 @@ def test_gemm_equals_gemv_shapes_and_fusions(t, n, k, paths):
 def test_default_threshold():
     """Decode (one row) stays on the GEMV loops; the prefill takes the tiled path."""
     assert 1 < ops.GEMM_MIN_ROWS <= 8
+
+
+@pytest.mark.parametrize("t", ["Q8_0", "Q5_0", "Q4_1"])
+@pytest.mark.parametrize("k", [576, 1536, 2048])
+def test_gemv_rows_in_sequence_are_the_same(t, k):
+    """The GEMV's Q8_0 rows of k <= 1536 taken one after the other (``set_gemv_sequential``,
+    the default) give the same outputs bit for bit as 4 rows side by side: the same per-row
+    arithmetic, m = 1..3 activation rows, a last group of 3 rows."""
+    w = _packed(t, 75, k, seed=k)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
+    runs = []
+    try:
+        for max_k in (0, 1536, 1 << 20):
+            ops.set_gemv_sequential(max_k)
+            runs.append([cpu.qgemm(x[:m], w) for m in (1, 2, 3)])
+    finally:
+        ops.set_gemv_sequential()
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run, strict=True))

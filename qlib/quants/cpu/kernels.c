@@ -333,6 +333,16 @@ void qlib_gemv_set_prefetch(int mode, int spread_k) {
     qlib_gemv_prefetch = mode, qlib_gemv_spread_k = spread_k;
 }
 
+/* Q8_0 rows of k <= qlib_gemv_seq_k (0: none) are taken one after the other, with no software
+ * prefetch: a group's 4 rows side by side are 4 short interleaved streams that the hardware
+ * prefetchers do not follow (a C harness: 15-16 GB/s as a plain read, 31-33 with software
+ * prefetch, 35-41 as one sequential stream); the 4-row form keeps longer rows (1B's k = 2048
+ * measured slower so) and Q4_0 / Q4_1, whose half-size codes lose more by not sharing the
+ * activation loads and block scales of 4 rows. The same per-row arithmetic either way: the
+ * outputs are equal bit for bit (an A/B hook: qlib_gemv_set_seq_k). */
+int qlib_gemv_seq_k = 1536;
+void qlib_gemv_set_seq_k(int k) { qlib_gemv_seq_k = k; }
+
 /* The GEMV path of qlib_qgemm_ex: group jb of 4 weight rows (of nblk) times the m quantized
  * activation rows (one thread computes the group's outputs, in a fixed order). */
 static inline __attribute__((always_inline)) void gemv_group(
@@ -345,9 +355,11 @@ static inline __attribute__((always_inline)) void gemv_group(
     const uint16_t *dj = dw + (size_t)j * G;
     const uint16_t *mj = mw ? mw + (size_t)j * G : NULL;
     const char *pf = NULL;
-    if (jb + 2 < nblk) { /* codes two groups ahead into L2 (rows are short: 288 bytes for
-                          * Q4_1 at k = 576; the hardware prefetcher alone left decode
-                          * ~17% slower): spread over the block steps, or in one burst */
+    const int sequential = type == QLIB_Q8_0 && k <= qlib_gemv_seq_k;
+    /* codes two groups ahead into L2 (rows are short: 288 bytes for Q4_1 at k = 576; the
+     * hardware prefetcher alone left decode ~17% slower): spread over the block steps, or in
+     * one burst */
+    if (jb + 2 < nblk && !sequential) {
         const char *ahead = (const char *)(cj + 8 * row_bytes);
         if (qlib_gemv_prefetch == 0 || (size_t)k < (size_t)qlib_gemv_spread_k)
             for (size_t off = 0; off < 4 * row_bytes; off += 64)
@@ -360,7 +372,7 @@ static inline __attribute__((always_inline)) void gemv_group(
         const int8_t *qi = aq + (size_t)i * k;
         const float *di = ad + (size_t)i * G, *si = as + (size_t)i * G;
         const int32_t *ci = corr + (size_t)i * (k / 4);
-        if (rows == 4)
+        if (rows == 4 && !sequential)
             dot_rows(4, type, cj, row_bytes, dj, mj, k, qi, di, si, ci, i ? NULL : pf, out);
         else
             for (int r = 0; r < rows; r++)

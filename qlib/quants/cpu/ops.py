@@ -56,6 +56,7 @@ _SIGNATURES = {
     "qlib_qgemm_set_min_rows": ([_i], None),
     "qlib_gemv_set_prefetch": ([_i, _i], None),
     "qlib_decode_set_prefetch": ([_i], None),
+    "qlib_gemv_set_seq_k": ([_i], None),
     "qlib_attn_decode": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p], _i),
     "qlib_attn_decode_kv": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p, _i, _i], _i),
     "qlib_repack": ([_i, _p, _i, _i, _p, _p, _p], None),
@@ -123,6 +124,13 @@ def set_gemv_prefetch(spread: bool = True, spread_k: int = 0) -> None:
     hook; results are the same): ``spread`` (the default) a few lines per block step for rows
     of ``k >= spread_k``, else one burst per group (the earlier kernel)."""
     _lib().qlib_gemv_set_prefetch(int(spread), int(spread_k))
+
+
+def set_gemv_sequential(max_k: int = 1536) -> None:
+    """Q8_0 GEMV rows of ``k <= max_k`` are taken one after the other without software
+    prefetch, longer ones and the 4-bit types 4 rows side by side (an A/B hook; results are
+    the same; 0: every type 4 rows side by side)."""
+    _lib().qlib_gemv_set_seq_k(int(max_k))
 
 
 def set_decode_prefetch(groups: int = 8) -> None:
