@@ -176,7 +176,9 @@ class Kernel:
         if cluster > 1:  # every cluster resident at once, or the kernel's waits never end
             config = _LaunchConfig((self.blocks, 1, 1), (threads, 1, 1), shared_bytes)
             n = ctypes.c_int()
-            occupancy = self.cu.cuOccupancyMaxActiveClusters
+            occupancy = getattr(self.cu, "cuOccupancyMaxActiveClusters", None)
+            if occupancy is None:
+                raise PersistentError("this CUDA driver cannot say how many clusters fit")
             rc = occupancy(ctypes.byref(n), self.fn, ctypes.byref(config))
             if rc or n.value * cluster < self.blocks:
                 raise PersistentError(
