@@ -25,6 +25,7 @@
  * passes, scores of the piece into a buffer, softmax, then p v. e^x is the vector exp16
  * (~1 ulp).
  * d % 16 == 0, d <= 128. Returns 0, or -1 (out of memory). */
+#include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -348,6 +349,23 @@ static void store_row(void *cache, size_t at, const float *x, int d, int f16) {
                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+/* Whether a float32 cache's pieces take the three passes of attn_piece (scores over the piece,
+ * softmax, weighted values: the keys then the values, each one sequential stream) rather than
+ * piece_1pass (blocks of 16 positions, keys and values side by side). Measured on two CPUs:
+ * on an Intel VM the one pass was 14-24% faster at 2800-4096 positions; on an AMD Zen 4 VM,
+ * whose prefetchers follow one sequential stream far better than two interleaved ones, the
+ * three passes are 6-24% faster at 260-2800 positions. So by the CPU's vendor (AMD: three
+ * passes), or as set by qlib_attn_set_two_pass (an A/B hook: 0, 1; -1 restores the vendor's);
+ * float16 caches keep the one pass (keys outer: measured the same or faster). The two differ
+ * by float rounding only. */
+static int two_pass_f32 = -1;
+static int amd_cpu(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u; /* "Auth"enticAMD */
+}
+__attribute__((constructor)) static void two_pass_init(void) { two_pass_f32 = amd_cpu(); }
+void qlib_attn_set_two_pass(int on) { two_pass_f32 = on < 0 ? amd_cpu() : on; }
+
 /* The pieces per KV head: a multiple of 16 positions each, n_kv * P a multiple of the
  * thread count where that leaves pieces of >= 64 positions (else one piece per head). */
 static int pieces(int L, int n_kv, int nth, int split, int *len) {
@@ -373,12 +391,13 @@ typedef struct {
     size_t task_floats;
 } attn_geom;
 
-static attn_geom attn_geometry(int pos, int n_head, int n_kv, int d, int nth, int split) {
+static attn_geom attn_geometry(int pos, int n_head, int n_kv, int d, int nth, int split,
+                                int kv_f16) {
     attn_geom g;
     g.L = pos + 1, g.rep = n_head / n_kv;
     g.P = pieces(g.L, n_kv, nth, split, &g.lp), g.ntask = n_kv * g.P;
     /* per task: scores rep x lp (attn_piece only), then m, sum (rep each), o (rep x d) */
-    g.one_pass = one_pass_shape(g.rep, d / 16);
+    g.one_pass = one_pass_shape(g.rep, d / 16) && (kv_f16 || !two_pass_f32);
     g.ld = g.one_pass ? 0 : g.lp;
     g.task_floats = (size_t)g.rep * g.ld + 2 * (size_t)g.rep + (size_t)g.rep * d;
     return g;
@@ -464,7 +483,7 @@ int qlib_attn_decode_kv(float *qkv, void *kc, void *vc, int pos, int n_head, int
     attn_write(qkv, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox, kv_f16);
     const int parallel = attn_parallel(pos, n_head);
     const int nth = parallel ? omp_get_max_threads() : 1;
-    const attn_geom ge = attn_geometry(pos, n_head, n_kv, d, nth, split);
+    const attn_geom ge = attn_geometry(pos, n_head, n_kv, d, nth, split, kv_f16);
     /* per task: see attn_geometry; per thread: kbuf */
     float *buf = malloc(sizeof(float) * (ge.task_floats * ge.ntask + (size_t)16 * d * nth));
     if (!buf) return -1;
@@ -483,9 +502,10 @@ int qlib_attn_decode_kv(float *qkv, void *kc, void *vc, int pos, int n_head, int
 /* Floats of the shared buffer qlib_attn_decode_region needs at position pos, for a region
  * of nth threads (max_threads: omp_get_max_threads() outside it). */
 size_t qlib_attn_region_floats(int pos, int n_head, int n_kv, int d, int split, int nth,
-                               int max_threads) {
+                               int max_threads, int kv_f16) {
     const attn_geom ge = attn_geometry(pos, n_head, n_kv, d,
-                                       attn_parallel(pos, n_head) ? max_threads : 1, split);
+                                       attn_parallel(pos, n_head) ? max_threads : 1, split,
+                                       kv_f16);
     return ge.task_floats * ge.ntask + (size_t)16 * d * nth;
 }
 
@@ -500,7 +520,8 @@ void qlib_attn_decode_region(float *qkv, void *kc, void *vc, int pos, int n_head
 #pragma omp single
     attn_write(qkv, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox, kv_f16);
     const attn_geom ge = attn_geometry(pos, n_head, n_kv, d,
-                                       attn_parallel(pos, n_head) ? max_threads : 1, split);
+                                       attn_parallel(pos, n_head) ? max_threads : 1, split,
+                                       kv_f16);
     float *kbufs = buf + ge.task_floats * ge.ntask;
 #pragma omp for schedule(static)
     for (int t = 0; t < ge.ntask; t++)

@@ -54,7 +54,7 @@ int qlib_float_type(int type);
 size_t qlib_qgemv_scratch(int k);
 size_t qlib_kgemv_scratch(int k);
 size_t qlib_attn_region_floats(int pos, int n_head, int n_kv, int d, int split, int nth,
-                               int max_threads);
+                               int max_threads, int kv_f16);
 void qlib_qgemv_region(int type, const uint8_t *codes, const uint16_t *dw, const uint16_t *mw,
                        int n, int k, const float *x, float *y, const float *norm_w, float eps,
                        int swiglu, int accumulate, uint8_t *scratch, float *shared);
@@ -148,7 +148,7 @@ int qlib_decode_run(const qlib_step *steps, int count, int mode) {
             shared = sizeof(float) * (size_t)s->k; /* silu(gate) * up, shared by the team */
         if (s->kind == STEP_ATTN) {
             const size_t b = sizeof(float) * qlib_attn_region_floats(
-                *s->pos, s->n_head, s->n_kv, s->head_dim, s->split, nth, nth);
+                *s->pos, s->n_head, s->n_kv, s->head_dim, s->split, nth, nth, s->kv_f16);
             shared = b > shared ? b : shared;
         }
     }

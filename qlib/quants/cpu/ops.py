@@ -57,6 +57,7 @@ _SIGNATURES = {
     "qlib_gemv_set_prefetch": ([_i, _i], None),
     "qlib_decode_set_prefetch": ([_i], None),
     "qlib_gemv_set_seq_k": ([_i], None),
+    "qlib_attn_set_two_pass": ([_i], None),
     "qlib_attn_decode": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p], _i),
     "qlib_attn_decode_kv": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p, _i, _i], _i),
     "qlib_repack": ([_i, _p, _i, _i, _p, _p, _p], None),
@@ -131,6 +132,13 @@ def set_gemv_sequential(max_k: int = 1536) -> None:
     prefetch, longer ones and the 4-bit types 4 rows side by side (an A/B hook; results are
     the same; 0: every type 4 rows side by side)."""
     _lib().qlib_gemv_set_seq_k(int(max_k))
+
+
+def set_attn_two_pass(on: int = -1) -> None:
+    """Whether the decode attention over a float32 cache reads a piece's keys, then its values
+    (1), or both side by side in one pass (0); -1 (the default): by the CPU's vendor, AMD 1
+    (an A/B hook; the two differ by float rounding)."""
+    _lib().qlib_attn_set_two_pass(int(on))
 
 
 def set_decode_prefetch(groups: int = 8) -> None:
