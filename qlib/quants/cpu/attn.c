@@ -21,9 +21,10 @@
  * run keys outer (`block_scores_ko`): each k vector converted once in registers for all
  * the group's heads, instead of the block converted into kbuf and re-read per head (A/B,
  * same setting: 5.35 -> 4.52 ms at 2800, 7.21 -> 6.20 at 4096, 2.02 -> 1.61 at 1024;
- * bit-identical). Wider groups (`attn_piece`): three
- * passes, scores of the piece into a buffer, softmax, then p v. e^x is the vector exp16
- * (~1 ulp).
+ * bit-identical). Wider groups, and a float32 cache on AMD CPUs (two_pass_f32, below: their
+ * prefetchers follow one stream at a time better than two side by side), take `attn_piece`:
+ * three passes, scores of the piece into a buffer, softmax, then p v. e^x is the vector
+ * exp16 (~1 ulp).
  * d % 16 == 0, d <= 128. Returns 0, or -1 (out of memory). */
 #include <cpuid.h>
 #include <immintrin.h>
