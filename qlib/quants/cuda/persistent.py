@@ -358,9 +358,9 @@ class PersistentDecoder:
         xchg = nl * (nh + 2 * c.head_count_kv) * hd + nl * nh * ns_max * (hd + 2)
         self.xchg = torch.zeros(xchg, dtype=torch.int64, device=device)
         # the layers' marks, the step's start and end, 6 a block, then the output layer's 3
-        self.stage_times = torch.zeros(N_MARKS * nl + 2 + 6 * blocks + 6, dtype=torch.int64,
-                                       device=device)  # fmt: skip
-        self.blocks = blocks
+        self._block_marks = N_MARKS * nl + 2
+        self._out_marks = self._block_marks + 6 * blocks
+        self.stage_times = torch.zeros(self._out_marks + 3, dtype=torch.int64, device=device)
         self.n_layers = nl
         self.out_norm, self.cos, self.sin, self.cache = out_norm, cos, sin, cache
 
@@ -391,7 +391,8 @@ class PersistentDecoder:
         """With ``stage_times=True``: the last step's ns, summed over the layers, as block 0 (a
         q/k/v and an attention task each layer) and the first MLP block (the ``mlp:`` marks) saw
         them (``MARKS``: each names the span that ends at its mark); ``output``: the output
-        layer and argmax; ``total``."""
+        layer and argmax, and within it block 0's ``out: wait / norm / rows / argmax``;
+        ``total``."""
         t = self.stage_times.cpu().double()
         nl = self.n_layers
         start, end = t[N_MARKS * nl], t[N_MARKS * nl + 1]
@@ -399,7 +400,7 @@ class PersistentDecoder:
         prev = torch.cat([start.view(1), m[:-1, -1]])
         spans = torch.cat([(m[:, 0] - prev).view(-1, 1), m[:, 1:] - m[:, :-1]], 1).sum(0)
         out = dict(zip(MARKS, spans.tolist(), strict=True))
-        o = t[N_MARKS * nl + 2 + 6 * self.blocks :][:3]  # block 0 in the output layer
+        o = t[self._out_marks :]  # block 0 in the output layer
         if bool((o > 0).all()):
             marks = {"out: wait": o[0] - m[-1, -1], "out: norm": o[1] - o[0],
                      "out: rows": o[2] - o[1], "out: argmax": end - o[2]}  # fmt: skip
@@ -412,8 +413,7 @@ class PersistentDecoder:
         layer (residual in, q/k/v task done, every head in, MLP task done, the next layer's
         staging issued, the residual's count seen; 0 where a block has no such point), from
         block 0's first point."""
-        first = N_MARKS * self.n_layers + 2
-        t = self.stage_times[first : first + 6 * self.blocks].view(-1, 6).cpu()
+        t = self.stage_times[self._block_marks : self._out_marks].view(-1, 6).cpu()
         return torch.where(t > 0, t - t[0, 0], torch.zeros_like(t))
 
     def next_token(self) -> torch.Tensor:
