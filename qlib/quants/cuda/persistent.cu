@@ -117,8 +117,11 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #ifndef FLAT_SHFL
 #define FLAT_SHFL 1  // flat_dots: a row's partial sums added by shuffles in groups of lanes first
 #endif
+#ifndef NORM_LATE
+#define NORM_LATE 1  // RmsNorm's factor applied to the dots' results: one barrier before the dots
+#endif
 #ifndef GU_JOINT
-#define GU_JOINT 0  // gate/up: a thread's units of a gate row and of the same unit's up row together
+#define GU_JOINT 1  // gate/up: a thread's units of a gate row and of the same unit's up row together
 #endif
 #ifndef MLP_PAIR
 #define MLP_PAIR 0  // MLP tasks c, c + 1 on a cluster of two blocks (below; persistent.py sets it)
@@ -541,10 +544,12 @@ __device__ __forceinline__ void gate_up_joint(const u8* gw, const u8* uw, usize 
 // The output layer's rows [r0, r1) of one block: out[row] = W[row] . x, R rows per warp task
 // (their loads overlap); returns (in lane 0) the largest argmax_key of the rows the warp wrote.
 __device__ __forceinline__ u64 argmax_key(float v, int idx);
+__device__ __forceinline__ float late_factor(const float* red);
 template <int K, int R, unsigned MASK>
-__device__ __forceinline__ u64 output_rows(int t, const u8* base, const float* x, float* out,
-                                           int r0, int r1, int warp, int lane) {
+__device__ __forceinline__ u64 output_rows(int t, const u8* base, const float* x, const float* red,
+                                           float* out, int r0, int r1, int warp, int lane) {
     const usize rb = row_bytes(t, K);
+    const float f = late_factor(red);
     u64 mine = 0ull;
     for (int row0 = r0 + warp; row0 < r1; row0 += R * WARPS) {
         const u8* rows[R];
@@ -557,8 +562,8 @@ __device__ __forceinline__ u64 output_rows(int t, const u8* base, const float* x
             for (int r = 0; r < R; r++) {
                 const int row = row0 + r * WARPS;
                 if (row < r1) {
-                    out[row] = y[r];
-                    const u64 key = argmax_key(y[r], row);
+                    out[row] = f * y[r];
+                    const u64 key = argmax_key(f * y[r], row);
                     mine = key > mine ? key : mine;
                 }
             }
@@ -571,8 +576,9 @@ __device__ __forceinline__ u64 output_rows(int t, const u8* base, const float* x
 // SmolLM2's 72 units a row are 9 a lane, where 32 lanes a row leave 24 of them idle a third of
 // the time); returns the warp's largest argmax_key in every lane.
 template <int K, unsigned MASK>
-__device__ __forceinline__ u64 output_rows_lanes(int t, const u8* base, const float* x, float* out,
-                                                 int r0, int r1, int warp, int lane) {
+__device__ __forceinline__ u64 output_rows_lanes(int t, const u8* base, const float* x, const float* red,
+                                                 float* out, int r0, int r1, int warp, int lane) {
+    const float f = late_factor(red);
     constexpr int LPR = OUT_LANES, RPW = 32 / LPR;
     static_assert(32 % LPR == 0, "OUT_LANES divides 32");
     const usize rb = row_bytes(t, K);
@@ -586,6 +592,7 @@ __device__ __forceinline__ u64 output_rows_lanes(int t, const u8* base, const fl
 #pragma unroll
         for (int o = 1; o < LPR; o <<= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
         if (seg == 0 && row < r1) {
+            y *= f;
             out[row] = y;
             const u64 key = argmax_key(y, row);
             mine = key > mine ? key : mine;
@@ -673,6 +680,47 @@ __device__ void rmsnorm_shared(const float* v, const float* w, float* xs, float*
 #endif
     for (int i = threadIdx.x; i < DIM; i += THREADS) xs[i] = v[i] * r * w[i];
     __syncthreads();
+}
+
+// NORM_LATE: RmsNorm(v) * w times a row is r (W_row . (v * w)), r = 1 / rms(v): xs = v * w
+// (each thread its own elements of v, as the residual's readers wrote them), the sum of squares'
+// warp partials into red, one barrier; the dots start at once and norm_factor(red) scales their
+// results, where rmsnorm_shared puts two barriers, the tree and the rsqrt before the first load.
+__device__ void norm_products(const float* v, const float* w, float* xs, float* red) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < DIM; i += THREADS) {
+        ss += v[i] * v[i];
+        xs[i] = v[i] * w[i];
+    }
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+}
+__device__ __forceinline__ float norm_factor(const float* red) {
+    float t[WARPS];
+#pragma unroll
+    for (int i = 0; i < WARPS; i++) t[i] = red[i];
+#pragma unroll
+    for (int w = 1; w < WARPS; w <<= 1)
+#pragma unroll
+        for (int i = 0; i + w < WARPS; i += 2 * w) t[i] += t[i + w];
+    return rsqrtf(t[0] * (1.0f / (float)DIM) + EPS);  // (the same order in every thread and block)
+}
+// RmsNorm before a task's dots: xs normalized (factor 1 after), or NORM_LATE's products (the
+// factor to apply after, from red: read it after the dots, before red is used again)
+__device__ __forceinline__ void norm_for_dots(const float* v, const float* w, float* xs, float* red) {
+#if NORM_LATE
+    norm_products(v, w, xs, red);
+#else
+    rmsnorm_shared(v, w, xs, red);
+#endif
+}
+__device__ __forceinline__ float late_factor(const float* red) {
+#if NORM_LATE
+    return norm_factor(red);
+#else
+    return 1.0f;
+#endif
 }
 
 // -- one thread's dot of elements [e0, e0 + W) of a row with v (W a multiple of 8, e0 of W) --
@@ -1065,7 +1113,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         if (b == 0) MARK(NMARK * l);
         BLOCK_MARK(0)
         staged();
-        rmsnorm_shared(res_in, (const float*)wp[0], xs, red);
+        norm_for_dots(res_in, (const float*)wp[0], xs, red);
         if (b == 0) MARK(NMARK * l + 1);
 #pragma unroll
         for (int k = 0; k < MAXQ; k++) {
@@ -1107,7 +1155,10 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                 flat_dots<DIM, 2 * QPB, LAYER_TYPES>(
                     [&](int r) { return NEOX ? (r & 1 ? b1 : b0) + rb * (r >> 1) : b0 + rb * r; },
                     [&](int) { return t; }, xs, S, y);
-                if (threadIdx.x < QPB) store_pair(threadIdx.x, y[2 * threadIdx.x], y[2 * threadIdx.x + 1]);
+                if (threadIdx.x < QPB) {
+                    const float f = late_factor(red);
+                    store_pair(threadIdx.x, f * y[2 * threadIdx.x], f * y[2 * threadIdx.x + 1]);
+                }
             }
 #else
             for (int j = warp; j < QPB; j += WARPS) {
@@ -1115,7 +1166,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                                      NEOX ? b1 + rb * j : b0 + rb * (2 * j + 1)};
                 float y2[2];
                 rows_dot<DIM, 2, LAYER_TYPES>(t, rows, xs, lane, y2);
-                if (lane == 0) store_pair(j, y2[0], y2[1]);
+                const float f = late_factor(red);
+                if (lane == 0) store_pair(j, f * y2[0], f * y2[1]);
             }
 #endif
 #if XCHG
@@ -1315,7 +1367,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             BLOCK_MARK(2)
             read_sum(sum_at(A, 2 * l + 1), res_in);
 #endif
-            rmsnorm_shared(res_in, (const float*)wp[1], xs, red);
+            norm_for_dots(res_in, (const float*)wp[1], xs, red);
             if (b == MLP_FIRST) MARK(NMARK * l + 9);
             const int tg = layer_type(T, W_GATE), tu = layer_type(T, W_UP), td = layer_type(T, W_DOWN);
             const usize rg = row_bytes(tg, DIM), ru = row_bytes(tu, DIM), sbd = row_bytes(td, 32);
@@ -1347,7 +1399,10 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                     flat_dots<DIM, 2 * CHUNK, LAYER_TYPES>(
                         [&](int r) { return r < CHUNK ? gw + rg * r : uw + ru * (r - CHUNK); },
                         [&](int r) { return r < CHUNK ? tg : tu; }, xs, S, y);
-                    if (threadIdx.x < CHUNK) publish(threadIdx.x, y[threadIdx.x], y[CHUNK + threadIdx.x]);
+                    if (threadIdx.x < CHUNK) {
+                        const float f = late_factor(red);
+                        publish(threadIdx.x, f * y[threadIdx.x], f * y[CHUNK + threadIdx.x]);
+                    }
                 }
 #else
                 for (int u = warp; u < CHUNK; u += WARPS) {
@@ -1359,7 +1414,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                         ab[0] = row_dot<DIM, LAYER_TYPES>(tg, gw + rg * u, xs, lane);
                         ab[1] = row_dot<DIM, LAYER_TYPES>(tu, uw + ru * u, xs, lane);
                     }
-                    if (lane == 0) publish(u, ab[0], ab[1]);
+                    const float f = late_factor(red);
+                    if (lane == 0) publish(u, f * ab[0], f * ab[1]);
                 }
 #endif
 #if MLP_PAIR  // the pair's 2 CHUNK values, once both blocks' words are in
@@ -1398,12 +1454,12 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     read_sum(sum_at(A, 2 * NL), res_in);
 #endif
     if (b == 0) OUT_MARK(0);
-    rmsnorm_shared(res_in, out_norm, xs, red);
+    norm_for_dots(res_in, out_norm, xs, red);
     if (b == 0) OUT_MARK(1);
 #if OUT_LANES
-    const u64 mine = output_rows_lanes<DIM, OUT_TYPES>(otype, out_w, xs, logits, out_r0, out_r1, warp, lane);
+    const u64 mine = output_rows_lanes<DIM, OUT_TYPES>(otype, out_w, xs, red, logits, out_r0, out_r1, warp, lane);
 #else
-    const u64 mine = output_rows<DIM, 4, OUT_TYPES>(otype, out_w, xs, logits, out_r0, out_r1, warp, lane);
+    const u64 mine = output_rows<DIM, 4, OUT_TYPES>(otype, out_w, xs, red, logits, out_r0, out_r1, warp, lane);
 #endif
 #ifdef QLIB_STAGE_TIMES
     if (b == 0) {
