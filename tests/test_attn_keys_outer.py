@@ -62,7 +62,8 @@ def test_keys_outer_equals_earlier_kernel(heads):
 def test_float32_cache_one_pass_and_three_passes(heads):
     """A float32 cache's pieces in one pass (keys and values side by side) and in three passes
     (``set_attn_two_pass``: the keys, the softmax, the values; the default on AMD CPUs): both
-    within 2e-5 of a float64 reference, and each the same run to run."""
+    within 2e-5 of a float64 reference, and each the same run to run; the three passes the
+    same bits with and without their software prefetch (``set_attn_prefetch``)."""
     n_head, n_kv, d = heads
     g = torch.Generator().manual_seed(n_head * 100 + d)
     ms = 520
@@ -80,8 +81,9 @@ def test_float32_cache_one_pass_and_three_passes(heads):
                                             n_kv=n_kv, neox=False, split=split)  # fmt: skip
                 position.at(pos)
                 ref = None
-                for two_pass in (0, 1, 1):
+                for two_pass, ahead in ((0, 16), (1, 16), (1, 0)):
                     cpu.ops.set_attn_two_pass(two_pass)
+                    cpu.ops.set_attn_prefetch(ahead)
                     qkv.copy_(x)
                     assert call() == 0
                     if ref is None:  # (the call writes the position's k and v rows first)
@@ -94,3 +96,4 @@ def test_float32_cache_one_pass_and_three_passes(heads):
                 first = None
     finally:
         cpu.ops.set_attn_two_pass()
+        cpu.ops.set_attn_prefetch()

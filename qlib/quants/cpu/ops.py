@@ -58,6 +58,7 @@ _SIGNATURES = {
     "qlib_decode_set_prefetch": ([_i], None),
     "qlib_gemv_set_seq_k": ([_i], None),
     "qlib_attn_set_two_pass": ([_i], None),
+    "qlib_attn_set_prefetch": ([_i], None),
     "qlib_attn_decode": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p], _i),
     "qlib_attn_decode_kv": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p, _i, _i], _i),
     "qlib_repack": ([_i, _p, _i, _i, _p, _p, _p], None),
@@ -139,6 +140,12 @@ def set_attn_two_pass(on: int = -1) -> None:
     (1), or both side by side in one pass (0); -1 (the default): by the CPU's vendor, AMD 1
     (an A/B hook; the two differ by float rounding)."""
     _lib().qlib_attn_set_two_pass(int(on))
+
+
+def set_attn_prefetch(rows: int = 16) -> None:
+    """How many positions ahead the three-pass decode attention over a float32 cache
+    prefetches its keys and values (an A/B hook; results are the same; 0: none)."""
+    _lib().qlib_attn_set_prefetch(int(rows))
 
 
 def set_decode_prefetch(groups: int = 8) -> None:
