@@ -122,8 +122,6 @@ static inline __attribute__((always_inline)) void block_scores_ko(
     for (int r = 0; r < REP; r++) sv[r] = _mm512_mul_ps(hs_l34(w[r][0], w[r][1]), vscale);
 }
 
-/* Scores of the rep query heads q [rep, d] against positions l0..l1-1 of K (one KV head,
- * rows of d): s[r * ld + l - l0] = q_r . k_l * scale. kbuf: 16 d floats. */
 /* Rows ahead that the three passes' K and V streams of a float32 cache prefetch (software, a
  * 4 KB page = 16 rows of 64 ahead: the hardware's prefetchers stop at page ends). A/B at 2,800
  * positions, SmolLM2's heads, 2 threads, 8 rounds alternating: the 30 layers' attention calls
@@ -140,6 +138,8 @@ static inline void prefetch_rows(const void *X, int l, int n, int l1, int d) {
     for (size_t off = 0; off < (size_t)n * d * 4; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
+/* Scores of the rep query heads q [rep, d] against positions l0..l1-1 of K (one KV head,
+ * rows of d): s[r * ld + l - l0] = q_r . k_l * scale. kbuf: 16 d floats. */
 static void scores(const float *q, int rep, int d, const void *K, int f16, int l0, int l1,
                    float scale, float *s, int ld, float *kbuf) {
     const int nd = d / 16;

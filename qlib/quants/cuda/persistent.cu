@@ -696,7 +696,9 @@ __device__ void norm_products(const float* v, const float* w, float* xs, float* 
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
     __syncthreads();
 }
+// (the warps' partials added as block_sum adds them, the factor as rmsnorm_shared takes it)
 __device__ __forceinline__ float norm_factor(const float* red) {
+#if NORM_FAST
     float t[WARPS];
 #pragma unroll
     for (int i = 0; i < WARPS; i++) t[i] = red[i];
@@ -704,7 +706,12 @@ __device__ __forceinline__ float norm_factor(const float* red) {
     for (int w = 1; w < WARPS; w <<= 1)
 #pragma unroll
         for (int i = 0; i + w < WARPS; i += 2 * w) t[i] += t[i + w];
-    return rsqrtf(t[0] * (1.0f / (float)DIM) + EPS);  // (the same order in every thread and block)
+    return rsqrtf(t[0] * (1.0f / (float)DIM) + EPS);
+#else
+    float s = 0.f;
+    for (int i = 0; i < WARPS; i++) s += red[i];
+    return 1.0f / sqrtf(s / (float)DIM + EPS);
+#endif
 }
 // RmsNorm before a task's dots: xs normalized (factor 1 after), or NORM_LATE's products (the
 // factor to apply after, from red: read it after the dots, before red is used again)
