@@ -628,12 +628,8 @@ __device__ float row_elem(int t, const u8* row, int i) {
     return d * ((float)v - offset) + (has_m ? h2f(ld16(blk + 2)) : 0.f);
 }
 
-__device__ float block_sum(float v, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
+// The WARPS partial sums in red added in a fixed order (the same in every thread and block)
+__device__ __forceinline__ float warps_total(const float* red) {
 #if NORM_FAST  // a pairwise tree (4 dependent adds for 12 warps, not 11)
     float t[WARPS];
 #pragma unroll
@@ -642,12 +638,24 @@ __device__ float block_sum(float v, float* red) {
     for (int w = 1; w < WARPS; w <<= 1)
 #pragma unroll
         for (int i = 0; i + w < WARPS; i += 2 * w) t[i] += t[i + w];
-    return t[0];  // (the same order in every thread and block)
+    return t[0];
 #else
     float s = 0.f;
-    for (int i = 0; i < WARPS; i++) s += red[i];  // the same order in every thread and block
+    for (int i = 0; i < WARPS; i++) s += red[i];
     return s;
 #endif
+}
+
+// A warp's reduced value w into red[warp], between the barriers that free and publish red
+__device__ __forceinline__ void warp_into(float w, float* red) {
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = w;
+    __syncthreads();
+}
+
+__device__ float block_sum(float v, float* red) {
+    warp_into(warp_sum(v), red);
+    return warps_total(red);
 }
 
 __device__ __forceinline__ u64 argmax_key(float v, int idx) {
@@ -658,26 +666,27 @@ __device__ __forceinline__ u64 argmax_key(float v, int idx) {
 
 
 __device__ float block_max(float v, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
+    warp_into(warp_max(v), red);
     float m = NEG_INF;
     for (int i = 0; i < WARPS; i++) m = fmaxf(m, red[i]);
     return m;
+}
+
+// RmsNorm's factor 1 / rms from the sum of squares of DIM elements
+__device__ __forceinline__ float rms_factor(float ss) {
+#if NORM_FAST  // one rsqrt (as the fused kernels' approximate 1 / sqrt), not a division, a
+               // square root and a reciprocal in IEEE arithmetic on the critical path
+    return rsqrtf(ss * (1.0f / (float)DIM) + EPS);
+#else
+    return 1.0f / sqrtf(ss / (float)DIM + EPS);
+#endif
 }
 
 // xs = RmsNorm(v) * w, v in shared memory (every thread reads all of it after the barrier).
 __device__ void rmsnorm_shared(const float* v, const float* w, float* xs, float* red) {
     float ss = 0.f;
     for (int i = threadIdx.x; i < DIM; i += THREADS) ss += v[i] * v[i];
-#if NORM_FAST  // one rsqrt (as the fused kernels' approximate 1 / sqrt), not a division, a
-               // square root and a reciprocal in IEEE arithmetic on the critical path
-    const float r = rsqrtf(block_sum(ss, red) * (1.0f / (float)DIM) + EPS);
-#else
-    const float r = 1.0f / sqrtf(block_sum(ss, red) / (float)DIM + EPS);
-#endif
+    const float r = rms_factor(block_sum(ss, red));
     for (int i = threadIdx.x; i < DIM; i += THREADS) xs[i] = v[i] * r * w[i];
     __syncthreads();
 }
@@ -696,23 +705,7 @@ __device__ void norm_products(const float* v, const float* w, float* xs, float* 
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
     __syncthreads();
 }
-// (the warps' partials added as block_sum adds them, the factor as rmsnorm_shared takes it)
-__device__ __forceinline__ float norm_factor(const float* red) {
-#if NORM_FAST
-    float t[WARPS];
-#pragma unroll
-    for (int i = 0; i < WARPS; i++) t[i] = red[i];
-#pragma unroll
-    for (int w = 1; w < WARPS; w <<= 1)
-#pragma unroll
-        for (int i = 0; i + w < WARPS; i += 2 * w) t[i] += t[i + w];
-    return rsqrtf(t[0] * (1.0f / (float)DIM) + EPS);
-#else
-    float s = 0.f;
-    for (int i = 0; i < WARPS; i++) s += red[i];
-    return 1.0f / sqrtf(s / (float)DIM + EPS);
-#endif
-}
+__device__ __forceinline__ float norm_factor(const float* red) { return rms_factor(warps_total(red)); }
 // RmsNorm before a task's dots: xs normalized (factor 1 after), or NORM_LATE's products (the
 // factor to apply after, from red: read it after the dots, before red is used again)
 __device__ __forceinline__ void norm_for_dots(const float* v, const float* w, float* xs, float* red) {
@@ -1189,9 +1182,9 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 
         // ---- attention of head h over the split [t0, t1), its share of wo
         if (att) {
-            const float* kh = kc + (usize)kvh * MAXSEQ * HD;
-            const float* vh = vc + (usize)kvh * MAXSEQ * HD;
 #if !XCHG
+            const float* kh = kc + (usize)kvh * MAXSEQ * HD;  // (XCHG: the new rows as tagged words)
+            const float* vh = vc + (usize)kvh * MAXSEQ * HD;
             wait_count(qkv_cnt + l * NKV + kvh, PAIRS_G);
 #endif
             if (b == 0) MARK(NMARK * l + 3);
