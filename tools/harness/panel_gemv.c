@@ -1,5 +1,6 @@
 /* Harness (not part of the engine): the Q4_1 decode GEMV over qlib's planes (kernels.c's
- * 4-row dot_rows, restated here) against the same rows re-laid as 16-row panels, where one
+ * 4-row dot_rows as it was, 64 elements a step, and as it is, 128 a step: both restated here)
+ * against the same rows re-laid as 16-row panels, where one
  * 64-byte load holds 4 consecutive codes of 16 rows (the tiled prefill GEMM's layout: lane =
  * weight row), so a block of 16 rows is 8 vpdpbusd with broadcast activation codes, one float
  * conversion and one FMA with the 16 rows' scales, instead of 16 x (unpack, vpdpbusd,
@@ -59,6 +60,75 @@ static inline __attribute__((always_inline)) void dot_rows(const int R, const ui
         }
     }
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(facc[r]);
+}
+
+/* kernels.c's dot_rows since 2026-12-04: 4-bit rows 128 elements a step (one 64-byte load, two
+ * vpdpbusd; the activations shuffled to match) */
+static inline __attribute__((always_inline)) void dot_rows2(const int R, const uint8_t *codes, size_t row_bytes,
+    const uint16_t *dw, const uint16_t *mw, int k, const int8_t *aq, const float *ad, const float *as,
+    const char *pf, float *y) {
+    const int G = k / 32;
+    // acc of a chunk pair: lanes 0-7 block 2c (low nibbles, chunk c), 8-15 block 2c + 2 (chunk
+    // c + 1); the high nibbles' acc: blocks 2c + 1, 2c + 3
+    const __m512i base = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m512i base1 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 facc[4];
+    for (int r = 0; r < R; r++) facc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < G; c += 16) {
+        const int nb = G - c < 16 ? G - c : 16;
+        const __mmask16 mask = (__mmask16)((1u << nb) - 1);
+        const __m512 da = _mm512_maskz_loadu_ps(mask, ad + c);
+        __m512 dd[4];
+        for (int r = 0; r < R; r++) {
+            dd[r] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, dw + (size_t)r * G + c)), da);
+            facc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mw + (size_t)r * G + c)),
+                                      _mm512_maskz_loadu_ps(mask, as + c), facc[r]);
+        }
+        int p = 0;
+        for (; p + 4 <= nb; p += 4) {  // 128 elements: blocks c+p .. c+p+3
+            const int e = (c + p) * 32;
+            if (pf) for (int r = 0; r < R; r++) _mm_prefetch(pf + r * row_bytes + e / 2, _MM_HINT_T1);
+            const __m512i x0 = _mm512_loadu_si512(aq + e), x1 = _mm512_loadu_si512(aq + e + 64);
+            const __m512i a1 = _mm512_shuffle_i64x2(x0, x1, 0x44);  // blocks 0, 2
+            const __m512i a2 = _mm512_shuffle_i64x2(x0, x1, 0xEE);  // blocks 1, 3
+            const __m512i i1 = _mm512_add_epi32(base, _mm512_set1_epi32(p));
+            const __m512i i2 = _mm512_add_epi32(base, _mm512_set1_epi32(p + 1));
+            for (int r = 0; r < R; r++) {
+                const __m512i v = _mm512_loadu_si512(codes + (size_t)r * row_bytes + e / 2);
+                const __m512i acc1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, m4), a1);
+                const __m512i acc2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), a2);
+                facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc1), _mm512_permutexvar_ps(i1, dd[r]), facc[r]);
+                facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc2), _mm512_permutexvar_ps(i2, dd[r]), facc[r]);
+            }
+        }
+        for (; p < nb; p += 2) {  // a last chunk of 64
+            const int e = (c + p) * 32;
+            const __m512i a = _mm512_loadu_si512(aq + e);
+            const __m512i idx = _mm512_add_epi32(base1, _mm512_set1_epi32(p));
+            for (int r = 0; r < R; r++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(codes + (size_t)r * row_bytes + e / 2));
+                __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low4)),
+                                               _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), 1);
+                __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+                facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_permutexvar_ps(idx, dd[r]), facc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(facc[r]);
+}
+
+static void gemv_planes2(const uint8_t *codes, const uint16_t *dw, const uint16_t *mw, int n, int k,
+                        const int8_t *aq, const float *ad, const float *as, float *y) {
+    const int G = k / 32, nblk = n / 4;
+    const size_t rb = k / 2;
+#pragma omp for schedule(static)
+    for (int jb = 0; jb < nblk; jb++) {
+        const int j = jb * 4;
+        const char *pf = jb + 2 < nblk ? (const char *)(codes + (size_t)(j + 8) * rb) : NULL;
+        dot_rows2(4, codes + (size_t)j * rb, rb, dw + (size_t)j * G, mw + (size_t)j * G, k, aq, ad, as, pf, y + j);
+    }
 }
 
 static void gemv_planes(const uint8_t *codes, const uint16_t *dw, const uint16_t *mw, int n, int k,
@@ -149,15 +219,26 @@ int main(int argc, char **argv) {
     int8_t *aq = aligned_alloc(64, k); float *ad = malloc(4 * G), *as = malloc(4 * G);
     for (int j = 0; j < k; j++) aq[j] = rand() % 255 - 127;
     for (int g = 0; g < G; g++) { ad[g] = 0.01f * (1 + g % 5); as[g] = 0.3f * (g % 7 - 3); }
-    float *y1 = malloc(4 * n), *y2 = malloc(4 * n);
+    float *y1 = malloc(4 * n), *y2 = malloc(4 * n), *y3 = malloc(4 * n);
 #pragma omp parallel
-    { gemv_planes(codes[0], dw[0], mw[0], n, k, aq, ad, as, y1); gemv_panels(pc[0], pd[0], pm[0], n, k, aq, ad, as, y2); }
-    double err = 0, mx = 0;
-    for (int i = 0; i < n; i++) { double e = y1[i] - y2[i]; if (e < 0) e = -e; if (e > err) err = e; if (y1[i] > mx) mx = y1[i]; }
-    printf("max |diff| %.3g (max %.3g)\n", err, mx);
+    {
+        gemv_planes(codes[0], dw[0], mw[0], n, k, aq, ad, as, y1);
+        gemv_panels(pc[0], pd[0], pm[0], n, k, aq, ad, as, y2);
+        gemv_planes2(codes[0], dw[0], mw[0], n, k, aq, ad, as, y3);
+    }
+    double err = 0, err3 = 0, mx = 0;
+    for (int i = 0; i < n; i++) {
+        double e = y1[i] - y2[i], e3 = y1[i] - y3[i];
+        if (e < 0) e = -e;
+        if (e3 < 0) e3 = -e3;
+        if (e > err) err = e;
+        if (e3 > err3) err3 = e3;
+        if (y1[i] > mx) mx = y1[i];
+    }
+    printf("max |diff| panels %.3g, 128-element steps %.3g (max %.3g)\n", err, err3, mx);
     const double bytes = (double)(cb + 2 * pb * 2) * NM;
     for (int round = 0; round < 5; round++) {
-        double tA = 1e9, tB = 1e9;
+        double tA = 1e9, tB = 1e9, tC = 1e9;
         for (int rep = 0; rep < 5; rep++) {
             double t0 = now();
 #pragma omp parallel
@@ -166,10 +247,15 @@ int main(int argc, char **argv) {
 #pragma omp parallel
             for (int i = 0; i < NM; i++) gemv_panels(pc[i], pd[i], pm[i], n, k, aq, ad, as, y2);
             double t2 = now();
+#pragma omp parallel
+            for (int i = 0; i < NM; i++) gemv_planes2(codes[i], dw[i], mw[i], n, k, aq, ad, as, y3);
+            double t3 = now();
             if (t1 - t0 < tA) tA = t1 - t0;
             if (t2 - t1 < tB) tB = t2 - t1;
+            if (t3 - t2 < tC) tC = t3 - t2;
         }
-        printf("round %d: planes %.1f GB/s  panels %.1f GB/s  (%d matrices, %.0f MB)\n", round, bytes / tA / 1e9, bytes / tB / 1e9, NM, bytes / 1e6);
+        printf("round %d: planes, 64 a step %.1f GB/s, 128 a step %.1f GB/s; panels %.1f GB/s (%d matrices, %.0f MB)\n",
+               round, bytes / tA / 1e9, bytes / tC / 1e9, bytes / tB / 1e9, NM, bytes / 1e6);
     }
     return 0;
 }
