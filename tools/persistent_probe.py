@@ -1,7 +1,8 @@
 """A/B of the fast CUDA decode variants in one process (run on the GPU machine).
 
-python tools/persistent_probe.py [--model PATH | --synthetic PATH] --variants V [V ...]
-    [--prompt-tokens 203] [--steps 128] [--rounds 3] [--stage-times] [--json FILE]
+python tools/persistent_probe.py [--model PATH | --synthetic PATH [--synthetic-type Q8_0]]
+    --variants V [V ...] [--prompt-tokens 203] [--steps 128] [--rounds 3] [--stage-times]
+    [--json FILE]
 
 A variant is ``fused``, ``merged`` or ``persistent``, optionally with ``PersistentDecoder``
 options and (upper case) ``persistent.cu`` macros: ``persistent:kv_stage=0,OUT_PREFETCH=1``. Every
@@ -11,8 +12,9 @@ benchmark protocol's decode, ms/token: forward + argmax, then ``qlib.generate.ge
 greedy steps take the argmax on the device), and 100 replays of the decode graph timed with CUDA
 events (GPU us per step). The greedy ids and the first step's logits of every variant are
 compared with the first variant's. ``--synthetic PATH`` writes a SmolLM2-shaped file (30
-layers, 576 wide, 9 / 3 heads, Q4_1 matrices, a tied Q8_0 embedding: the real file's types)
-with seeded random weights there first, in seconds.
+layers, 576 wide, 9 / 3 heads, Q4_1 matrices, a tied Q8_0 embedding: the real file's types;
+``--synthetic-type`` another type for the matrices) with seeded random weights there first, in
+seconds.
 """
 
 from __future__ import annotations
@@ -44,12 +46,12 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return decode, options
 
 
-def write_synthetic(path: Path) -> Path:
+def write_synthetic(path: Path, weight_type: str = "Q4_1") -> Path:
     from tests.synthetic import write_tiny_llama
 
     if not path.exists():
         write_tiny_llama(path, n_layer=30, n_embd=576, n_head=9, n_kv_head=3, n_ff=1536,
-                         vocab=49152, weight_type="Q4_1",
+                         vocab=49152, weight_type=weight_type,
                          weight_types={"token_embd.weight": "Q8_0"})  # fmt: skip
     return path
 
@@ -101,6 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path)
     ap.add_argument("--synthetic", type=Path)
+    ap.add_argument("--synthetic-type", default="Q4_1", help="the synthetic file's layer type")
     ap.add_argument("--variants", nargs="+", default=["fused", "persistent"])
     ap.add_argument("--prompt-tokens", type=int, default=203)
     ap.add_argument("--steps", type=int, default=128)
@@ -110,7 +113,7 @@ def main() -> None:
     args = ap.parse_args()
     if not (args.model or args.synthetic):
         ap.error("give --model PATH or --synthetic PATH")
-    path = args.model or write_synthetic(args.synthetic)
+    path = args.model or write_synthetic(args.synthetic, args.synthetic_type)
     # positions: the prompt, the greedy steps, then 101 graph replays past them
     max_seq_len = max(4096, args.prompt_tokens + args.steps + 128)
     models = {}
