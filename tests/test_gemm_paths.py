@@ -95,9 +95,9 @@ def test_default_threshold():
 @pytest.mark.parametrize("t", ["Q8_0", "Q5_0", "Q4_1"])
 @pytest.mark.parametrize("k", [576, 1536, 2048])
 def test_gemv_rows_in_sequence_are_the_same(t, k):
-    """The GEMV's Q8_0 rows of k <= 1536 taken one after the other (``set_gemv_sequential``,
-    the default) give the same outputs bit for bit as 4 rows side by side: the same per-row
-    arithmetic, m = 1..3 activation rows, a last group of 3 rows."""
+    """The GEMV's Q8_0 rows taken one after the other (``set_gemv_sequential``: the default
+    for every k, or up to 1536) give the same outputs bit for bit as 4 rows side by side: the
+    same per-row arithmetic, m = 1..3 activation rows, a last group of 3 rows."""
     w = _packed(t, 75, k, seed=k)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
     runs = []

@@ -333,14 +333,18 @@ void qlib_gemv_set_prefetch(int mode, int spread_k) {
     qlib_gemv_prefetch = mode, qlib_gemv_spread_k = spread_k;
 }
 
-/* Q8_0 rows of k <= qlib_gemv_seq_k (0: none) are taken one after the other, with no software
- * prefetch: a group's 4 rows side by side are 4 short interleaved streams that the hardware
- * prefetchers do not follow (a C harness: 15-16 GB/s as a plain read, 31-33 with software
- * prefetch, 35-41 as one sequential stream); the 4-row form keeps longer rows (1B's k = 2048
- * measured slower so) and Q4_0 / Q4_1, whose half-size codes lose more by not sharing the
- * activation loads and block scales of 4 rows. The same per-row arithmetic either way: the
- * outputs are equal bit for bit (an A/B hook: qlib_gemv_set_seq_k). */
-int qlib_gemv_seq_k = 1536;
+/* Q8_0 rows of k <= qlib_gemv_seq_k (0: none; by default every k) are taken one after the
+ * other, with no software prefetch: a group's 4 rows side by side are 4 short interleaved
+ * streams that the hardware prefetchers do not follow (a C harness: 15-16 GB/s as a plain read,
+ * 31-33 with software prefetch, 35-41 as one sequential stream). Rows of k = 2048 and 8192
+ * too since the twentieth session (the 1B-shape Q8_0 decode, in one process alternating, ms a
+ * step min / median: up to 1536 only 27.51 / 29.95, 36.14 / 38.83, 35.12 / 38.50 against every
+ * k 24.74 / 26.48 (up to 2048), 32.88 / 36.14, 32.77 / 36.21; the nineteenth session had
+ * measured 2048 slower, before the next-GEMV prefetch of decode.c). The 4-row form keeps Q4_0 /
+ * Q4_1, whose half-size codes lose more by not sharing the activation loads and block scales of
+ * 4 rows. The same per-row arithmetic either way: the outputs are equal bit for bit (an A/B
+ * hook: qlib_gemv_set_seq_k). */
+int qlib_gemv_seq_k = 1 << 30;
 void qlib_gemv_set_seq_k(int k) { qlib_gemv_seq_k = k; }
 
 /* The GEMV path of qlib_qgemm_ex: group jb of 4 weight rows (of nblk) times the m quantized

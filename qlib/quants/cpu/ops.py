@@ -128,10 +128,10 @@ def set_gemv_prefetch(spread: bool = True, spread_k: int = 0) -> None:
     _lib().qlib_gemv_set_prefetch(int(spread), int(spread_k))
 
 
-def set_gemv_sequential(max_k: int = 1536) -> None:
-    """Q8_0 GEMV rows of ``k <= max_k`` are taken one after the other without software
-    prefetch, longer ones and the 4-bit types 4 rows side by side (an A/B hook; results are
-    the same; 0: every type 4 rows side by side)."""
+def set_gemv_sequential(max_k: int = 1 << 30) -> None:
+    """Q8_0 GEMV rows of ``k <= max_k`` (by default every k) are taken one after the other
+    without software prefetch, longer ones and the 4-bit types 4 rows side by side (an A/B
+    hook; results are the same; 0: every type 4 rows side by side)."""
     _lib().qlib_gemv_set_seq_k(int(max_k))
 
 
