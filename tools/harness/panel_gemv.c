@@ -1,14 +1,16 @@
 /* Harness (not part of the engine): the Q4_1 decode GEMV over qlib's planes (kernels.c's
- * 4-row dot_rows as it was, 64 elements a step, and as it is, 128 a step: both restated here)
- * against the same rows re-laid as 16-row panels, where one
+ * 4-row dot_rows, included from the engine's source: 64 elements a step; and a variant tried
+ * and not kept, 128 elements a step) against the same rows re-laid as 16-row panels, where one
  * 64-byte load holds 4 consecutive codes of 16 rows (the tiled prefill GEMM's layout: lane =
  * weight row), so a block of 16 rows is 8 vpdpbusd with broadcast activation codes, one float
  * conversion and one FMA with the 16 rows' scales, instead of 16 x (unpack, vpdpbusd,
  * convert, permute, FMA). SmolLM2's gate/up shape (3072 x 576), random codes and scales; the
- * two outputs are compared, then timed alternating over NM matrices (64: ~71 MB, streamed from
+ * outputs are compared, then timed alternating over NM matrices (64: ~71 MB, streamed from
  * DRAM; 8: ~9 MB, in the L3). PF: bytes ahead that the panel kernel prefetches (0: none).
+ * docs/performance.md ("Where the decode GEMVs stand against their own compute") has figures.
  *
- *   gcc -O3 -march=native -fopenmp -DPF=2048 -o /tmp/panel tools/harness/panel_gemv.c
+ *   gcc -O3 -march=native -fopenmp -DPF=2048 -Iqlib/quants/cpu -o /tmp/panel \
+ *       tools/harness/panel_gemv.c -lm
  *   OMP_NUM_THREADS=2 /tmp/panel 64
  */
 #include <immintrin.h>
@@ -23,47 +25,11 @@
 #endif
 static double now(void) { return omp_get_wtime(); }
 
-// ---- current layout: codes [n][k/2] (byte i of a 64-chunk: e[i] | e[i+32] << 4), d, m [n][G] f16
-static inline __attribute__((always_inline)) void dot_rows(const int R, const uint8_t *codes, size_t row_bytes,
-    const uint16_t *dw, const uint16_t *mw, int k, const int8_t *aq, const float *ad, const float *as,
-    const char *pf, float *y) {
-    const int G = k / 32;
-    const __m512i base = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m512 facc[4];
-    for (int r = 0; r < R; r++) facc[r] = _mm512_setzero_ps();
-    for (int c = 0; c < G; c += 16) {
-        const int nb = G - c < 16 ? G - c : 16;
-        const __mmask16 mask = (__mmask16)((1u << nb) - 1);
-        const __m512 da = _mm512_maskz_loadu_ps(mask, ad + c);
-        __m512 dd[4];
-        for (int r = 0; r < R; r++) {
-            dd[r] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, dw + (size_t)r * G + c)), da);
-            facc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mw + (size_t)r * G + c)),
-                                      _mm512_maskz_loadu_ps(mask, as + c), facc[r]);
-        }
-        for (int p = 0; p < nb; p += 2) {
-            const int e = (c + p) * 32;
-            if (pf && p % 4 == 0)
-                for (int r = 0; r < R; r++) _mm_prefetch(pf + r * row_bytes + e / 2, _MM_HINT_T1);
-            const __m512i a = _mm512_loadu_si512(aq + e);
-            const __m512i idx = _mm512_add_epi32(base, _mm512_set1_epi32(p));
-            for (int r = 0; r < R; r++) {
-                const uint8_t *cr = codes + (size_t)r * row_bytes;
-                __m256i v = _mm256_loadu_si256((const __m256i *)(cr + e / 2));
-                __m256i lo = _mm256_and_si256(v, low4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
-                facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_permutexvar_ps(idx, dd[r]), facc[r]);
-            }
-        }
-    }
-    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(facc[r]);
-}
+#include "kernels.c" /* the engine's dot_rows (planes: codes [n][k/2], byte i of 64 elements
+                       * e[i] | e[i + 32] << 4; d, m [n][G] f16) */
 
-/* kernels.c's dot_rows since 2026-12-04: 4-bit rows 128 elements a step (one 64-byte load, two
- * vpdpbusd; the activations shuffled to match) */
+/* Tried, not kept: 4-bit rows 128 elements a step (one 64-byte load, two vpdpbusd; the
+ * activations shuffled to match) */
 static inline __attribute__((always_inline)) void dot_rows2(const int R, const uint8_t *codes, size_t row_bytes,
     const uint16_t *dw, const uint16_t *mw, int k, const int8_t *aq, const float *ad, const float *as,
     const char *pf, float *y) {
@@ -119,27 +85,19 @@ static inline __attribute__((always_inline)) void dot_rows2(const int R, const u
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(facc[r]);
 }
 
-static void gemv_planes2(const uint8_t *codes, const uint16_t *dw, const uint16_t *mw, int n, int k,
-                        const int8_t *aq, const float *ad, const float *as, float *y) {
-    const int G = k / 32, nblk = n / 4;
-    const size_t rb = k / 2;
-#pragma omp for schedule(static)
-    for (int jb = 0; jb < nblk; jb++) {
-        const int j = jb * 4;
-        const char *pf = jb + 2 < nblk ? (const char *)(codes + (size_t)(j + 8) * rb) : NULL;
-        dot_rows2(4, codes + (size_t)j * rb, rb, dw + (size_t)j * G, mw + (size_t)j * G, k, aq, ad, as, pf, y + j);
-    }
-}
-
 static void gemv_planes(const uint8_t *codes, const uint16_t *dw, const uint16_t *mw, int n, int k,
-                        const int8_t *aq, const float *ad, const float *as, float *y) {
+                        const int8_t *aq, const float *ad, const float *as, float *y, int step128) {
     const int G = k / 32, nblk = n / 4;
     const size_t rb = k / 2;
 #pragma omp for schedule(static)
     for (int jb = 0; jb < nblk; jb++) {
         const int j = jb * 4;
         const char *pf = jb + 2 < nblk ? (const char *)(codes + (size_t)(j + 8) * rb) : NULL;
-        dot_rows(4, codes + (size_t)j * rb, rb, dw + (size_t)j * G, mw + (size_t)j * G, k, aq, ad, as, pf, y + j);
+        if (step128)
+            dot_rows2(4, codes + (size_t)j * rb, rb, dw + (size_t)j * G, mw + (size_t)j * G, k, aq, ad, as, pf, y + j);
+        else
+            dot_rows(4, QLIB_Q4_1, codes + (size_t)j * rb, rb, dw + (size_t)j * G, mw + (size_t)j * G, k, aq, ad,
+                     as, NULL, pf, y + j);
     }
 }
 
@@ -222,9 +180,9 @@ int main(int argc, char **argv) {
     float *y1 = malloc(4 * n), *y2 = malloc(4 * n), *y3 = malloc(4 * n);
 #pragma omp parallel
     {
-        gemv_planes(codes[0], dw[0], mw[0], n, k, aq, ad, as, y1);
+        gemv_planes(codes[0], dw[0], mw[0], n, k, aq, ad, as, y1, 0);
         gemv_panels(pc[0], pd[0], pm[0], n, k, aq, ad, as, y2);
-        gemv_planes2(codes[0], dw[0], mw[0], n, k, aq, ad, as, y3);
+        gemv_planes(codes[0], dw[0], mw[0], n, k, aq, ad, as, y3, 1);
     }
     double err = 0, err3 = 0, mx = 0;
     for (int i = 0; i < n; i++) {
@@ -242,13 +200,13 @@ int main(int argc, char **argv) {
         for (int rep = 0; rep < 5; rep++) {
             double t0 = now();
 #pragma omp parallel
-            for (int i = 0; i < NM; i++) gemv_planes(codes[i], dw[i], mw[i], n, k, aq, ad, as, y1);
+            for (int i = 0; i < NM; i++) gemv_planes(codes[i], dw[i], mw[i], n, k, aq, ad, as, y1, 0);
             double t1 = now();
 #pragma omp parallel
             for (int i = 0; i < NM; i++) gemv_panels(pc[i], pd[i], pm[i], n, k, aq, ad, as, y2);
             double t2 = now();
 #pragma omp parallel
-            for (int i = 0; i < NM; i++) gemv_planes2(codes[i], dw[i], mw[i], n, k, aq, ad, as, y3);
+            for (int i = 0; i < NM; i++) gemv_planes(codes[i], dw[i], mw[i], n, k, aq, ad, as, y3, 1);
             double t3 = now();
             if (t1 - t0 < tA) tA = t1 - t0;
             if (t2 - t1 < tB) tB = t2 - t1;
