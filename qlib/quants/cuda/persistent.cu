@@ -541,7 +541,8 @@ __device__ __forceinline__ void gate_up_joint(const u8* gw, const u8* uw, usize 
     __syncthreads();
 }
 
-// The output layer's rows [r0, r1) of one block: out[row] = W[row] . x, R rows per warp task
+// The output layer's rows [r0, r1) of one block: out[row] = f (W[row] . x) with f NORM_LATE's
+// factor from red (1 without it), R rows per warp task
 // (their loads overlap); returns (in lane 0) the largest argmax_key of the rows the warp wrote.
 __device__ __forceinline__ u64 argmax_key(float v, int idx);
 __device__ __forceinline__ float late_factor(const float* red);
@@ -647,8 +648,10 @@ __device__ __forceinline__ float warps_total(const float* red) {
 }
 
 // A warp's reduced value w into red[warp], between the barriers that free and publish red
+// (without FREE, the caller knows red free: only the publishing barrier)
+template <bool FREE = true>
 __device__ __forceinline__ void warp_into(float w, float* red) {
-    __syncthreads();
+    if constexpr (FREE) __syncthreads();
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = w;
     __syncthreads();
 }
@@ -701,9 +704,9 @@ __device__ void norm_products(const float* v, const float* w, float* xs, float* 
         ss += v[i] * v[i];
         xs[i] = v[i] * w[i];
     }
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    __syncthreads();
+    // (red is free: a barrier stands after its last readers, the residual's wait's or the
+    // previous task's)
+    warp_into<false>(warp_sum(ss), red);
 }
 __device__ __forceinline__ float norm_factor(const float* red) { return rms_factor(warps_total(red)); }
 // RmsNorm before a task's dots: xs normalized (factor 1 after), or NORM_LATE's products (the
