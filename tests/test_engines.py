@@ -119,7 +119,7 @@ def test_generate_cli_takes_the_fast_form(capsys):
 
 def test_load_progress_bar_over_layers(monkeypatch, capsys):
     """Loads longer than ``progress.DELAY_S`` show a bar over the layers (forced on here)."""
-    from qlib.llama import progress
+    from qlib import progress
 
     monkeypatch.setenv("QLIB_PROGRESS", "1")
     monkeypatch.setattr(progress, "DELAY_S", 0.0)

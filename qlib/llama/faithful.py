@@ -63,11 +63,11 @@ from typing import Any, BinaryIO
 import torch
 import torch.nn.functional as F
 
+from .. import progress
 from ..devices import DeviceLike, as_device
 from ..quants.api import dequantize_torch
 from ..quants.qtensor import FORMS, QMatMul, QTensor
 from ..spans import span
-from . import progress
 from .config import (
     MAX_SEQ_LEN,
     LlamaConfig,

@@ -86,6 +86,7 @@ from typing import BinaryIO
 import torch
 import torch.nn.functional as F
 
+from .. import progress
 from ..devices import DeviceLike, as_device
 from ..gguf import release_pages
 from ..quants import cpu
@@ -94,7 +95,6 @@ from ..quants.cpu import build
 from ..quants.cpu.matmul import PreparedWeight, prepare, qmatmul_prepared
 from ..quants.qtensor import QTensor
 from ..spans import span
-from . import progress
 from .checks import (
     DEFAULT_KV_TYPE,
     KV_TYPES,

@@ -55,11 +55,11 @@ from typing import BinaryIO
 import torch
 import torch.nn.functional as F
 
+from .. import progress
 from ..devices import DeviceLike, as_device
 from ..quants.cuda.layout import EPI_ADD, EPI_GATE, EPI_STORE, EPI_SWIGLU, NATIVE, Prepared, repack
 from ..quants.qtensor import QTensor
 from ..spans import span
-from . import progress
 from .checks import (
     DEFAULT_KV_TYPE,
     KV_TYPES,
