@@ -64,3 +64,58 @@ def test_several_contexts_run_in_one_process():
         r["curve"][1]["decode_ms_per_token"]["min"] / r["curve"][0]["decode_ms_per_token"]["min"]
     )
     assert f"d16 / d8 x{ratio:.3f}" in markdown([r])
+
+
+def _result(prefill: list[float], decode: list[float], rss: float, load: float) -> dict:
+    pairs = zip(prefill, decode, strict=True)
+    runs = [{"prefill_ms": p, "decode_ms_per_token": d} for p, d in pairs]
+    return {"runtime": "qlib", "prompt_tokens": 8, "peak_rss_mb": rss, "load_ms": load,
+            "first_run": {"prefill_ms": 99.0, "decode_ms_per_token": 9.0}, "runs": runs,
+            "prefill_ms": {"min": min(prefill)},
+            "decode_ms_per_token": {"min": min(decode)}}  # fmt: skip
+
+
+def test_rounds_pool_their_runs():
+    """``--rounds``: a runtime's rounds become one result over all their timed runs, with the
+    first round's untimed run, the largest peak RSS and the shortest load; a failed round is
+    the result."""
+    from qlib.suite.bench import merge_rounds
+
+    a = _result([10.0, 12.0], [2.0, 3.0], rss=500, load=40)
+    b = _result([8.0, 14.0], [4.0, 2.5], rss=520, load=30)
+    m = merge_rounds([a, b])
+    assert m["prefill_ms"] == {"min": 8.0, "median": 11.0}
+    assert m["decode_ms_per_token"] == {"min": 2.0, "median": 2.75}
+    assert len(m["runs"]) == 4 and m["rounds"] == 2 and m["first_run"] == a["first_run"]
+    assert (m["peak_rss_mb"], m["load_ms"]) == (520, 30)
+    assert m["decode_tok_s"]["max"] == 500.0 and m["prefill_tok_s"]["max"] == 1000.0
+    assert merge_rounds([a]) is a
+    failed = {"error": "boom", "argv": []}
+    assert merge_rounds([a, failed]) is failed
+
+
+def test_peers_by_name(capsys):
+    """``--peers llama.cpp --rounds 2``: only that peer, qlib and it alternating in two rounds,
+    the pooled ratio and each round's own in the notes; an unknown name is refused."""
+    import importlib.util
+
+    from qlib.__main__ import main
+
+    with pytest.raises(SystemExit) as bad:
+        main(["bench", "--peers", "vllm"])
+    assert bad.value.code == 2 and "unknown peer vllm" in capsys.readouterr().err
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python (the peers extra) is not installed")
+    argv = ["bench", "--peers", "llama.cpp", "--rounds", "2", "--steps", "2", "--reps", "1",
+            "--prompt-tokens", "8", "-t", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [p["runtime"] for p in out["peers"]] == ["llama.cpp"]
+    assert out["qlib"]["rounds"] == 2 and len(out["qlib"]["runs"]) == 2
+    ratio = out["ratios"]["llama.cpp"]
+    assert len(ratio["rounds"]["decode"]) == 2
+    assert ratio["decode"] == pytest.approx(
+        out["qlib"]["decode_ms_per_token"]["min"] / out["peers"][0]["decode_ms_per_token"]["min"]
+    )

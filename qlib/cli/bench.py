@@ -10,10 +10,12 @@ from pathlib import Path
 
 from .. import models
 from ..suite.bench import (
+    PEERS,
     PROMPT_TOKENS,
     REPS,
     RUNTIMES,
     STEPS,
+    merge_rounds,
     peer_configs,
     protocol_argv,
     run_config,
@@ -30,6 +32,17 @@ from .common import (
 )
 
 FORMATS = ("md", "csv", "json")
+
+
+def peer_names(text: str) -> tuple[str, ...]:
+    """``--peers``' value: peer names separated by commas, each one of ``PEERS``."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in PEERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown peer {', '.join(unknown) or repr(text)}: choose from {', '.join(PEERS)}"
+        )
+    return names
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -113,9 +126,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="the same as --format json")
     p.add_argument(
         "--peers",
-        action="store_true",
-        help="also run transformers and llama.cpp (where installed), each in its own process, "
-        "and print qlib / peer ratios",
+        nargs="?",
+        const=",".join(PEERS),
+        type=peer_names,
+        default=None,
+        metavar="NAME[,NAME]",
+        help="also run the peers, each in its own process, and print qlib / peer ratios: "
+        "transformers and llama.cpp (where installed), or those named",
+    )
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="with --peers: run qlib and the peers this many times, alternating (the order "
+        "reversed every other round), pool each one's runs and print the ratio of each "
+        "round beside the pooled one: ratios that a machine's drift between processes moves "
+        "less (default: %(default)s)",
     )
     p.set_defaults(func=main)
 
@@ -276,6 +302,10 @@ def markdown(results: list[dict], ratios: dict | None = None) -> str:
             f"qlib / {peer}: prefill time x{r['prefill']:.2f}, decode time x{r['decode']:.2f}, "
             f"peak RSS x{r['peak_rss']:.2f} (below 1: qlib faster / smaller)"
         )
+        if "rounds" in r:
+            each = "; ".join(f"{key} " + " ".join(f"x{v:.2f}" for v in r["rounds"][key])
+                             for key, _ in _RATIO_OF)  # fmt: skip
+            notes.append(f"qlib / {peer} in each of {len(r['rounds']['decode'])} rounds: {each}")
     return "\n".join(lines + notes)
 
 
@@ -285,6 +315,9 @@ def csv_text(results: list[dict]) -> str:
     w.writeheader()
     w.writerows(rows(results))
     return buf.getvalue().rstrip("\n")
+
+
+_RATIO_OF = (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token"))
 
 
 def _format(args: argparse.Namespace) -> str:
@@ -317,17 +350,27 @@ def main(args: argparse.Namespace) -> int:
     ):
         if value:
             own += [flag, value]
-    results = [run_in_subprocess(own)] + [run_in_subprocess(c + seed) for c in peer_configs(args)]
+    configs = [own] + [c + seed for c in peer_configs(args, args.peers)]
+    rounds = []
+    for r in range(args.rounds):  # every other round in the reverse order
+        order = range(len(configs)) if r % 2 == 0 else reversed(range(len(configs)))
+        done = {i: run_in_subprocess(configs[i]) for i in order}
+        rounds.append([done[i] for i in range(len(configs))])
+    results = [merge_rounds([rd[i] for rd in rounds]) for i in range(len(configs))]
     ours = results[0]
     ratios = {}
-    for peer in results[1:]:
+    for i, peer in enumerate(results[1:], start=1):
         if "error" in peer or "error" in ours:
             continue
         ratios[peer["runtime"]] = {
-            "prefill": ours["prefill_ms"]["min"] / peer["prefill_ms"]["min"],
-            "decode": ours["decode_ms_per_token"]["min"] / peer["decode_ms_per_token"]["min"],
+            **{key: ours[stat]["min"] / peer[stat]["min"] for key, stat in _RATIO_OF},
             "peak_rss": ours["peak_rss_mb"] / peer["peak_rss_mb"],
         }
+        if args.rounds > 1:  # each round's own ratio of mins
+            ratios[peer["runtime"]]["rounds"] = {
+                key: [rd[0][stat]["min"] / rd[i][stat]["min"] for rd in rounds]
+                for key, stat in _RATIO_OF
+            }
     if fmt == "json":
         print(json.dumps({"qlib": ours, "peers": results[1:], "ratios": ratios}))
     elif fmt == "csv":

@@ -8,8 +8,10 @@ host. One process per configuration: load, one untimed run (reported as
 speeds from them (``prefill_tok_s``, ``decode_tok_s``: max and median).
 
 ``python -m qlib bench --json`` prints one JSON object. ``--peers`` also runs
-transformers and llama.cpp (when installed), each in its own process through
-this same module, and prints qlib / peer ratios from that one invocation.
+transformers and llama.cpp (when installed; or the peers named), each in its own process
+through this same module, and prints qlib / peer ratios from that one invocation;
+``--rounds R`` repeats qlib and the peers R times, alternating, and pools each one's runs
+(``merge_rounds``), printing each round's ratio beside the pooled one.
 
 Long context (``--context N``): the prompt is the passage's tokens repeated to N (the same
 ids for every runtime, each through its own tokenizer), so one invocation measures one point
@@ -334,14 +336,50 @@ def protocol_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def peer_configs(args: argparse.Namespace) -> list[list[str]]:
+PEERS = ("transformers", "llama.cpp")
+
+
+def peer_configs(args: argparse.Namespace, names: tuple[str, ...] = PEERS) -> list[list[str]]:
+    """The arguments of each peer in ``names`` for a ``--peers`` invocation (llama.cpp only
+    where llama-cpp-python is installed)."""
     base = protocol_argv(args)
-    configs = [[*base, "--runtime", "transformers", "--dtype", "f32"]]
+    configs = []
+    if "transformers" in names:
+        configs.append([*base, "--runtime", "transformers", "--dtype", "f32"])
     try:
         import importlib.util
 
-        if importlib.util.find_spec("llama_cpp") is not None:
+        if "llama.cpp" in names and importlib.util.find_spec("llama_cpp") is not None:
             configs.append([*base, "--runtime", "llama.cpp"])
     except ValueError:
         pass
     return configs
+
+
+def merge_rounds(results: list[dict]) -> dict:
+    """One runtime's results from several rounds of a ``--peers --rounds`` invocation as one:
+    the timed runs of every round pooled (min and median over them all; each context point of
+    a curve likewise), the first round's untimed run, the largest peak RSS, the shortest load;
+    the first failure if a round failed."""
+    failed = [r for r in results if "error" in r]
+    if failed or len(results) == 1:
+        return (failed or results)[0]
+
+    def pooled(points: list[dict]) -> dict:
+        runs = [(r["prefill_ms"], r["decode_ms_per_token"]) for p in points for r in p["runs"]]
+        first = points[0]["first_run"]
+        return _stats((first["prefill_ms"], first["decode_ms_per_token"]), runs)
+
+    merged = {**results[0], **pooled(results), "rounds": len(results)}
+    merged["peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
+    if all(r.get("load_ms") is not None for r in results):
+        merged["load_ms"] = min(r["load_ms"] for r in results)
+    if "curve" in merged:
+        merged["curve"] = [
+            {**point, **pooled([r["curve"][i] for r in results])}
+            for i, point in enumerate(results[0]["curve"])
+        ]
+        for point in merged["curve"]:
+            point.update(tokens_per_s({**point, "prompt_tokens": point["context"]}))
+    merged.update(tokens_per_s(merged))
+    return merged
