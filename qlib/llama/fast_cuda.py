@@ -333,6 +333,13 @@ class CudaFastModel(StaticKVState):
         self._prefill_graphs: OrderedDict[int, tuple] = OrderedDict()
         self._persistent = None  # a PersistentDecoder when from_gguf(decode="persistent")
         self._prefill_seen: set[int] = set()
+        # persistent decode: pinned host words the kernel writes each step's argmax into, and
+        # the greedy loop's launch-ahead (greedy_step): the (position, token) of the step
+        # already queued, the persistent steps launched (the kernel's count of steps done)
+        self.launch_ahead = True
+        self._host_out: torch.Tensor | None = None
+        self._ahead: tuple[int, int] | None = None
+        self._steps_run = 0
 
     @classmethod
     def from_gguf(
@@ -397,6 +404,8 @@ class CudaFastModel(StaticKVState):
         if decode == "persistent":
             model._persistent = _persistent_decoder(model, content, get, tok, out,
                                                     **(decode_options or {}))  # fmt: skip
+            model._host_out = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+            model._host_words = model._host_out.numpy()  # (read without torch's overhead)
         return model
 
     # -- state -------------------------------------------------------------
@@ -429,7 +438,7 @@ class CudaFastModel(StaticKVState):
         from ..quants.cuda import fused
 
         if self._persistent is not None:  # the whole step in one kernel
-            self._persistent.step(self._tok, self._pos, self._logits)
+            self._persistent.step(self._tok, self._pos, self._logits, self._host_out)
             return
         c, h = self.config, self._h
         eps = c.rms_norm_eps
@@ -511,14 +520,27 @@ class CudaFastModel(StaticKVState):
         else:
             torch.argmax(self._logits, dim=1, out=self._tok)
 
+    def clear_kv_cache(self) -> None:
+        self._ahead = None
+        super().clear_kv_cache()
+
     def greedy_step(self, token: int, index_pos: int) -> int:
         """``forward`` of one token at ``index_pos``, then the argmax of its logits (the next
         greedy token, read back to the host), all on the device: the argmax runs inside the
         step's CUDA graph and only its id comes back, not the logits. The id stays on the
-        device as the next input, so a caller that feeds it back sends nothing there."""
+        device as the next input, so a caller that feeds it back sends nothing there.
+
+        With the persistent kernel (and ``launch_ahead``, the default) the step after this one
+        is queued before this one's id is read (from pinned host memory the kernel writes), so
+        the GPU never waits for the host between greedy steps: when the caller feeds the id
+        back at the next position, that step is already running; any other call lets it
+        finish unused (it wrote only the KV row of a position past ``kv_len``)."""
         check_positions(index_pos, 1, self._kv_len, self.max_seq_len)
         check_token_ids(token, token, self.vocab_size)
         with span("model"):
+            if self._persistent is not None and self.graphs and self.launch_ahead:
+                return self._greedy_ahead(token, index_pos)
+            self._ahead = None
             if token != self._tok_host:
                 self._tok.fill_(token)
             self._greedy_graph = self._run_step(self._greedy_step_kernels, index_pos,
@@ -526,6 +548,39 @@ class CudaFastModel(StaticKVState):
             self._kv_len = index_pos + 1
             self._tok_host = int(self._tok.item())
         return self._tok_host
+
+    def _greedy_ahead(self, token: int, index_pos: int) -> int:
+        """``greedy_step`` with the next step launched before this one's id is read."""
+        if self._ahead != (index_pos, token):  # not the step queued last time: start here
+            self._ahead = None
+            self._steps_run = int(self._persistent.steps.item())  # (waits for queued work)
+            if token != self._tok_host:
+                self._tok.fill_(token)
+            self._launch_greedy(index_pos)
+        this = self._steps_run  # this step's count once done
+        self._kv_len = index_pos + 1
+        ahead = index_pos + 1 < self.max_seq_len
+        if ahead:  # its input is this step's argmax, written on the device
+            self._launch_greedy(index_pos + 1)
+        token = self._host_token(this)
+        self._ahead, self._tok_host = ((index_pos + 1, token), None) if ahead else (None, token)
+        return token
+
+    def _launch_greedy(self, pos: int) -> None:
+        self._greedy_graph = self._run_step(self._greedy_step_kernels, pos, self._greedy_graph)
+        self._steps_run += 1
+
+    def _host_token(self, count: int) -> int:
+        """The argmax of the persistent step that makes ``count`` steps done, from the host
+        words it writes (spinning until it has; an error of the stream raises)."""
+        words, slot = self._host_words, 2 * ((count - 1) & 1)
+        spins = 0
+        while words[slot] != count:
+            spins += 1
+            if spins % 4096 == 0 and torch.cuda.current_stream(self.device).query():
+                if words[slot] != count:  # every queued step is done: it never wrote
+                    raise RuntimeError(f"the persistent decode step {count} wrote no token")
+        return int(words[slot + 1])
 
     def _capture(self, fn) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
@@ -623,6 +678,7 @@ class CudaFastModel(StaticKVState):
         """
         t = self.check_input(x, index_pos)
         ids = x.reshape(-1).to(self.device, torch.int64)
+        self._ahead = None  # a greedy step queued ahead runs first (stream order), unused
         with span("model"):
             if t == 1:
                 logits = self._decode(ids, index_pos)

@@ -22,7 +22,9 @@
 //       columns.
 // Then every block: RmsNorm, its rows of the output layer, the argmax as one 64-bit atomicMax
 // of (order-preserving float bits, inverted index): the first maximum wins, as torch.argmax.
-// The last block to finish writes the token and advances the position.
+// The last block to finish writes the token and advances the position (and, given host_out,
+// also writes the token and the count of steps done into mapped host memory, so that the host
+// learns it without a copy: the greedy loop's launch-ahead, fast_cuda.greedy_step).
 //
 // A block stages the weights of its next layer's tasks into the other half of its shared memory
 // with cp.async (what does not fit, or is not 16-byte aligned, is prefetched into L2) where it
@@ -925,7 +927,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     const float* __restrict__ out_norm, const float* __restrict__ cos_t,
     const float* __restrict__ sin_t, float* __restrict__ cache, const long long* __restrict__ tok,
     int* pos_p, float* acc, u32* counters, u32* steps, u64* best, long long* out_tok, float* part,
-    float* qbuf, float* __restrict__ logits, u64* stage_times, u64* xchg) {
+    float* qbuf, float* __restrict__ logits, u64* stage_times, u64* xchg,
+    volatile long long* host_out) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* xs = (float*)(smem_raw + 2 * WCAP);  // DIM: the normalized input
     float* res_in = xs + DIM;                   // DIM: the residual read at a stage's start
@@ -1475,8 +1478,16 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     if (threadIdx.x == 0 && old == gridDim.x - 1) {  // the last block: every argmax is in
         u64 key;
         asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(key) : "l"(best + par) : "memory");
-        *out_tok = (long long)(0xffffffffu - (u32)(key & 0xffffffffu));
+        const long long token = (long long)(0xffffffffu - (u32)(key & 0xffffffffu));
+        *out_tok = token;
         *pos_p = pos + 1;
+        if (host_out) {  // mapped host memory: the token, then the count of steps done, in the
+                         // slot of this step's parity (so a host one step behind reads it)
+            volatile long long* slot = host_out + 2 * (step_no & 1u);
+            slot[1] = token;
+            __threadfence_system();
+            slot[0] = (long long)step_no + 1;
+        }
         MARK(NMARK * NL + 1);
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(steps) : "memory");
     }

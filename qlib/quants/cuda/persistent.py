@@ -368,10 +368,13 @@ class PersistentDecoder:
         cluster = 2 if self.macros["MLP_PAIR"] else 1
         return Kernel(compile_cubin(self.macros, arch), shared, device, threads, cluster)
 
-    def step(self, tok: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor) -> None:
+    def step(self, tok: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor,
+             host_out: torch.Tensor | None = None) -> None:  # fmt: skip
         """Enqueue one step: token ``tok`` (int64 [1]) at position ``pos`` (int32 [1]) ->
         ``logits`` (float32, vocab) and the argmax (``next_token``); the cache gets the
-        position, and ``pos`` moves to the next one."""
+        position, and ``pos`` moves to the next one. ``host_out``: pinned host memory (int64
+        [4], device-accessible), where the step also writes its argmax and the count of steps
+        done (``[count, token]`` in the two words of its parity: ``count - 1 & 1``)."""
         p = ctypes.c_uint64
         i = ctypes.c_int32
         args = [
@@ -383,7 +386,7 @@ class PersistentDecoder:
             p(self.acc.data_ptr()), p(self.counters.data_ptr()), p(self.steps.data_ptr()),
             p(self.best.data_ptr()), p(self.out_tok.data_ptr()), p(self.part.data_ptr()),
             p(self.q.data_ptr()), p(logits.data_ptr()), p(self.stage_times.data_ptr()),
-            p(self.xchg.data_ptr()),
+            p(self.xchg.data_ptr()), p(host_out.data_ptr() if host_out is not None else 0),
         ]  # fmt: skip
         self.kernel.launch(args)
 
