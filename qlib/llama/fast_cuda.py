@@ -81,6 +81,7 @@ ATTENTION_MODES = ("split", "single")  # decode attention: blocks in parallel, o
 # projection (the heads' shares summed with float atomics); or one persistent kernel
 DECODE_MODES = ("fused", "merged", "persistent")
 GRAPH_CACHE = 4  # prefill graphs kept (one per prompt length)
+STEPS_MASK = 0xFFFFFFFF  # the persistent kernel counts its steps in 32 bits
 
 
 @dataclass
@@ -338,8 +339,9 @@ class CudaFastModel(StaticKVState):
         # already queued, the persistent steps launched (the kernel's count of steps done)
         self.launch_ahead = True
         self._host_out: torch.Tensor | None = None
+        self._host_words = None  # the same words as a numpy array
         self._ahead: tuple[int, int] | None = None
-        self._steps_run = 0
+        self._steps_run = 0  # mod 2^32, as the kernel's u32 count
 
     @classmethod
     def from_gguf(
@@ -553,7 +555,7 @@ class CudaFastModel(StaticKVState):
         """``greedy_step`` with the next step launched before this one's id is read."""
         if self._ahead != (index_pos, token):  # not the step queued last time: start here
             self._ahead = None
-            self._steps_run = int(self._persistent.steps.item())  # (waits for queued work)
+            self._steps_run = int(self._persistent.steps.item()) & STEPS_MASK  # (a sync)
             if token != self._tok_host:
                 self._tok.fill_(token)
             self._launch_greedy(index_pos)
@@ -568,7 +570,7 @@ class CudaFastModel(StaticKVState):
 
     def _launch_greedy(self, pos: int) -> None:
         self._greedy_graph = self._run_step(self._greedy_step_kernels, pos, self._greedy_graph)
-        self._steps_run += 1
+        self._steps_run = (self._steps_run + 1) & STEPS_MASK
 
     def _host_token(self, count: int) -> int:
         """The argmax of the persistent step that makes ``count`` steps done, from the host

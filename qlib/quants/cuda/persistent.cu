@@ -1486,7 +1486,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             volatile long long* slot = host_out + 2 * (step_no & 1u);
             slot[1] = token;
             __threadfence_system();
-            slot[0] = (long long)step_no + 1;
+            slot[0] = (long long)(step_no + 1u);  // (mod 2^32, as the host counts)
         }
         MARK(NMARK * NL + 1);
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(steps) : "memory");
