@@ -308,6 +308,7 @@ def test_greedy_step_is_the_argmax_of_the_step(tmp_path, decode):
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=128, n_head=4,
                             n_kv_head=2, n_ff=256)  # fmt: skip
     _, fast = load_pair(path, decode=decode)
+    fast.launch_ahead = False  # (with it, _logits would hold the step queued ahead)
     prompt = [1, 5, 9, 33, 7]
     token = int(fast.forward(torch.tensor([prompt]), 0)[0].argmax())
     for pos in range(len(prompt), len(prompt) + 6):
@@ -317,6 +318,7 @@ def test_greedy_step_is_the_argmax_of_the_step(tmp_path, decode):
     assert fast.kv_len == len(prompt) + 6
     assert (fast._greedy_graph is not None) == CUDA
     if decode == "fused":
+        fast.launch_ahead = True  # (generate's greedy steps launched ahead, as by default)
         ids = generate(fast, prompt, 8)
         fast.clear_kv_cache()
         with torch.inference_mode():  # (as generate)

@@ -99,15 +99,20 @@ def test_decode_steps_match_f32_form(tmp_path, type_name, graphs):
 
 
 @needs_cuda
-def test_greedy_steps_launched_ahead(tmp_path):
+@pytest.mark.parametrize("decode", ["persistent", "fused"])
+def test_greedy_steps_launched_ahead(tmp_path, decode):
     """``greedy_step`` with the next step queued before this one's id is read (``launch_ahead``,
-    the default with the persistent kernel): the ids of 40 steps equal the step-by-step loop's
-    and those of ``forward`` + argmax; a chain broken by another token at the next position, by
-    ``forward`` or by a new sequence from position 0 gives what the same calls give without
-    launch-ahead (the step queued ahead ran unused; its KV row is rewritten)."""
+    the default with CUDA graphs; the persistent kernel writes the id to the host, the fused
+    path's graphs copy it): the ids of 40 steps equal the step-by-step loop's and those of
+    ``forward`` + argmax; a chain broken by another token at the next position, by ``forward``
+    or by a new sequence from position 0 gives what the same calls give without launch-ahead
+    (the step queued ahead ran unused; its KV row is rewritten)."""
+    from qlib.llama.fast_cuda import CudaFastModel
+
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=128, n_head=4,
                             n_kv_head=2, n_ff=256, tie_output=False)  # fmt: skip
-    _, fast = load(path)
+    with open(path, "rb") as f:
+        fast = CudaFastModel.from_gguf(Content.read(f), f, "cuda", decode=decode)
     prompt = torch.tensor([[1, 5, 9, 33, 7]])
 
     def run(ahead: bool) -> list:

@@ -1,9 +1,9 @@
-"""The greedy loop's host time with the persistent kernel (run on the GPU machine): the
-launch-ahead of ``CudaFastModel.greedy_step`` on and off, alternating in one process, against
-the decode graph replayed back to back (the GPU's own time a step).
+"""The greedy loop's host time on the GPU machine: the launch-ahead of
+``CudaFastModel.greedy_step`` on and off, alternating in one process, against the greedy graph
+replayed back to back (the GPU's own time a step).
 
     python tools/greedy_ahead.py [--model PATH | --synthetic PATH [--synthetic-type Q8_0]]
-        [--steps 200] [--rounds 5]
+        [--decode persistent|fused] [--steps 200] [--rounds 5]
 
 Per round and mode: prefill a 203-token prompt, then ``--steps`` greedy steps each read back
 to the host, timed up to a synchronize (a step launched ahead counts); us a step, min and
@@ -56,11 +56,12 @@ def main() -> None:
     ap.add_argument("--model", type=Path)
     ap.add_argument("--synthetic", type=Path, default=Path("/tmp/syn.gguf"))
     ap.add_argument("--synthetic-type", default="Q4_1", help="the synthetic file's layer type")
+    ap.add_argument("--decode", default="persistent", choices=("persistent", "fused"))
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     path = args.model or write_synthetic(args.synthetic, args.synthetic_type)
-    model, _ = load(path, "cuda", engine="fast", decode="persistent", max_seq_len=4096)
+    model, _ = load(path, "cuda", engine="fast", decode=args.decode, max_seq_len=4096)
     prompt = (torch.arange(1, 204) % 1000 + 5).view(1, -1).cuda()
     times: dict[str, list[float]] = {"ahead": [], "no ahead": [], "graph replays": []}
     ids: dict[str, list[int]] = {}

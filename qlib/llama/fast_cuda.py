@@ -334,14 +334,18 @@ class CudaFastModel(StaticKVState):
         self._prefill_graphs: OrderedDict[int, tuple] = OrderedDict()
         self._persistent = None  # a PersistentDecoder when from_gguf(decode="persistent")
         self._prefill_seen: set[int] = set()
-        # persistent decode: pinned host words the kernel writes each step's argmax into, and
-        # the greedy loop's launch-ahead (greedy_step): the (position, token) of the step
-        # already queued, the persistent steps launched (the kernel's count of steps done)
+        # the greedy loop's launch-ahead (greedy_step): pinned host words that each step's
+        # argmax goes to ([count, token] per step parity: the persistent kernel writes them,
+        # the fused path copies the token in its graph), the (position, token) of the step
+        # already queued, the greedy steps launched (the persistent kernel's count of steps
+        # done), the fused path's graph and completion event per parity
         self.launch_ahead = True
-        self._host_out: torch.Tensor | None = None
-        self._host_words = None  # the same words as a numpy array
+        self._host_out = torch.zeros(4, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host_words = self._host_out.numpy()  # (read without torch's overhead)
         self._ahead: tuple[int, int] | None = None
         self._steps_run = 0  # mod 2^32, as the kernel's u32 count
+        self._ahead_graphs: list[torch.cuda.CUDAGraph | None] = [None, None]
+        self._ahead_events: list[torch.cuda.Event] | None = None
 
     @classmethod
     def from_gguf(
@@ -406,8 +410,6 @@ class CudaFastModel(StaticKVState):
         if decode == "persistent":
             model._persistent = _persistent_decoder(model, content, get, tok, out,
                                                     **(decode_options or {}))  # fmt: skip
-            model._host_out = torch.zeros(4, dtype=torch.int64, pin_memory=True)
-            model._host_words = model._host_out.numpy()  # (read without torch's overhead)
         return model
 
     # -- state -------------------------------------------------------------
@@ -514,13 +516,16 @@ class CudaFastModel(StaticKVState):
         self._decode_graph = self._run_step(self._decode_step, pos, self._decode_graph)
         return self._logits.clone()
 
-    def _greedy_step_kernels(self) -> None:
-        """The decode step, then the argmax of its logits into ``self._tok`` (the next input)."""
+    def _greedy_step_kernels(self, slot: int | None = None) -> None:
+        """The decode step, then the argmax of its logits into ``self._tok`` (the next input)
+        and, given ``slot`` (the fused path's launch-ahead), into that host word pair."""
         self._decode_step()
         if self._persistent is not None:  # (its last block wrote the argmax)
             self._tok.copy_(self._persistent.out_tok)
         else:
             torch.argmax(self._logits, dim=1, out=self._tok)
+            if slot is not None:
+                self._host_out[2 * slot + 1 : 2 * slot + 2].copy_(self._tok, non_blocking=True)
 
     def clear_kv_cache(self) -> None:
         self._ahead = None
@@ -532,15 +537,16 @@ class CudaFastModel(StaticKVState):
         step's CUDA graph and only its id comes back, not the logits. The id stays on the
         device as the next input, so a caller that feeds it back sends nothing there.
 
-        With the persistent kernel (and ``launch_ahead``, the default) the step after this one
-        is queued before this one's id is read (from pinned host memory the kernel writes), so
-        the GPU never waits for the host between greedy steps: when the caller feeds the id
-        back at the next position, that step is already running; any other call lets it
-        finish unused (it wrote only the KV row of a position past ``kv_len``)."""
+        With CUDA graphs and ``launch_ahead`` (the default) the step after this one is queued
+        before this one's id is read (from pinned host memory: the persistent kernel writes it
+        there, the fused path's graph copies it), so the GPU never waits for the host between
+        greedy steps: when the caller feeds the id back at the next position, that step is
+        already running; any other call lets it finish unused (it wrote only the KV row of a
+        position past ``kv_len``)."""
         check_positions(index_pos, 1, self._kv_len, self.max_seq_len)
         check_token_ids(token, token, self.vocab_size)
         with span("model"):
-            if self._persistent is not None and self.graphs and self.launch_ahead:
+            if self.graphs and self.launch_ahead:
                 return self._greedy_ahead(token, index_pos)
             self._ahead = None
             if token != self._tok_host:
@@ -555,7 +561,8 @@ class CudaFastModel(StaticKVState):
         """``greedy_step`` with the next step launched before this one's id is read."""
         if self._ahead != (index_pos, token):  # not the step queued last time: start here
             self._ahead = None
-            self._steps_run = int(self._persistent.steps.item()) & STEPS_MASK  # (a sync)
+            if self._persistent is not None:  # the kernel's count (a sync)
+                self._steps_run = int(self._persistent.steps.item()) & STEPS_MASK
             if token != self._tok_host:
                 self._tok.fill_(token)
             self._launch_greedy(index_pos)
@@ -569,20 +576,35 @@ class CudaFastModel(StaticKVState):
         return token
 
     def _launch_greedy(self, pos: int) -> None:
-        self._greedy_graph = self._run_step(self._greedy_step_kernels, pos, self._greedy_graph)
+        if self._persistent is not None:  # one graph: the kernel picks the words by parity
+            self._greedy_graph = self._run_step(self._greedy_step_kernels, pos,
+                                                self._greedy_graph)  # fmt: skip
+        else:  # a graph and an event per parity: the token copied into that pair of words
+            parity = self._steps_run & 1
+            if self._ahead_events is None:
+                self._ahead_events = [torch.cuda.Event(), torch.cuda.Event()]
+            kernels = functools.partial(self._greedy_step_kernels, slot=parity)
+            self._ahead_graphs[parity] = self._run_step(kernels, pos, self._ahead_graphs[parity])
+            self._ahead_events[parity].record()
         self._steps_run = (self._steps_run + 1) & STEPS_MASK
 
     def _host_token(self, count: int) -> int:
-        """The argmax of the persistent step that makes ``count`` steps done, from the host
-        words it writes (spinning until it has; an error of the stream raises)."""
-        words, slot = self._host_words, 2 * ((count - 1) & 1)
+        """The argmax of the greedy step launched as the ``count``-th, from the host words it
+        writes (the persistent kernel's count there, else the step's event; spinning until
+        done; an error of the stream raises)."""
+        words, slot = self._host_words, (count - 1) & 1
+        if self._persistent is None:
+            event = self._ahead_events[slot]
+            while not event.query():
+                pass
+            return int(words[2 * slot + 1])
         spins = 0
-        while words[slot] != count:
+        while words[2 * slot] != count:
             spins += 1
             if spins % 4096 == 0 and torch.cuda.current_stream(self.device).query():
-                if words[slot] != count:  # every queued step is done: it never wrote
+                if words[2 * slot] != count:  # every queued step is done: it never wrote
                     raise RuntimeError(f"the persistent decode step {count} wrote no token")
-        return int(words[slot + 1])
+        return int(words[2 * slot + 1])
 
     def _capture(self, fn) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
