@@ -104,6 +104,8 @@ def test_peers_by_name(capsys):
     with pytest.raises(SystemExit) as bad:
         main(["bench", "--peers", "vllm"])
     assert bad.value.code == 2 and "unknown peer vllm" in capsys.readouterr().err
+    assert main(["bench", "--rounds", "2"]) != 0
+    assert "--rounds alternates qlib with its peers" in capsys.readouterr().err
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python (the peers extra) is not installed")
     argv = ["bench", "--peers", "llama.cpp", "--rounds", "2", "--steps", "2", "--reps", "1",

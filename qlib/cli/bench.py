@@ -328,6 +328,8 @@ def _format(args: argparse.Namespace) -> str:
 
 def main(args: argparse.Namespace) -> int:
     fmt = _format(args)
+    if args.rounds > 1 and not args.peers:
+        raise ValueError("--rounds alternates qlib with its peers: it needs --peers")
     args.model = args.model or models.path()
     args.prompt_file = args.prompt_file or models.data_file("passage.txt")
     if args.context:
