@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from persistent_probe import write_synthetic  # noqa: E402
+from persistent_probe import graph_us, write_synthetic  # noqa: E402
 
 from qlib.llama.engine import load  # noqa: E402
 
@@ -38,17 +38,6 @@ def greedy_us(model, prompt: torch.Tensor, steps: int) -> tuple[float, list[int]
         pos += 1
     torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e6 / steps, ids
-
-
-def replay_us(model, n: int = 200) -> float:
-    graph = model._greedy_graph
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / n
 
 
 def main() -> None:
@@ -70,7 +59,7 @@ def main() -> None:
             model.launch_ahead = ahead
             us, ids[mode] = greedy_us(model, prompt, args.steps)
             times[mode].append(us)
-        times["graph replays"].append(replay_us(model))
+        times["graph replays"].append(graph_us(model, 200, model._greedy_graph))
     for mode, ts in times.items():
         print(f"{mode:14s} us a step: min {min(ts):6.1f}  median {statistics.median(ts):6.1f}")
     print("same ids:", ids["ahead"] == ids["no ahead"], f"({len(ids['ahead'])} steps)")

@@ -85,10 +85,10 @@ def generate_ms(model, prompt: torch.Tensor, steps: int) -> tuple[float, list[in
     return timings.decode_ms_per_token, ids
 
 
-def graph_us(model, n: int = 100) -> float:
-    """GPU us per replay of the decode graph (the position advances; the cache past the
-    greedy run's end is scratch)."""
-    graph = model._decode_graph
+def graph_us(model, n: int = 100, graph=None) -> float:
+    """GPU us per replay of the decode graph, or of ``graph`` (the position advances; the
+    cache past the greedy run's end is scratch)."""
+    graph = graph or model._decode_graph
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()
