@@ -39,6 +39,11 @@ Types with Triton kernels (``qlib.quants.cuda.layout.NATIVE``) keep their packed
 the others (F32, F16, BF16) are a float32 ``DenseWeight`` multiplied by cuBLAS
 (the same values and float32 accumulation, so the numerics above hold for every part).
 
+**Greedy decoding** (``greedy_step``, which ``generate`` takes) keeps the argmax on the
+device and reads back only the id; with CUDA graphs and ``launch_ahead`` (the default) the
+next step is queued before that id is read, so the GPU never waits for the host between steps
+(a step queued for a call that does not come finishes unused).
+
 ``index_pos`` must equal the cache length or be 0 (starts over): anything else
 raises ``IndexPosError``.
 """
