@@ -18,6 +18,17 @@ import torch
 from .devices import DeviceLike
 
 
+def greedy_id(logits: torch.Tensor) -> int:
+    """The argmax of a logits vector (any shape, flattened; the first of equal maxima, NaN
+    the largest, as ``torch.argmax``), read back to the host. A float32 vector on the CPU goes
+    through numpy: torch's argmax took ~90 us for SmolLM2's 49,152 logits on the 2-core VM,
+    numpy's ~5 (2% of a 4 ms decode step)."""
+    flat = logits.detach().reshape(-1)
+    if flat.device.type == "cpu" and flat.dtype == torch.float32:
+        return int(flat.numpy().argmax())
+    return int(flat.argmax())
+
+
 class LogitsProcessor:
     """Greedy (temperature None or <= 0), or sampling with temperature, top-k and top-p.
 
@@ -49,9 +60,9 @@ class LogitsProcessor:
 
     def sample(self, logits: torch.Tensor) -> int:
         """Pick the next token id from a 1-D logits vector (reads it back to the host)."""
-        logits = logits.reshape(-1)
         if self.greedy:
-            return int(logits.argmax())
+            return greedy_id(logits)
+        logits = logits.reshape(-1)
         probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
         if self.top_k is not None and self.top_k < probs.numel():
             kth = torch.topk(probs, self.top_k).values[-1]

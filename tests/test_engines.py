@@ -128,3 +128,18 @@ def test_load_progress_bar_over_layers(monkeypatch, capsys):
     monkeypatch.setenv("QLIB_PROGRESS", "0")
     assert list(progress.layers(range(3), 3)) == [0, 1, 2]
     assert "loading layers" not in capsys.readouterr().err
+
+
+def test_greedy_id_is_torch_argmax():
+    """``greedy_id`` (numpy's argmax for float32 on the CPU, torch's elsewhere) picks what
+    ``torch.argmax`` picks: the first of equal maxima, a NaN over any number, any shape."""
+    from qlib.generate import LogitsProcessor, greedy_id
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randn(1, 49152, generator=g), torch.tensor([[1.0, 3.0, 2.0, 3.0]]),
+             torch.tensor([1.0, float("nan"), 3.0, float("nan")]),
+             torch.full((5,), float("-inf")), torch.randn(7, generator=g).to(torch.float16),
+             torch.randn(3, 4, generator=g)[:, 1]]  # fmt: skip
+    for x in cases:
+        assert greedy_id(x) == int(x.reshape(-1).argmax()), x
+    assert LogitsProcessor().sample(cases[1][0]) == 1

@@ -140,6 +140,7 @@ def bench_qlib(args: argparse.Namespace) -> dict:
     import torch
 
     from ..devices import synchronize
+    from ..generate import greedy_id
     from ..llama.engine import GreedyOnDevice, load, resolve
     from ..tokenizer import Tokenizer
 
@@ -165,7 +166,7 @@ def bench_qlib(args: argparse.Namespace) -> dict:
         with torch.inference_mode():
             t0 = time.perf_counter()
             logits = model.forward(torch.tensor([ids], device=device), 0)
-            token = int(logits[0].argmax())
+            token = greedy_id(logits)
             t1 = time.perf_counter()
             pos = len(ids)
             for _ in range(args.steps):
@@ -173,7 +174,7 @@ def bench_qlib(args: argparse.Namespace) -> dict:
                     token = model.greedy_step(token, pos)
                 else:
                     logits = model.forward(torch.tensor([[token]], device=device), pos)
-                    token = int(logits[0].argmax())
+                    token = greedy_id(logits)
                 pos += 1
             synchronize(device)  # (work still queued counts: a greedy step launched ahead)
             t2 = time.perf_counter()

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ...generate import greedy_id
 from ...llama.engine import load
 from ...llama.faithful import ModelWeights
 from ...tokenizer import Tokenizer
@@ -47,7 +48,7 @@ def next_token(model: Any, ids: list[int], index_pos: int) -> int:
     """One forward of ``ids`` at ``index_pos``; the argmax of the last position."""
     with torch.inference_mode():
         logits = model.forward(torch.tensor([ids], device=model.device), index_pos)
-    return int(logits[0].argmax())
+    return greedy_id(logits)
 
 
 def teacher_forced_logits(model: Any, ids: list[int]) -> torch.Tensor:

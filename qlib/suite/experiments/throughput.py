@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ... import models
+from ...generate import greedy_id
 from ...llama.config import MAX_SEQ_LEN
 from ...llama.faithful import ModelWeights
 from ...tokenizer import Tokenizer
@@ -48,7 +49,7 @@ def passage_ids(tokenizer: Tokenizer, n: int, file: str | Path | None = None) ->
 
 
 def _argmax(logits: torch.Tensor) -> int:
-    return int(logits[0].argmax())  # reads back to the host: a GPU has finished
+    return greedy_id(logits)  # reads back to the host: a GPU has finished
 
 
 def prefill_throughput(
