@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ...devices import synchronize
-from ...generate import generate
+from ...generate import generate, greedy_id
 from ...llama.config import MAX_SEQ_LEN, LlamaConfig
 from ...llama.faithful import ModelWeights, broadcast_as, repeat_kv, sdpa_folded
 from ...spans import SpanRecorder
@@ -67,10 +67,6 @@ def check_counts(rows: list[dict], expected: dict[str, int]) -> list[dict]:
     ]
 
 
-def _token(logits: torch.Tensor) -> int:
-    return int(logits[0].argmax())  # host read-back: waits for a GPU
-
-
 @dataclass
 class SpanProfile:
     """Spans of one recorded forward."""
@@ -98,7 +94,7 @@ def _recorded(
         logits = model.forward(x, index_pos)
         synchronize(model.device)
         wall = (time.perf_counter() - start) * 1e3
-    return SpanProfile(name, len(ids), index_pos, wall, rec.table()), _token(logits)
+    return SpanProfile(name, len(ids), index_pos, wall, rec.table()), greedy_id(logits)
 
 
 def profile_spans(
@@ -126,7 +122,7 @@ def profile_spans(
     pos = len(prompt_ids)
     with torch.inference_mode():
         for _ in range(decode_step - 1):
-            token = _token(model.forward(torch.tensor([[token]], device=model.device), pos))
+            token = greedy_id(model.forward(torch.tensor([[token]], device=model.device), pos))
             pos += 1
     decode, _ = _recorded(model, [token], pos, f"decode step {decode_step}", sync_spans)
     return prefill, decode
@@ -363,9 +359,9 @@ def prepare_decode(model: ModelWeights, prompt_ids: list[int], context: int) -> 
         raise ValueError(f"context {context} is shorter than the {len(prompt_ids)}-token prompt")
     model.clear_kv_cache()
     with torch.inference_mode():
-        token = _token(model.forward(torch.tensor([prompt_ids], device=model.device), 0))
+        token = greedy_id(model.forward(torch.tensor([prompt_ids], device=model.device), 0))
         for pos in range(len(prompt_ids), context):
-            token = _token(model.forward(torch.tensor([[token]], device=model.device), pos))
+            token = greedy_id(model.forward(torch.tensor([[token]], device=model.device), pos))
     return snapshot_kv(model), token
 
 
@@ -390,11 +386,11 @@ def forward_times(
         for rep in range(reps + 1):
             model.clear_kv_cache()
             start = time.perf_counter()
-            _token(model.forward(x, 0))
+            greedy_id(model.forward(x, 0))
             p = (time.perf_counter() - start) * 1e3
             restore_kv(model, snap)
             start = time.perf_counter()
-            _token(model.forward(torch.tensor([[token]], device=dev), context))
+            greedy_id(model.forward(torch.tensor([[token]], device=dev), context))
             d = (time.perf_counter() - start) * 1e3
             if rep:  # the first rep warms up
                 prefill.append(p)

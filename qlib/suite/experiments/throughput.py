@@ -48,10 +48,6 @@ def passage_ids(tokenizer: Tokenizer, n: int, file: str | Path | None = None) ->
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def _argmax(logits: torch.Tensor) -> int:
-    return greedy_id(logits)  # reads back to the host: a GPU has finished
-
-
 def prefill_throughput(
     model: ModelWeights, ids: list[int], sizes=PREFILL_SIZES, reps: int = 3
 ) -> list[dict]:
@@ -66,7 +62,7 @@ def prefill_throughput(
             for _ in range(reps + 1):
                 model.clear_kv_cache()
                 start = time.perf_counter()
-                _argmax(model.forward(x, 0))
+                greedy_id(model.forward(x, 0))
                 times.append((time.perf_counter() - start) * 1e3)
             best = min(times[1:])
             rows.append(
@@ -118,7 +114,7 @@ def prefill_snapshot(model: ModelWeights, ids: list[int]) -> tuple[list, float]:
     model.clear_kv_cache()
     with torch.inference_mode():
         start = time.perf_counter()
-        _argmax(model.forward(torch.tensor([ids], device=model.device), 0))
+        greedy_id(model.forward(torch.tensor([ids], device=model.device), 0))
         ms = (time.perf_counter() - start) * 1e3
     snap = snapshot_kv(model)
     model.clear_kv_cache()
@@ -130,7 +126,7 @@ def _decode_steps(model: ModelWeights, token: int, pos: int, steps: int) -> floa
     dev = model.device
     start = time.perf_counter()
     for _ in range(steps):
-        token = _argmax(model.forward(torch.tensor([[token]], device=dev), pos))
+        token = greedy_id(model.forward(torch.tensor([[token]], device=dev), pos))
         pos += 1
     return (time.perf_counter() - start) * 1e3
 
