@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from qlib.llama.engine import load
+from qlib.quants.cuda.persistent import MARKS
 
 # block_times_ns's six points of the middle layer, in its order
 BLOCK_POINTS = ("residual in", "q/k/v done", "heads in", "MLP done", "staging issued", "count seen")
@@ -151,6 +152,11 @@ def main() -> None:
                 if args.stage_times and model.decode == "persistent":
                     spans = model._persistent.stage_times_ns()
                     print("   ", "  ".join(f"{k} {v / 1e3:.0f}" for k, v in spans.items()))
+                    per_layer = model._persistent.layer_spans_ns() / 1e3
+                    rest = per_layer[1:].median(0).values
+                    print("    layer 0 against the median layer, us:", "  ".join(
+                        f"{k} {a:.2f}/{b:.2f}" for k, a, b in zip(
+                            MARKS, per_layer[0].tolist(), rest.tolist(), strict=True)))  # fmt: skip
                     blocks = model._persistent.block_times_ns().double() / 1e3
                     cols = []
                     for name, col in zip(BLOCK_POINTS, blocks.T, strict=True):

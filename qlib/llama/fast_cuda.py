@@ -57,6 +57,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import BinaryIO
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -340,13 +341,14 @@ class CudaFastModel(StaticKVState):
         self._persistent = None  # a PersistentDecoder when from_gguf(decode="persistent")
         self._prefill_seen: set[int] = set()
         # the greedy loop's launch-ahead (greedy_step): pinned host words that each step's
-        # argmax goes to ([count, token] per step parity: the persistent kernel writes them,
-        # the fused path copies the token in its graph), the (position, token) of the step
+        # argmax goes to (a word per step parity: the persistent kernel writes its count of
+        # steps done in the high 32 bits and the token in the low ones, one 8-byte store; the
+        # fused path's graph copies the token there), the (position, token) of the step
         # already queued, the greedy steps launched (the persistent kernel's count of steps
         # done), the fused path's graph and completion event per parity
         self.launch_ahead = True
-        self._host_out = torch.zeros(4, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._host_words = self._host_out.numpy()  # (read without torch's overhead)
+        self._host_out = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host_words = self._host_out.numpy().view(np.uint64)  # (no torch overhead)
         self._ahead: tuple[int, int] | None = None
         self._steps_run = 0  # mod 2^32, as the kernel's u32 count
         self._ahead_graphs: list[torch.cuda.CUDAGraph | None] = [None, None]
@@ -524,13 +526,13 @@ class CudaFastModel(StaticKVState):
     def _greedy_step_kernels(self, slot: int | None = None) -> None:
         """The decode step, then the argmax of its logits into ``self._tok`` (the next input)
         and, given ``slot`` (the fused path's launch-ahead), into that host word pair."""
-        self._decode_step()
-        if self._persistent is not None:  # (its last block wrote the argmax)
-            self._tok.copy_(self._persistent.out_tok)
+        if self._persistent is not None:  # its last block writes the argmax into the input
+            self._persistent.step(self._tok, self._pos, self._logits, self._host_out, self._tok)
         else:
+            self._decode_step()
             torch.argmax(self._logits, dim=1, out=self._tok)
             if slot is not None:
-                self._host_out[2 * slot + 1 : 2 * slot + 2].copy_(self._tok, non_blocking=True)
+                self._host_out[slot : slot + 1].copy_(self._tok, non_blocking=True)
 
     def clear_kv_cache(self) -> None:
         self._ahead = None
@@ -602,14 +604,14 @@ class CudaFastModel(StaticKVState):
             event = self._ahead_events[slot]
             while not event.query():
                 pass
-            return int(words[2 * slot + 1])
+            return int(words[slot])
         spins = 0
-        while words[2 * slot] != count:
+        while int(words[slot]) >> 32 != count:
             spins += 1
             if spins % 4096 == 0 and torch.cuda.current_stream(self.device).query():
-                if words[2 * slot] != count:  # every queued step is done: it never wrote
+                if int(words[slot]) >> 32 != count:  # every queued step is done: none wrote
                     raise RuntimeError(f"the persistent decode step {count} wrote no token")
-        return int(words[2 * slot + 1])
+        return int(words[slot]) & STEPS_MASK
 
     def _capture(self, fn) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()

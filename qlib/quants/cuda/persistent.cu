@@ -925,7 +925,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     const int* __restrict__ types,    // per layer the GGUF type of W_Q .. W_DOWN
     const u8* __restrict__ tok_embd, int emb_type, const u8* __restrict__ out_w, int out_type,
     const float* __restrict__ out_norm, const float* __restrict__ cos_t,
-    const float* __restrict__ sin_t, float* __restrict__ cache, const long long* __restrict__ tok,
+    const float* __restrict__ sin_t, float* __restrict__ cache,
+    const long long* tok,  // (out_tok may be tok itself: written by the last block, after every read)
     int* pos_p, float* acc, u32* counters, u32* steps, u64* best, long long* out_tok, float* part,
     float* qbuf, float* __restrict__ logits, u64* stage_times, u64* xchg,
     volatile long long* host_out) {
@@ -1481,13 +1482,10 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         const long long token = (long long)(0xffffffffu - (u32)(key & 0xffffffffu));
         *out_tok = token;
         *pos_p = pos + 1;
-        if (host_out) {  // mapped host memory: the token, then the count of steps done, in the
-                         // slot of this step's parity (so a host one step behind reads it)
-            volatile long long* slot = host_out + 2 * (step_no & 1u);
-            slot[1] = token;
-            __threadfence_system();
-            slot[0] = (long long)(step_no + 1u);  // (mod 2^32, as the host counts)
-        }
+        if (host_out)  // mapped host memory: the count of steps done (mod 2^32) and the token as
+                       // one word, one 8-byte store (no fence between two words), in the slot of
+                       // this step's parity (so a host one step behind reads it)
+            host_out[step_no & 1u] = (long long)(((u64)(step_no + 1u) << 32) | (u32)token);
         MARK(NMARK * NL + 1);
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(steps) : "memory");
     }

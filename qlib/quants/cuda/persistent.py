@@ -369,12 +369,16 @@ class PersistentDecoder:
         return Kernel(compile_cubin(self.macros, arch), shared, device, threads, cluster)
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor,
-             host_out: torch.Tensor | None = None) -> None:  # fmt: skip
+             host_out: torch.Tensor | None = None,
+             out_tok: torch.Tensor | None = None) -> None:  # fmt: skip
         """Enqueue one step: token ``tok`` (int64 [1]) at position ``pos`` (int32 [1]) ->
-        ``logits`` (float32, vocab) and the argmax (``next_token``); the cache gets the
-        position, and ``pos`` moves to the next one. ``host_out``: pinned host memory (int64
-        [4], device-accessible), where the step also writes its argmax and the count of steps
-        done (``[count, token]`` in the two words of its parity: ``count - 1 & 1``)."""
+        ``logits`` (float32, vocab) and the argmax (into ``out_tok``, int64 [1], which may be
+        ``tok`` itself: the greedy loop's next input; by default ``next_token``'s buffer); the
+        cache gets the position, and ``pos`` moves to the next one. ``host_out``: pinned host
+        memory (int64 [2], device-accessible), where the step also writes the count of steps
+        done (mod 2^32) and its argmax as one word, ``count << 32 | token``, at its parity
+        ``count - 1 & 1``."""
+        out_tok = self.out_tok if out_tok is None else out_tok
         p = ctypes.c_uint64
         i = ctypes.c_int32
         args = [
@@ -384,7 +388,7 @@ class PersistentDecoder:
             p(self.out_norm.data_ptr()), p(self.cos.data_ptr()), p(self.sin.data_ptr()),
             p(self.cache.data_ptr()), p(tok.data_ptr()), p(pos.data_ptr()),
             p(self.acc.data_ptr()), p(self.counters.data_ptr()), p(self.steps.data_ptr()),
-            p(self.best.data_ptr()), p(self.out_tok.data_ptr()), p(self.part.data_ptr()),
+            p(self.best.data_ptr()), p(out_tok.data_ptr()), p(self.part.data_ptr()),
             p(self.q.data_ptr()), p(logits.data_ptr()), p(self.stage_times.data_ptr()),
             p(self.xchg.data_ptr()), p(host_out.data_ptr() if host_out is not None else 0),
         ]  # fmt: skip
@@ -400,9 +404,7 @@ class PersistentDecoder:
         nl = self.n_layers
         start, end = t[N_MARKS * nl], t[N_MARKS * nl + 1]
         m = t[: N_MARKS * nl].view(nl, N_MARKS)
-        prev = torch.cat([start.view(1), m[:-1, -1]])
-        spans = torch.cat([(m[:, 0] - prev).view(-1, 1), m[:, 1:] - m[:, :-1]], 1).sum(0)
-        out = dict(zip(MARKS, spans.tolist(), strict=True))
+        out = dict(zip(MARKS, self.layer_spans_ns().sum(0).tolist(), strict=True))
         o = t[self._out_marks :]  # block 0 in the output layer
         if bool((o > 0).all()):
             marks = {"out: wait": o[0] - m[-1, -1], "out: norm": o[1] - o[0],
@@ -410,6 +412,15 @@ class PersistentDecoder:
             out.update({k: float(v) for k, v in marks.items()})
         out.update(output=float(end - m[-1, -1]), total=float(end - start))
         return out
+
+    def layer_spans_ns(self) -> torch.Tensor:
+        """With ``stage_times=True``: the last step's spans (``MARKS``) of every layer as block
+        0 saw them, ns, [layers, len(MARKS)] (layer 0's first span from the step's start)."""
+        t = self.stage_times.cpu().double()
+        nl = self.n_layers
+        m = t[: N_MARKS * nl].view(nl, N_MARKS)
+        prev = torch.cat([t[N_MARKS * nl].view(1), m[:-1, -1]])
+        return torch.cat([(m[:, 0] - prev).view(-1, 1), m[:, 1:] - m[:, :-1]], 1)
 
     def block_times_ns(self) -> torch.Tensor:
         """With ``stage_times=True``: per block, the ns at six points of the last step's middle
