@@ -976,12 +976,18 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         for (int i = b * THREADS + threadIdx.x; i < NCNT; i += gridDim.x * THREADS) ZC[i] = 0u;
         if (b == 0 && threadIdx.x == 0) best[par ^ 1u] = 0ull;
     }
-    for (int i = threadIdx.x; i < NL * 7; i += THREADS) stypes[i] = types[i];
-    __syncthreads();
+    // RoPE's tables and the embedding row (layer 0's residual) loaded with the types, before one
+    // barrier (after it, the tables cost a second round trip: ~1 us a step)
     for (int i = threadIdx.x; i < HD / 2; i += THREADS) {
         rope_c[i] = cos_t[(usize)pos * (HD / 2) + i];
         rope_s[i] = sin_t[(usize)pos * (HD / 2) + i];
     }
+    {
+        const u8* row = tok_embd + row_bytes(emb_type, DIM) * (usize)tok[0];
+        for (int i = threadIdx.x; i < DIM; i += THREADS) res_in[i] = row_elem(emb_type, row, i);
+    }
+    for (int i = threadIdx.x; i < NL * 7; i += THREADS) stypes[i] = types[i];
+    __syncthreads();
     // splits of a head's positions: up to NS_FREE (the blocks before the MLP blocks hold them
     // all) of at least MIN_SPLIT positions; past NS_FREE x SPLIT positions, splits of SPLIT
     // on up to NSMAX blocks a head (then attention blocks run MLP tasks too)
@@ -1104,10 +1110,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             for (usize j = threadIdx.x * 128; j < rb * (out_r1 - out_r0); j += THREADS * 128) prefetch_l2(o0 + j);
         }
         // ---- RmsNorm of the residual, q/k/v tasks
-        if (l == 0) {
-            const u8* row = tok_embd + row_bytes(emb_type, DIM) * (usize)tok[0];
-            for (int i = threadIdx.x; i < DIM; i += THREADS) res_in[i] = row_elem(emb_type, row, i);
-        } else {
+        if (l > 0) {  // (layer 0: the embedding row, read at the start)
 #if XRES
             BLOCK_MARK(5)
             read_layer_res(A, l, res_in);
