@@ -113,6 +113,9 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #ifndef OUT_LANES
 #define OUT_LANES 8  // lanes a row of the output layer (0: a warp a row, 4 rows together)
 #endif
+#ifndef OUT_Q8X
+#define OUT_Q8X 0  // a Q8_0 output layer as int8 rows and float32 scales (persistent.py sets it)
+#endif
 #ifndef NORM_FAST
 #define NORM_FAST 1  // RmsNorm's factor by rsqrtf, block sums as a tree
 #endif
@@ -609,6 +612,71 @@ __device__ __forceinline__ u64 output_rows_lanes(int t, const u8* base, const fl
     return mine;
 }
 
+// OUT_Q8X: byte i of w, a Q8_0 code c stored as c ^ 0x80 (c + 128), as the float c: the float
+// with the bits 0x4B0000 (c + 128) is 2^23 + 128 + c exactly (one PRMT and one FADD, no I2F).
+__device__ __forceinline__ float code_float(u32 w, int i) {
+    return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7540 | i)) - 8388736.f;
+}
+
+// OUT_Q8X: the output layer's rows [r0, r1) from a Q8_0 matrix re-laid as int8 rows (codes, K
+// bytes a row) and float32 scales (K / 32 a row). Eight lanes a row, lane seg taking the 8-code
+// units seg, seg + 8, ... (K / 64 of them): its activations are read from shared memory once
+// and held in registers across its rows, and a unit's codes are one 8-byte load. (The block
+// layout read each unit by five 2-byte loads and its activations by two shared-memory loads:
+// both went through the SM's load pipe, which bounded the rows.) Returns the warp's largest
+// argmax_key in every lane.
+template <int K>
+__device__ __forceinline__ u64 output_rows_q8x(const u8* codes, const float* scales, const float* x,
+                                               const float* red, float* out, int r0, int r1,
+                                               int warp, int lane) {
+    constexpr int LPR = 8, RPW = 32 / LPR, UPL = K / 64;
+    static_assert(K % 64 == 0, "OUT_Q8X: rows of a multiple of 64");
+    const float f = late_factor(red);
+    const int sub = lane / LPR, seg = lane % LPR;
+    float xr[UPL][8];
+#pragma unroll
+    for (int j = 0; j < UPL; j++) load8(x + 8 * (seg + 8 * j), xr[j]);
+    u64 mine = 0ull;
+    for (int row0 = r0 + warp * RPW; row0 < r1; row0 += RPW * WARPS) {  // (warp-uniform)
+        const int row = row0 + sub;
+        const usize rr = (usize)min(row, r1 - 1);
+        const uint2* cp = (const uint2*)(codes + rr * K) + seg;
+        const float* sp = scales + rr * (K / 32) + (seg >> 2);
+        uint2 w[UPL];
+        float d[UPL];
+#pragma unroll
+        for (int j = 0; j < UPL; j++) {
+            w[j] = __ldg(cp + 8 * j);
+            d[j] = __ldg(sp + 2 * j);
+        }
+        float y = 0.f;
+#pragma unroll
+        for (int j = 0; j < UPL; j++) {
+            const u32 a = w[j].x ^ 0x80808080u, b = w[j].y ^ 0x80808080u;
+            float sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < 4; i++) sum = fmaf(code_float(a, i), xr[j][i], sum);
+#pragma unroll
+            for (int i = 0; i < 4; i++) sum = fmaf(code_float(b, i), xr[j][4 + i], sum);
+            y = fmaf(d[j], sum, y);
+        }
+#pragma unroll
+        for (int o = 1; o < LPR; o <<= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
+        if (seg == 0 && row < r1) {
+            y *= f;
+            out[row] = y;
+            const u64 key = argmax_key(y, row);
+            mine = key > mine ? key : mine;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(0xffffffffu, mine, o);
+        mine = other > mine ? other : mine;
+    }
+    return mine;
+}
+
 // Element i of a row (the embedding lookup).
 __device__ float row_elem(int t, const u8* row, int i) {
     if (is_float(t)) return float_elem(t, row, i);
@@ -929,7 +997,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     const long long* tok,  // (out_tok may be tok itself: written by the last block, after every read)
     int* pos_p, float* acc, u32* counters, u32* steps, u64* best, long long* out_tok, float* part,
     float* qbuf, float* __restrict__ logits, u64* stage_times, u64* xchg,
-    volatile long long* host_out) {
+    volatile long long* host_out,
+    const float* __restrict__ out_sc) {  // OUT_Q8X: the output rows' scales (out_w: their codes)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* xs = (float*)(smem_raw + 2 * WCAP);  // DIM: the normalized input
     float* res_in = xs + DIM;                   // DIM: the residual read at a stage's start
@@ -948,6 +1017,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int otype = ROWB_CONST ? only_type(OUT_TYPES) : out_type;  // (OUT_TYPES: one bit)
+    (void)otype;  // (OUT_Q8X: not read)
     const int pos = *pos_p, L = pos + 1;
     const u32 step_no = __ldcg(steps), par = step_no & 1u;
     const u32 tag = step_no + 1u;  // (the exchange starts zeroed: tag 0 is never a step's)
@@ -1105,7 +1175,14 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             BLOCK_MARK(4)
         };
         if (l == NL - OUT_PREFETCH) {
+#if OUT_Q8X
+            const usize rb = DIM;  // (the codes; then the scales)
+            const u8* sc0 = (const u8*)(out_sc + (usize)out_r0 * (DIM / 32));
+            for (usize j = threadIdx.x * 128; j < (usize)(out_r1 - out_r0) * DIM / 8; j += THREADS * 128)
+                prefetch_l2(sc0 + j);
+#else
             const usize rb = row_bytes(otype, DIM);
+#endif
             const u8* o0 = out_w + rb * out_r0;
             for (usize j = threadIdx.x * 128; j < rb * (out_r1 - out_r0); j += THREADS * 128) prefetch_l2(o0 + j);
         }
@@ -1466,7 +1543,9 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     if (b == 0) OUT_MARK(0);
     norm_for_dots(res_in, out_norm, xs, red);
     if (b == 0) OUT_MARK(1);
-#if OUT_LANES
+#if OUT_Q8X
+    const u64 mine = output_rows_q8x<DIM>(out_w, out_sc, xs, red, logits, out_r0, out_r1, warp, lane);
+#elif OUT_LANES
     const u64 mine = output_rows_lanes<DIM, OUT_TYPES>(otype, out_w, xs, red, logits, out_r0, out_r1, warp, lane);
 #else
     const u64 mine = output_rows<DIM, 4, OUT_TYPES>(otype, out_w, xs, red, logits, out_r0, out_r1, warp, lane);

@@ -306,6 +306,11 @@ class PersistentDecoder:
         self.macros.update(macros or {})
         # the MLP tasks' sums in two copies of the counted words (half the atomics an address)
         self.macros.setdefault("DOWN_COPIES", 2 if self.macros["XRES"] else 1)
+        # a Q8_0 output layer as int8 rows and float32 scales (the kernel's output_rows_q8x)
+        q8_out = output.dtype.name == "Q8_0" and dim % 64 == 0
+        self.macros.setdefault("OUT_Q8X", int(q8_out))
+        if self.macros["OUT_Q8X"] and not q8_out:
+            raise PersistentError("OUT_Q8X needs a Q8_0 output layer of rows a multiple of 64")
         major, minor = torch.cuda.get_device_capability(device)
         arch = f"sm_{major}{minor}"
         # the MLP tasks in pairs on clusters of two blocks (Hopper on): where the counts allow
@@ -341,7 +346,12 @@ class PersistentDecoder:
         tied = output is tok_embd  # (one copy of a tied matrix)
         self.output, self.out_type = (
             (self.tok_embd, self.emb_type) if tied else kernel_matrix(output))  # fmt: skip
-        self.keep += [self.tok_embd, self.output, out_norm, cos, sin, cache]
+        self.out_scales = torch.empty(0, device=device)
+        if self.macros["OUT_Q8X"]:  # Q8_0 blocks (2-byte scale d, 32 codes) -> codes, scales
+            q8 = self.output.reshape(vocab, dim // 32, 34)
+            self.out_scales = q8[:, :, :2].contiguous().view(torch.float16).float()
+            self.output = q8[:, :, 2:].reshape(vocab, dim)  # (a copy: reshape of a slice)
+        self.keep += [self.tok_embd, self.output, self.out_scales, out_norm, cos, sin, cache]
         acc_n = (2 * nl + 1 + (self.macros["DOWN_COPIES"] - 1) * nl) * dim  # ACC_N
         n_counters = nl * (c.head_count_kv + 2 + nh) + 1
         # two sets, by the step's parity, of float32 sums or (XRES) 64-bit words
@@ -391,6 +401,7 @@ class PersistentDecoder:
             p(self.best.data_ptr()), p(out_tok.data_ptr()), p(self.part.data_ptr()),
             p(self.q.data_ptr()), p(logits.data_ptr()), p(self.stage_times.data_ptr()),
             p(self.xchg.data_ptr()), p(host_out.data_ptr() if host_out is not None else 0),
+            p(self.out_scales.data_ptr()),
         ]  # fmt: skip
         self.kernel.launch(args)
 
