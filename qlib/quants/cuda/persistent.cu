@@ -116,6 +116,9 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #ifndef OUT_Q8X
 #define OUT_Q8X 0  // a Q8_0 output layer as int8 rows and float32 scales (persistent.py sets it)
 #endif
+#ifndef OUT_Q8X_AHEAD
+#define OUT_Q8X_AHEAD 1  // OUT_Q8X: a lane's next row loaded while it works on this one
+#endif
 #ifndef NORM_FAST
 #define NORM_FAST 1  // RmsNorm's factor by rsqrtf, block sums as a tree
 #endif
@@ -637,18 +640,26 @@ __device__ __forceinline__ u64 output_rows_q8x(const u8* codes, const float* sca
 #pragma unroll
     for (int j = 0; j < UPL; j++) load8(x + 8 * (seg + 8 * j), xr[j]);
     u64 mine = 0ull;
-    for (int row0 = r0 + warp * RPW; row0 < r1; row0 += RPW * WARPS) {  // (warp-uniform)
-        const int row = row0 + sub;
+    uint2 w[UPL];
+    float d[UPL];
+    auto load_row = [&](int row, uint2(&wv)[UPL], float(&dv)[UPL]) {  // lane's codes and scales
         const usize rr = (usize)min(row, r1 - 1);
         const uint2* cp = (const uint2*)(codes + rr * K) + seg;
         const float* sp = scales + rr * (K / 32) + (seg >> 2);
-        uint2 w[UPL];
-        float d[UPL];
 #pragma unroll
         for (int j = 0; j < UPL; j++) {
-            w[j] = __ldg(cp + 8 * j);
-            d[j] = __ldg(sp + 2 * j);
+            wv[j] = __ldg(cp + 8 * j);
+            dv[j] = __ldg(sp + 2 * j);
         }
+    };
+    load_row(r0 + warp * RPW + sub, w, d);
+    for (int row0 = r0 + warp * RPW; row0 < r1; row0 += RPW * WARPS) {  // (warp-uniform)
+        const int row = row0 + sub;
+#if OUT_Q8X_AHEAD  // the next rows' loads in flight while this row's dots run
+        uint2 wn[UPL];
+        float dn[UPL];
+        load_row(row + RPW * WARPS, wn, dn);
+#endif
         float y = 0.f;
 #pragma unroll
         for (int j = 0; j < UPL; j++) {
@@ -660,6 +671,15 @@ __device__ __forceinline__ u64 output_rows_q8x(const u8* codes, const float* sca
             for (int i = 0; i < 4; i++) sum = fmaf(code_float(b, i), xr[j][4 + i], sum);
             y = fmaf(d[j], sum, y);
         }
+#if OUT_Q8X_AHEAD
+#pragma unroll
+        for (int j = 0; j < UPL; j++) {
+            w[j] = wn[j];
+            d[j] = dn[j];
+        }
+#else
+        load_row(row + RPW * WARPS, w, d);
+#endif
 #pragma unroll
         for (int o = 1; o < LPR; o <<= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
         if (seg == 0 && row < r1) {
