@@ -116,9 +116,6 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #ifndef OUT_Q8X
 #define OUT_Q8X 0  // a Q8_0 output layer as int8 rows and float32 scales (persistent.py sets it)
 #endif
-#ifndef ARG_BLOCK
-#define ARG_BLOCK 1
-#endif
 #ifndef OUT_Q8X_AHEAD
 #define OUT_Q8X_AHEAD 1  // OUT_Q8X: a lane's next row loaded while it works on this one
 #endif
@@ -1579,7 +1576,6 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         OUT_MARK(2);
     }
 #endif
-#if ARG_BLOCK
     {  // the block's largest key (its warps' through S, free now): one atomicMax a block on the
        // one word, not one a warp (12 x 132 atomics queued on one address)
         u64* keys = (u64*)S;  // (8-aligned: 2 DIM + 5 HD floats after a 16-aligned start)
@@ -1592,9 +1588,6 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             if (top) atomicMax(best + par, top);
         }
     }
-#else
-    if (lane == 0 && mine) atomicMax(best + par, mine);
-#endif
     const u32 old = arrive(done);  // (its release orders thread 0's atomicMax before the count)
     if (threadIdx.x == 0 && old == gridDim.x - 1) {  // the last block: every argmax is in
         u64 key;
