@@ -201,6 +201,7 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
         {"GU_JOINT": 0},
         {"NORM_LATE": 0},
         {"OUT_Q8X": 0},
+        {"Q41_WIDE": 0},
     ],
 )
 @pytest.mark.parametrize("shape", [(4, 2, 128, None), (2, 2, 128, 16)])
@@ -211,7 +212,8 @@ def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
     through shared memory only; a warp an output row; the MLP's sums in four copies; the
     norm's factor in IEEE division and square root; the MLP tasks one a block, not in
     clusters of two; gate and up rows dotted apart; the normalized input made before the
-    dots; the Q8_0 output layer read as its blocks, not as int8 rows and scales) stay correct: decode steps from position 0 as the f32 form, GQA 2:1 and
+    dots; the Q8_0 output layer read as its blocks, not as int8 rows and scales; Q4_1 parts
+    by 16-bit loads) stay correct: decode steps from position 0 as the f32 form, GQA 2:1 and
     MHA with ``split=16`` (several blocks a head past 16 positions); a Q8_0 output layer, as
     SmolLM2's."""
     n_head, n_kv, n_embd, split = shape

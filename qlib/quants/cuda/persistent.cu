@@ -116,6 +116,9 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #ifndef OUT_Q8X
 #define OUT_Q8X 0  // a Q8_0 output layer as int8 rows and float32 scales (persistent.py sets it)
 #endif
+#ifndef Q41_WIDE
+#define Q41_WIDE 1  // Q4_1 parts read by 32-bit loads (d and m, then the part's 8 code bytes)
+#endif
 #ifndef OUT_Q8X_AHEAD
 #define OUT_Q8X_AHEAD 1  // OUT_Q8X: a lane's next row loaded while it works on this one
 #endif
@@ -391,6 +394,23 @@ __device__ __forceinline__ float unit_dot_x(const u8* blk, int p, const float (&
         }
         return d * s;
     }
+#if Q41_WIDE
+    if (T == T_Q4_1) {  // 20-byte blocks, 4-aligned: d and m as one 32-bit load, the part's 8
+                        // code bytes as two (the 16-bit loads were six)
+        const u32 dm = *(const u32*)blk;
+        const u32* qw = (const u32*)(blk + 4 + 8 * (p & 1));
+        const u32 w0 = qw[0], w1 = qw[1];
+        const int shift = (p >> 1) * 4;
+        float s = 0.f, sx = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float q = (float)((((i < 4 ? w0 : w1) >> (8 * (i & 3))) >> shift) & 15u);
+            s += q * xx[i];
+            sx += xx[i];
+        }
+        return h2f((u16)(dm & 0xffffu)) * s + h2f((u16)(dm >> 16)) * sx;
+    }
+#endif
     const float m = has_m ? h2f(ld16(blk + 2)) : 0.f;
     const u8* after = blk + (has_m ? 4 : 2);
     u32 qh = 0;
