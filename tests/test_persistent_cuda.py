@@ -60,6 +60,20 @@ def decode_x8(data: torch.Tensor) -> torch.Tensor:
     return (ab[..., 0] * q + ab[..., 1]).reshape(data.shape[0], -1)
 
 
+def test_q8_output_rows_exactly():
+    """The Q8_0 output layer re-laid for ``OUT_Q8X`` (int8 codes, float32 scales) gives every
+    weight bit for bit as the blocks' dequantization, and the kernel's ``code_float`` (the
+    float with the bits ``0x4B000000 | (c ^ 0x80)``, minus 2^23 + 128) is each code exactly."""
+    gen = torch.Generator().manual_seed(5)
+    t = QTensor.quantize(torch.randn(7, 576, generator=gen), "Q8_0")
+    codes, scales = persistent.q8_rows(t.data.reshape(7, -1), 576)
+    assert codes.shape == (7, 576) and scales.shape == (7, 18)
+    c = codes.contiguous().view(torch.int8)
+    assert torch.equal(c.float() * scales.repeat_interleave(32, dim=1), t.dequantize())
+    bits = (codes.numpy().astype(np.uint32) ^ 0x80) | np.uint32(0x4B000000)
+    assert np.array_equal(bits.view(np.float32) - np.float32(8388736.0), c.numpy())
+
+
 @pytest.mark.parametrize("type_name", persistent.K_QUANTS)
 def test_kquants_expand_exactly(type_name):
     """The K-quant blocks expanded for the kernel give every weight bit for bit as ggml's

@@ -221,6 +221,15 @@ def kernel_matrix(t) -> tuple[torch.Tensor, int]:
     return data, TYPE_IDS[name]
 
 
+def q8_rows(data: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 matrix bytes ``[rows, k / 32 * 34]`` as the kernel's ``OUT_Q8X`` reads them: the
+    codes as an int8 matrix (``[rows, k]``, raw bytes) and a float32 scale per 32 codes
+    (``[rows, k / 32]``); weight = scale * code, as ggml dequantizes Q8_0."""
+    blocks = data.reshape(data.shape[0], k // 32, 34)
+    scales = blocks[:, :, :2].contiguous().view(torch.float16).float().reshape(-1, k // 32)
+    return blocks[:, :, 2:].reshape(-1, k), scales  # (reshape of a slice: a copy)
+
+
 def _slabs(data: torch.Tensor, k: int, width: int) -> torch.Tensor:
     """Matrix bytes ``data`` (rows x k elements) re-laid as k / width slabs: slab j holds
     columns [j width, (j + 1) width) of every row, contiguous (the kernel's wo and down)."""
@@ -347,10 +356,8 @@ class PersistentDecoder:
         self.output, self.out_type = (
             (self.tok_embd, self.emb_type) if tied else kernel_matrix(output))  # fmt: skip
         self.out_scales = torch.empty(0, device=device)
-        if self.macros["OUT_Q8X"]:  # Q8_0 blocks (2-byte scale d, 32 codes) -> codes, scales
-            q8 = self.output.reshape(vocab, dim // 32, 34)
-            self.out_scales = q8[:, :, :2].contiguous().view(torch.float16).float()
-            self.output = q8[:, :, 2:].reshape(vocab, dim)  # (a copy: reshape of a slice)
+        if self.macros["OUT_Q8X"]:  # (the embedding lookup keeps the blocks)
+            self.output, self.out_scales = q8_rows(self.output, dim)
         self.keep += [self.tok_embd, self.output, self.out_scales, out_norm, cos, sin, cache]
         acc_n = (2 * nl + 1 + (self.macros["DOWN_COPIES"] - 1) * nl) * dim  # ACC_N
         n_counters = nl * (c.head_count_kv + 2 + nh) + 1
