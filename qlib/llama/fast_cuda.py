@@ -525,7 +525,8 @@ class CudaFastModel(StaticKVState):
 
     def _greedy_step_kernels(self, slot: int | None = None) -> None:
         """The decode step, then the argmax of its logits into ``self._tok`` (the next input)
-        and, given ``slot`` (the fused path's launch-ahead), into that host word pair."""
+        and, given ``slot`` (the fused path's launch-ahead), into that host word (the
+        persistent kernel writes both itself, its word by the step's parity)."""
         if self._persistent is not None:  # its last block writes the argmax into the input
             self._persistent.step(self._tok, self._pos, self._logits, self._host_out, self._tok)
         else:
