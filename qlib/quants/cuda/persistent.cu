@@ -601,6 +601,30 @@ __device__ __forceinline__ u64 output_rows(int t, const u8* base, const float* x
     return mine;
 }
 
+// A row's LPR lanes' partial dots y added (shuffles); lane seg 0 stores f times the sum as
+// out[row] (row < r1) and keeps the larger of mine and its argmax_key.
+template <int LPR>
+__device__ __forceinline__ void row_out(float y, int row, int r1, int seg, float f, float* out,
+                                        u64& mine) {
+#pragma unroll
+    for (int o = 1; o < LPR; o <<= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
+    if (seg == 0 && row < r1) {
+        y *= f;
+        out[row] = y;
+        const u64 key = argmax_key(y, row);
+        mine = key > mine ? key : mine;
+    }
+}
+// The warp's largest argmax_key, in every lane.
+__device__ __forceinline__ u64 warp_max_key(u64 mine) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(0xffffffffu, mine, o);
+        mine = other > mine ? other : mine;
+    }
+    return mine;
+}
+
 // The same with OUT_LANES lanes a row (32 / OUT_LANES rows of a warp at a time, every lane busy:
 // SmolLM2's 72 units a row are 9 a lane, where 32 lanes a row leave 24 of them idle a third of
 // the time); returns the warp's largest argmax_key in every lane.
@@ -618,21 +642,9 @@ __device__ __forceinline__ u64 output_rows_lanes(int t, const u8* base, const fl
         const u8* rp = base + rb * min(row, r1 - 1);
         float y = 0.f;
         QLIB_DISPATCH(MASK, t, y = strided_dot<K, T_, LPR>(rp, x, seg))
-#pragma unroll
-        for (int o = 1; o < LPR; o <<= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
-        if (seg == 0 && row < r1) {
-            y *= f;
-            out[row] = y;
-            const u64 key = argmax_key(y, row);
-            mine = key > mine ? key : mine;
-        }
+        row_out<LPR>(y, row, r1, seg, f, out, mine);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const u64 other = __shfl_xor_sync(0xffffffffu, mine, o);
-        mine = other > mine ? other : mine;
-    }
-    return mine;
+    return warp_max_key(mine);
 }
 
 // OUT_Q8X: byte i of w, a Q8_0 code c stored as c ^ 0x80 (c + 128), as the float c: the float
@@ -700,21 +712,9 @@ __device__ __forceinline__ u64 output_rows_q8x(const u8* codes, const float* sca
 #else
         load_row(row + RPW * WARPS, w, d);
 #endif
-#pragma unroll
-        for (int o = 1; o < LPR; o <<= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
-        if (seg == 0 && row < r1) {
-            y *= f;
-            out[row] = y;
-            const u64 key = argmax_key(y, row);
-            mine = key > mine ? key : mine;
-        }
+        row_out<LPR>(y, row, r1, seg, f, out, mine);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const u64 other = __shfl_xor_sync(0xffffffffu, mine, o);
-        mine = other > mine ? other : mine;
-    }
-    return mine;
+    return warp_max_key(mine);
 }
 
 // Element i of a row (the embedding lookup).
