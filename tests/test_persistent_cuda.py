@@ -1,6 +1,7 @@
 """The persistent decode kernel (``qlib.quants.cuda.persistent``, ``decode="persistent"`` of the
 fast CUDA engine) against the f32 form and the fused kernels. Needs CUDA and NVRTC: skipped
-elsewhere (the module still imports).
+elsewhere (the module still imports); the layouts' checks run on the CPU, and the kernel's build
+wherever nvcc is (no GPU needed).
 
 Tolerance: the kernel dequantizes the same blocks exactly and accumulates in float32, in
 another order than the f32 form's cuBLAS products: ``TOL`` x max |logit| per decode step, as
@@ -8,6 +9,11 @@ another order than the f32 form's cuBLAS products: ``TOL`` x max |logit| per dec
 """
 
 from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,6 +64,26 @@ def decode_x8(data: torch.Tensor) -> torch.Tensor:
     ab = blocks[..., :16].contiguous().view(torch.float32).reshape(*blocks.shape[:2], 2, 1, 2)
     q = blocks[..., 16:].contiguous().view(torch.int8).reshape(*blocks.shape[:2], 2, 16).float()
     return (ab[..., 0] * q + ab[..., 1]).reshape(data.shape[0], -1)
+
+
+@pytest.mark.skipif(not shutil.which("nvcc"), reason="needs nvcc (the CUDA toolkit)")
+@pytest.mark.parametrize("types", ["Q4_1", "Q4_K_M"])
+def test_kernel_builds_without_spills(tmp_path, types):
+    """The kernel compiles with nvcc for sm_90 (as NVRTC builds it on the GPU machine) with no
+    stack frame and no spills, for a Q4_1 model with a Q8_0 output layer (the output as int8
+    rows) and a K-quant mix (T_X8 layers), its default macros and the main A/B ones: a kernel
+    edit that does not build fails here, on a machine without a GPU."""
+    mix = {"*attn_v*": "Q6_K", "*ffn_down*": "Q6_K", "token_embd*": "Q8_0", "output*": "Q6_K"}
+    weight_types = {"token_embd.weight": "Q8_0"} if types == "Q4_1" else mix
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1" if types == "Q4_1" else
+                            "Q4_K", n_embd=256, n_head=4, n_kv_head=2, n_ff=512,
+                            weight_types=weight_types)  # fmt: skip
+    variants = ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0"] if types == "Q4_1" else ["default"]
+    tool = Path(__file__).parents[1] / "tools" / "persistent_compile.py"
+    run = subprocess.run([sys.executable, str(tool), "--model", str(path), "--variants", *variants],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count(" ok: ") == len(variants)
 
 
 def test_q8_output_rows_exactly():

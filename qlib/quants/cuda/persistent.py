@@ -248,6 +248,69 @@ def _device_attribute(device: torch.device, attribute: int) -> int:
     return value.value
 
 
+def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: int, optin: int,
+                  major: int, threads: int = THREADS, split: int = SPLIT,
+                  min_split: int = MIN_SPLIT, kv_stage: bool = True, stage_times: bool = False,
+                  given: dict[str, int] | None = None,
+                  ) -> tuple[dict[str, object], int]:  # fmt: skip
+    """``persistent.cu``'s macros for a model on a GPU of ``blocks`` SMs, ``optin`` bytes of
+    shared memory a block at most and compute capability ``major``, and the launch's shared
+    memory bytes. ``layers`` and ``output`` need only ``shape`` and ``dtype.name`` (no GPU is
+    touched: ``tools/persistent_compile.py`` builds the kernel with nvcc from them); ``given``:
+    macros set by the caller (``$QLIB_PERSISTENT_MACROS``, experiments), which win."""
+    c = config
+    n_ff, dim = layers[0]["ffn_gate"].shape
+    hd, nh, nl = c.head_dim, c.head_count, c.block_count
+    vocab = output.shape[0]
+    if dim % 32 or n_ff % 32:
+        raise PersistentError(f"the persistent kernel needs the embedding ({dim}) and the "
+                              f"feed-forward size ({n_ff}) multiples of 32")  # fmt: skip
+    mlp_blocks = min(n_ff // CHUNK, blocks)
+    ns_max = blocks // nh
+    if ns_max < 1:
+        raise PersistentError(f"the persistent kernel needs {nh} blocks resident at once; "
+                              f"this GPU has {blocks} SMs")  # fmt: skip
+    pairs = (nh + 2 * c.head_count_kv) * hd // 2
+    qpb = 1  # RoPE pairs per q/k/v task: the fewest that give every block at most one
+    while qpb < hd // 2 and pairs > qpb * blocks:
+        qpb *= 2
+    warps = threads // 32
+    # S: a split's scores, flat_dots' scratch, the splits' partials (XCHG); a multiple of 4
+    # keeps what follows 16-aligned
+    smax_pos = max(split, -(-max_seq // ns_max), threads + 2 * max(qpb, CHUNK),
+                   ns_max * (hd + 2))  # fmt: skip
+    smax_pos = -(-smax_pos // 4) * 4
+    floats = 2 * dim + 5 * hd + smax_pos + warps * hd + 10 * CHUNK + warps + 7 * nl
+    # two staging areas, beside the floats and the static addresses (WHERE_BYTES)
+    wcap = (optin - 4 * floats - 256 - WHERE_BYTES) // 32 * 16
+    shared = 2 * wcap + 4 * floats
+    types = {1 << TYPE_IDS[ly[n].dtype.name] for ly in layers for n in MATRICES}
+    m: dict[str, object] = dict(
+        THREADS=threads, DIM=dim, NFF=n_ff, NH=nh, NKV=c.head_count_kv, HD=hd, NL=nl,
+        VOCAB=vocab, MAXSEQ=max_seq, EPS=f"{c.rms_norm_eps!r}f", NEOX=int(c.rope_is_neox),
+        GRID=blocks, MLP_BLOCKS=mlp_blocks, NSMAX=ns_max, SPLIT=split,
+        MIN_SPLIT=min(min_split, split), QPB=qpb, SMAXPOS=smax_pos, WCAP=wcap,
+        KV_STAGE=int(kv_stage),
+        # counted fixed-point residual words hold at most 1023 addends a sum
+        XRES=int(max(nh, n_ff // CHUNK) < 1024), WHERE_MAX=WHERE_MAX,
+        LAYER_TYPES=sum(types), OUT_TYPES=1 << TYPE_IDS[output.dtype.name])  # fmt: skip
+    if stage_times:  # block 0 notes the time at every mark (``stage_times_ns``)
+        m["QLIB_STAGE_TIMES"] = 1
+    m.update(given or {})  # experiments: any of persistent.cu's macros
+    # the MLP tasks' sums in two copies of the counted words (half the atomics an address)
+    m.setdefault("DOWN_COPIES", 2 if m["XRES"] else 1)
+    # a Q8_0 output layer as int8 rows and float32 scales (the kernel's output_rows_q8x)
+    q8_out = output.dtype.name == "Q8_0" and dim % 64 == 0
+    m.setdefault("OUT_Q8X", int(q8_out))
+    if m["OUT_Q8X"] and not q8_out:
+        raise PersistentError("OUT_Q8X needs a Q8_0 output layer of rows a multiple of 64")
+    # the MLP tasks in pairs on clusters of two blocks (Hopper on): where the counts allow
+    if "MLP_PAIR" not in (given or {}):
+        even = all(n % 2 == 0 for n in (blocks, mlp_blocks, n_ff // CHUNK))
+        m["MLP_PAIR"] = int(major >= 9 and even and bool(m["XRES"]))
+    return m, shared
+
+
 class PersistentDecoder:
     """One decode step of a llama model in one kernel launch, on the buffers of a fast model.
 
@@ -267,66 +330,21 @@ class PersistentDecoder:
                  min_split: int = MIN_SPLIT, kv_stage: bool = True,
                  stage_times: bool = False, macros: dict[str, int] | None = None):  # fmt: skip
         c = config
-        n_ff, dim = layers[0]["ffn_gate"].shape
+        dim = layers[0]["ffn_gate"].shape[1]
         hd, nh, nl = c.head_dim, c.head_count, c.block_count
-        vocab = output.shape[0]
-        max_seq = cache.shape[3]
-        if dim % 32 or n_ff % 32:
-            raise PersistentError(f"the persistent kernel needs the embedding ({dim}) and the "
-                                  f"feed-forward size ({n_ff}) multiples of 32")  # fmt: skip
         blocks = torch.cuda.get_device_properties(device).multi_processor_count
-        mlp_blocks = min(n_ff // CHUNK, blocks)
-        ns_max = blocks // nh
-        if ns_max < 1:
-            raise PersistentError(f"the persistent kernel needs {nh} blocks resident at once; "
-                                  f"this GPU has {blocks} SMs")  # fmt: skip
-        pairs = (nh + 2 * c.head_count_kv) * hd // 2
-        qpb = 1  # RoPE pairs per q/k/v task: the fewest that give every block at most one
-        while qpb < hd // 2 and pairs > qpb * blocks:
-            qpb *= 2
-        warps = threads // 32
-        # S: a split's scores, flat_dots' scratch, the splits' partials (XCHG); a multiple of 4
-        # keeps what follows 16-aligned
-        smax_pos = max(split, -(-max_seq // ns_max), threads + 2 * max(qpb, CHUNK),
-                       ns_max * (hd + 2))  # fmt: skip
-        smax_pos = -(-smax_pos // 4) * 4
-        floats = 2 * dim + 5 * hd + smax_pos + warps * hd + 10 * CHUNK + warps + 7 * nl
-        optin = _device_attribute(device, _SHARED_OPTIN_ATTR)
-        # two staging areas, beside the floats and the static addresses (WHERE_BYTES)
-        wcap = (optin - 4 * floats - 256 - WHERE_BYTES) // 32 * 16
-        shared = 2 * wcap + 4 * floats
-        self.macros = dict(THREADS=threads, DIM=dim, NFF=n_ff, NH=nh, NKV=c.head_count_kv,
-                           HD=hd, NL=nl, VOCAB=vocab, MAXSEQ=max_seq,
-                           EPS=f"{c.rms_norm_eps!r}f", NEOX=int(c.rope_is_neox), GRID=blocks,
-                           MLP_BLOCKS=mlp_blocks, NSMAX=ns_max, SPLIT=split,
-                           MIN_SPLIT=min(min_split, split), QPB=qpb,
-                           SMAXPOS=smax_pos, WCAP=wcap, KV_STAGE=int(kv_stage),
-                           # counted fixed-point residual words hold at most 1023 addends a sum
-                           XRES=int(max(nh, n_ff // CHUNK) < 1024),
-                           WHERE_MAX=WHERE_MAX,
-                           LAYER_TYPES=sum({1 << TYPE_IDS[ly[n].dtype.name]
-                                            for ly in layers for n in MATRICES}),
-                           OUT_TYPES=1 << TYPE_IDS[output.dtype.name])  # fmt: skip
-        if stage_times:  # block 0 notes the time at every mark (``stage_times_ns``)
-            self.macros["QLIB_STAGE_TIMES"] = 1
-        # experiments: persistent.cu's macros (KV_STAGE, ...), from $QLIB_PERSISTENT_MACROS
-        # (any command's kernel) and from the caller
-        self.macros.update(env_macros(os.environ.get("QLIB_PERSISTENT_MACROS", "")))
-        self.macros.update(macros or {})
-        # the MLP tasks' sums in two copies of the counted words (half the atomics an address)
-        self.macros.setdefault("DOWN_COPIES", 2 if self.macros["XRES"] else 1)
-        # a Q8_0 output layer as int8 rows and float32 scales (the kernel's output_rows_q8x)
-        q8_out = output.dtype.name == "Q8_0" and dim % 64 == 0
-        self.macros.setdefault("OUT_Q8X", int(q8_out))
-        if self.macros["OUT_Q8X"] and not q8_out:
-            raise PersistentError("OUT_Q8X needs a Q8_0 output layer of rows a multiple of 64")
         major, minor = torch.cuda.get_device_capability(device)
         arch = f"sm_{major}{minor}"
-        # the MLP tasks in pairs on clusters of two blocks (Hopper on): where the counts allow
-        pair_given = "MLP_PAIR" in self.macros
-        if not pair_given:
-            even = all(n % 2 == 0 for n in (blocks, mlp_blocks, n_ff // CHUNK))
-            self.macros["MLP_PAIR"] = int(major >= 9 and even and bool(self.macros["XRES"]))
+        # experiments: persistent.cu's macros (KV_STAGE, ...), from $QLIB_PERSISTENT_MACROS
+        # (any command's kernel) and from the caller
+        given = {**env_macros(os.environ.get("QLIB_PERSISTENT_MACROS", "")), **(macros or {})}
+        optin = _device_attribute(device, _SHARED_OPTIN_ATTR)
+        self.macros, shared = kernel_macros(
+            config, layers, output, cache.shape[3], blocks=blocks, optin=optin, major=major,
+            threads=threads, split=split, min_split=min_split, kv_stage=kv_stage,
+            stage_times=stage_times, given=given)  # fmt: skip
+        ns_max = self.macros["NSMAX"]
+        pair_given = "MLP_PAIR" in given
         try:
             self.kernel = self._kernel(arch, shared, device, threads)
         except PersistentError:
