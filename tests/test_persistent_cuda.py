@@ -67,23 +67,35 @@ def decode_x8(data: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not shutil.which("nvcc"), reason="needs nvcc (the CUDA toolkit)")
-@pytest.mark.parametrize("types", ["Q4_1", "Q4_K_M"])
+@pytest.mark.parametrize("types", ["Q4_1", "Q4_K_M", "Q8_0"])
 def test_kernel_builds_without_spills(tmp_path, types):
     """The kernel compiles with nvcc for sm_90 (as NVRTC builds it on the GPU machine) with no
     stack frame and no spills, for a Q4_1 model with a Q8_0 output layer (the output as int8
-    rows) and a K-quant mix (T_X8 layers), its default macros and the main A/B ones: a kernel
-    edit that does not build fails here, on a machine without a GPU."""
+    rows), a K-quant mix (T_X8 layers) and Q8_0 layers, its default macros and the A/B ones
+    of each: a kernel edit that does not build fails here, on a machine without a GPU."""
     mix = {"*attn_v*": "Q6_K", "*ffn_down*": "Q6_K", "token_embd*": "Q8_0", "output*": "Q6_K"}
-    weight_types = {"token_embd.weight": "Q8_0"} if types == "Q4_1" else mix
-    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1" if types == "Q4_1" else
-                            "Q4_K", n_embd=256, n_head=4, n_kv_head=2, n_ff=512,
+    weight_types = mix if types == "Q4_K_M" else {"token_embd.weight": "Q8_0"}
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_K" if types == "Q4_K_M" else
+                            types, n_embd=256, n_head=4, n_kv_head=2, n_ff=512,
                             weight_types=weight_types)  # fmt: skip
-    variants = ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0"] if types == "Q4_1" else ["default"]
+    variants = {"Q4_1": ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0"],
+                "Q4_K_M": ["default", "X8_WIDE=1"],
+                "Q8_0": ["default", "Q8_AS_X8=1,X8_WIDE=1"]}[types]  # fmt: skip
     tool = Path(__file__).parents[1] / "tools" / "persistent_compile.py"
     run = subprocess.run([sys.executable, str(tool), "--model", str(path), "--variants", *variants],
                          capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count(" ok: ") == len(variants)
+
+
+def test_q8_as_x8_exactly():
+    """A Q8_0 matrix as ``T_X8`` blocks (``Q8_AS_X8``) gives every weight bit for bit as the
+    blocks' dequantization (CPU)."""
+    t = QTensor.quantize(torch.randn(5, 256, generator=torch.Generator().manual_seed(6)), "Q8_0")
+    data, type_id = persistent.kernel_matrix(t, q8_as_x8=True)
+    assert type_id == persistent.X8 and data.shape == (5, 256 // 32 * 48)
+    assert torch.equal(decode_x8(data), t.dequantize())
+    assert persistent.kernel_matrix(t)[1] == persistent.TYPE_IDS["Q8_0"]
 
 
 def test_q8_output_rows_exactly():
@@ -285,16 +297,21 @@ def test_decode_from_position_zero_and_long_attention(tmp_path, split):
 
 
 @needs_cuda
-@pytest.mark.parametrize("type_name", [*persistent.K_QUANTS, "Q4_K_M"])
-def test_kquants_and_mixes_decode_as_f32_form(tmp_path, type_name):
-    """K-quant files (expanded for the kernel) and a Q4_K_M-like mix (Q6_K on v and down,
-    Q8_0 embedding, Q4_K elsewhere): decode steps as the f32 form, untied output, head_dim 64."""
+@pytest.mark.parametrize("macros", [{}, {"X8_WIDE": 1}])
+@pytest.mark.parametrize("type_name", [*persistent.K_QUANTS, "Q4_K_M", "Q8_0"])
+def test_kquants_and_mixes_decode_as_f32_form(tmp_path, type_name, macros):
+    """K-quant files (expanded for the kernel), a Q4_K_M-like mix (Q6_K on v and down, Q8_0
+    embedding, Q4_K elsewhere) and Q8_0 layers as ``T_X8`` blocks (``Q8_AS_X8``), their blocks
+    read 16 bits at a time or by whole words (``X8_WIDE``): decode steps as the f32 form,
+    untied output, head_dim 64."""
     mix = {"*attn_v*": "Q6_K", "*ffn_down*": "Q6_K", "token_embd*": "Q8_0", "output*": "Q6_K"}
     types = mix if type_name == "Q4_K_M" else None
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_K" if types else type_name,
                             weight_types=types, n_embd=256, n_head=4, n_kv_head=2, n_ff=512,
                             tie_output=False)  # fmt: skip
-    ref, fast = load(path)
+    if type_name == "Q8_0":
+        macros = {**macros, "Q8_AS_X8": 1}
+    ref, fast = load(path, decode_options={"macros": macros})
     ids = torch.tensor([[1, 5, 9, 33, 7]])
     close(fast.forward(ids, 0), ref.forward(ids, 0))
     for step, token in enumerate((3, 44, 200)):

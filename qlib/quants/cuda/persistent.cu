@@ -119,6 +119,9 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #ifndef Q41_WIDE
 #define Q41_WIDE 1  // Q4_1 parts read by 32-bit loads (d and m, then the part's 8 code bytes)
 #endif
+#ifndef X8_WIDE
+#define X8_WIDE 0  // T_X8 parts by wide loads (a, b as one; the 8 codes as one): not yet measured
+#endif
 #ifndef OUT_Q8X_AHEAD
 #define OUT_Q8X_AHEAD 1  // OUT_Q8X: a lane's next row loaded while it works on this one
 #endif
@@ -366,6 +369,12 @@ __device__ __forceinline__ void load8(const float* p, float* xx) {
     xx[4] = b.x; xx[5] = b.y; xx[6] = b.z; xx[7] = b.w;
 }
 
+// Byte i of w, a Q8_0 code c stored as c ^ 0x80 (c + 128), as the float c: the float
+// with the bits 0x4B0000 (c + 128) is 2^23 + 128 + c exactly (one PRMT and one FADD, no I2F).
+__device__ __forceinline__ float code_float(u32 w, int i) {
+    return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7540 | i)) - 8388736.f;
+}
+
 // d * (the dot of the 8 codes of part p of a legacy block with xx[0..8)) (+ m * sum xx): the
 // block's dequantized elements 8p .. 8p+7 times xx, as ggml's d * q (+ m).
 template <int T>
@@ -374,6 +383,19 @@ __device__ __forceinline__ float unit_dot_x(const u8* blk, int p, const float (&
     constexpr int five = T == T_Q5_0 || T == T_Q5_1;
     constexpr float offset = T == T_Q4_0 ? 8.f : T == T_Q5_0 ? 16.f : 0.f;
     if (T == T_X8) {  // a * sum(q x) + b * sum(x), a and b those of the part's 16 elements
+#if X8_WIDE  // 48-byte blocks, 16-aligned: a and b as one 8-byte load, the part's codes as one
+        const float2 ab2 = *(const float2*)(blk + 8 * (p >> 1));
+        const uint2 cw = *(const uint2*)(blk + 16 + 8 * p);
+        const u32 c2[2] = {cw.x ^ 0x80808080u, cw.y ^ 0x80808080u};
+        float s = 0.f, sx = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {  // (the pairs and sums of the 16-bit loads' version below)
+            const u32 c = c2[i >> 1];
+            s += code_float(c, 2 * (i & 1)) * xx[2 * i] + code_float(c, 2 * (i & 1) + 1) * xx[2 * i + 1];
+            sx += xx[2 * i] + xx[2 * i + 1];
+        }
+        return ab2.x * s + ab2.y * sx;
+#else
         const u8* ab = blk + 8 * (p >> 1);
         float s = 0.f, sx = 0.f;
 #pragma unroll
@@ -383,6 +405,7 @@ __device__ __forceinline__ float unit_dot_x(const u8* blk, int p, const float (&
             sx += xx[2 * i] + xx[2 * i + 1];
         }
         return ldf(ab) * s + ldf(ab + 4) * sx;
+#endif
     }
     const float d = h2f(ld16(blk));
     if (T == T_Q8_0) {
@@ -645,12 +668,6 @@ __device__ __forceinline__ u64 output_rows_lanes(int t, const u8* base, const fl
         row_out<LPR>(y, row, r1, seg, f, out, mine);
     }
     return warp_max_key(mine);
-}
-
-// OUT_Q8X: byte i of w, a Q8_0 code c stored as c ^ 0x80 (c + 128), as the float c: the float
-// with the bits 0x4B0000 (c + 128) is 2^23 + 128 + c exactly (one PRMT and one FADD, no I2F).
-__device__ __forceinline__ float code_float(u32 w, int i) {
-    return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7540 | i)) - 8388736.f;
 }
 
 // OUT_Q8X: the output layer's rows [r0, r1) from a Q8_0 matrix re-laid as int8 rows (codes, K

@@ -214,11 +214,25 @@ def expand_kquant(t) -> torch.Tensor:
     return torch.cat([ab, codes], 1).reshape(rows, k // 32 * 48)
 
 
-def kernel_matrix(t) -> tuple[torch.Tensor, int]:
-    """The bytes the kernel reads for matrix ``t`` (``[rows, row bytes]``) and their type."""
+def expand_q8(t) -> torch.Tensor:
+    """Q8_0 matrix ``t`` as the kernel's ``T_X8`` blocks (``Q8_AS_X8``): per 32 weights a0 = a1 =
+    d (float32), b0 = b1 = 0, then the 32 codes, so every weight is ``d * q`` as in the file;
+    48 bytes a block against 34, 16-aligned (``X8_WIDE`` reads them by whole words)."""
+    blocks = t.data.reshape(-1, 34)
+    d = blocks[:, :2].contiguous().view(torch.float16).float()
+    ab = torch.cat([d, torch.zeros_like(d)] * 2, 1).view(torch.uint8)
+    return torch.cat([ab, blocks[:, 2:]], 1).reshape(t.shape[0], -1)
+
+
+def kernel_matrix(t, q8_as_x8: bool = False) -> tuple[torch.Tensor, int]:
+    """The bytes the kernel reads for matrix ``t`` (``[rows, row bytes]``) and their type
+    (``q8_as_x8``: a Q8_0 matrix as ``T_X8`` blocks, ``expand_q8``)."""
     name = t.dtype.name
-    data = expand_kquant(t) if name in K_QUANTS else t.data.reshape(t.shape[0], -1)
-    return data, TYPE_IDS[name]
+    if name in K_QUANTS:
+        return expand_kquant(t), X8
+    if q8_as_x8 and name == "Q8_0":
+        return expand_q8(t), X8
+    return t.data.reshape(t.shape[0], -1), TYPE_IDS[name]
 
 
 def q8_rows(data: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,7 +298,9 @@ def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: i
     # two staging areas, beside the floats and the static addresses (WHERE_BYTES)
     wcap = (optin - 4 * floats - 256 - WHERE_BYTES) // 32 * 16
     shared = 2 * wcap + 4 * floats
-    types = {1 << TYPE_IDS[ly[n].dtype.name] for ly in layers for n in MATRICES}
+    q8_as_x8 = bool((given or {}).get("Q8_AS_X8", 0))  # (the layers' Q8_0 matrices as T_X8)
+    types = {1 << (X8 if q8_as_x8 and ly[n].dtype.name == "Q8_0" else TYPE_IDS[ly[n].dtype.name])
+             for ly in layers for n in MATRICES}  # fmt: skip
     m: dict[str, object] = dict(
         THREADS=threads, DIM=dim, NFF=n_ff, NH=nh, NKV=c.head_count_kv, HD=hd, NL=nl,
         VOCAB=vocab, MAXSEQ=max_seq, EPS=f"{c.rms_norm_eps!r}f", NEOX=int(c.rope_is_neox),
@@ -356,7 +372,7 @@ class PersistentDecoder:
         ptrs, types = [], []
         for ly in layers:
             for name in MATRICES:
-                data, type_id = kernel_matrix(ly[name])
+                data, type_id = kernel_matrix(ly[name], bool(self.macros.get("Q8_AS_X8")))
                 if name == "attn_output":
                     data = _slabs(data, ly[name].shape[1], hd)
                 elif name == "ffn_down":
