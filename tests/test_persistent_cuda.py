@@ -78,7 +78,7 @@ def test_kernel_builds_without_spills(tmp_path, types):
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_K" if types == "Q4_K_M" else
                             types, n_embd=256, n_head=4, n_kv_head=2, n_ff=512,
                             weight_types=weight_types)  # fmt: skip
-    variants = {"Q4_1": ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0"],
+    variants = {"Q4_1": ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0", "NIB_BITS=1"],
                 "Q4_K_M": ["default", "X8_WIDE=1"],
                 "Q8_0": ["default", "Q8_AS_X8=1,X8_WIDE=1"]}[types]  # fmt: skip
     tool = Path(__file__).parents[1] / "tools" / "persistent_compile.py"
@@ -254,6 +254,7 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
         {"NORM_LATE": 0},
         {"OUT_Q8X": 0},
         {"Q41_WIDE": 0},
+        {"NIB_BITS": 1},
     ],
 )
 @pytest.mark.parametrize("shape", [(4, 2, 128, None), (2, 2, 128, 16)])
@@ -265,9 +266,9 @@ def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
     norm's factor in IEEE division and square root; the MLP tasks one a block, not in
     clusters of two; gate and up rows dotted apart; the normalized input made before the
     dots; the Q8_0 output layer read as its blocks, not as int8 rows and scales; Q4_1 parts
-    by 16-bit loads) stay correct: decode steps from position 0 as the f32 form, GQA 2:1 and
-    MHA with ``split=16`` (several blocks a head past 16 positions); a Q8_0 output layer, as
-    SmolLM2's."""
+    by 16-bit loads; Q4_1 codes made floats by their bits) stay correct: decode steps from
+    position 0 as the f32 form, GQA 2:1 and MHA with ``split=16`` (several blocks a head past
+    16 positions); a Q8_0 output layer, as SmolLM2's."""
     n_head, n_kv, n_embd, split = shape
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=n_embd,
                             n_head=n_head, n_kv_head=n_kv, n_ff=256,
