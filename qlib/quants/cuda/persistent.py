@@ -214,27 +214,6 @@ def expand_kquant(t) -> torch.Tensor:
     return torch.cat([ab, codes], 1).reshape(rows, k // 32 * 48)
 
 
-def expand_q8(t) -> torch.Tensor:
-    """Q8_0 matrix ``t`` as the kernel's ``T_X8`` blocks (``Q8_AS_X8``): per 32 weights a0 = a1 =
-    d (float32), b0 = b1 = 0, then the 32 codes, so every weight is ``d * q`` as in the file;
-    48 bytes a block against 34, 16-aligned (``X8_WIDE`` reads them by whole words)."""
-    blocks = t.data.reshape(-1, 34)
-    d = blocks[:, :2].contiguous().view(torch.float16).float()
-    ab = torch.cat([d, torch.zeros_like(d)] * 2, 1).view(torch.uint8)
-    return torch.cat([ab, blocks[:, 2:]], 1).reshape(t.shape[0], -1)
-
-
-def kernel_matrix(t, q8_as_x8: bool = False) -> tuple[torch.Tensor, int]:
-    """The bytes the kernel reads for matrix ``t`` (``[rows, row bytes]``) and their type
-    (``q8_as_x8``: a Q8_0 matrix as ``T_X8`` blocks, ``expand_q8``)."""
-    name = t.dtype.name
-    if name in K_QUANTS:
-        return expand_kquant(t), X8
-    if q8_as_x8 and name == "Q8_0":
-        return expand_q8(t), X8
-    return t.data.reshape(t.shape[0], -1), TYPE_IDS[name]
-
-
 def q8_rows(data: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0 matrix bytes ``[rows, k / 32 * 34]`` as the kernel's ``OUT_Q8X`` reads them: the
     codes as an int8 matrix (``[rows, k]``, raw bytes) and a float32 scale per 32 codes
@@ -242,6 +221,32 @@ def q8_rows(data: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = data.reshape(data.shape[0], k // 32, 34)
     scales = blocks[:, :, :2].contiguous().view(torch.float16).float().reshape(-1, k // 32)
     return blocks[:, :, 2:].reshape(-1, k), scales  # (reshape of a slice: a copy)
+
+
+def expand_q8(t) -> torch.Tensor:
+    """Q8_0 matrix ``t`` as the kernel's ``T_X8`` blocks (``Q8_AS_X8``): per 32 weights a0 = a1 =
+    d (float32), b0 = b1 = 0, then the 32 codes, so every weight is ``d * q`` as in the file;
+    48 bytes a block against 34, 16-aligned (``X8_WIDE`` reads them by whole words)."""
+    rows, k = t.shape
+    codes, d = q8_rows(t.data.reshape(rows, -1), k)
+    ab = torch.stack([d, torch.zeros_like(d)] * 2, -1).view(torch.uint8)  # [rows, k / 32, 16]
+    return torch.cat([ab, codes.reshape(rows, k // 32, 32)], -1).reshape(rows, -1)
+
+
+def kernel_type(name: str, q8_as_x8: bool = False) -> int:
+    """The kernel's type id for a matrix of GGUF type ``name`` (``q8_as_x8``: Q8_0 as ``T_X8``)."""
+    return X8 if q8_as_x8 and name == "Q8_0" else TYPE_IDS[name]
+
+
+def kernel_matrix(t, q8_as_x8: bool = False) -> tuple[torch.Tensor, int]:
+    """The bytes the kernel reads for matrix ``t`` (``[rows, row bytes]``) and their type
+    (``q8_as_x8``: a Q8_0 matrix as ``T_X8`` blocks, ``expand_q8``)."""
+    name, type_id = t.dtype.name, kernel_type(t.dtype.name, q8_as_x8)
+    if name in K_QUANTS:
+        return expand_kquant(t), type_id
+    if type_id == X8:
+        return expand_q8(t), type_id
+    return t.data.reshape(t.shape[0], -1), type_id
 
 
 def _slabs(data: torch.Tensor, k: int, width: int) -> torch.Tensor:
@@ -299,8 +304,7 @@ def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: i
     wcap = (optin - 4 * floats - 256 - WHERE_BYTES) // 32 * 16
     shared = 2 * wcap + 4 * floats
     q8_as_x8 = bool((given or {}).get("Q8_AS_X8", 0))  # (the layers' Q8_0 matrices as T_X8)
-    types = {1 << (X8 if q8_as_x8 and ly[n].dtype.name == "Q8_0" else TYPE_IDS[ly[n].dtype.name])
-             for ly in layers for n in MATRICES}  # fmt: skip
+    types = {1 << kernel_type(ly[n].dtype.name, q8_as_x8) for ly in layers for n in MATRICES}
     m: dict[str, object] = dict(
         THREADS=threads, DIM=dim, NFF=n_ff, NH=nh, NKV=c.head_count_kv, HD=hd, NL=nl,
         VOCAB=vocab, MAXSEQ=max_seq, EPS=f"{c.rms_norm_eps!r}f", NEOX=int(c.rope_is_neox),
