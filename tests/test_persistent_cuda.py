@@ -78,9 +78,9 @@ def test_kernel_builds_without_spills(tmp_path, types):
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_K" if types == "Q4_K_M" else
                             types, n_embd=256, n_head=4, n_kv_head=2, n_ff=512,
                             weight_types=weight_types)  # fmt: skip
-    variants = {"Q4_1": ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0", "NIB_BITS=1"],
-                "Q4_K_M": ["default", "X8_WIDE=1"],
-                "Q8_0": ["default", "Q8_AS_X8=1,X8_WIDE=1"]}[types]  # fmt: skip
+    variants = {"Q4_1": ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0"],
+                "Q4_K_M": ["default", "X8_WIDE=0"],
+                "Q8_0": ["default", "Q8_AS_X8=0,X8_WIDE=0"]}[types]  # fmt: skip
     tool = Path(__file__).parents[1] / "tools" / "persistent_compile.py"
     run = subprocess.run([sys.executable, str(tool), "--model", str(path), "--variants", *variants],
                          capture_output=True, text=True)  # fmt: skip
@@ -254,7 +254,6 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
         {"NORM_LATE": 0},
         {"OUT_Q8X": 0},
         {"Q41_WIDE": 0},
-        {"NIB_BITS": 1},
     ],
 )
 @pytest.mark.parametrize("shape", [(4, 2, 128, None), (2, 2, 128, 16)])
@@ -298,20 +297,19 @@ def test_decode_from_position_zero_and_long_attention(tmp_path, split):
 
 
 @needs_cuda
-@pytest.mark.parametrize("macros", [{}, {"X8_WIDE": 1}])
+@pytest.mark.parametrize("macros", [{}, {"X8_WIDE": 0}])
 @pytest.mark.parametrize("type_name", [*persistent.K_QUANTS, "Q4_K_M", "Q8_0"])
 def test_kquants_and_mixes_decode_as_f32_form(tmp_path, type_name, macros):
     """K-quant files (expanded for the kernel), a Q4_K_M-like mix (Q6_K on v and down, Q8_0
-    embedding, Q4_K elsewhere) and Q8_0 layers as ``T_X8`` blocks (``Q8_AS_X8``), their blocks
-    read 16 bits at a time or by whole words (``X8_WIDE``): decode steps as the f32 form,
-    untied output, head_dim 64."""
+    embedding, Q4_K elsewhere) and Q8_0 layers, their ``T_X8`` blocks read by whole words
+    (``X8_WIDE``, the default: Q8_0 layers as ``T_X8`` too, ``Q8_AS_X8``) or 16 bits at a
+    time (``X8_WIDE=0``: Q8_0 blocks as in the file): decode steps as the f32 form, untied
+    output, head_dim 64."""
     mix = {"*attn_v*": "Q6_K", "*ffn_down*": "Q6_K", "token_embd*": "Q8_0", "output*": "Q6_K"}
     types = mix if type_name == "Q4_K_M" else None
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_K" if types else type_name,
                             weight_types=types, n_embd=256, n_head=4, n_kv_head=2, n_ff=512,
                             tie_output=False)  # fmt: skip
-    if type_name == "Q8_0":
-        macros = {**macros, "Q8_AS_X8": 1}
     ref, fast = load(path, decode_options={"macros": macros})
     ids = torch.tensor([[1, 5, 9, 33, 7]])
     close(fast.forward(ids, 0), ref.forward(ids, 0))

@@ -119,11 +119,8 @@ static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials 
 #ifndef Q41_WIDE
 #define Q41_WIDE 1  // Q4_1 parts read by 32-bit loads (d and m, then the part's 8 code bytes)
 #endif
-#ifndef NIB_BITS
-#define NIB_BITS 0  // Q41_WIDE: nibbles to float by their bits, not I2F: not yet measured
-#endif
 #ifndef X8_WIDE
-#define X8_WIDE 0  // T_X8 parts by wide loads (a, b as one; the 8 codes as one): not yet measured
+#define X8_WIDE 1  // T_X8 parts by wide loads (a, b as one 8-byte load; the 8 codes as one)
 #endif
 #ifndef OUT_Q8X_AHEAD
 #define OUT_Q8X_AHEAD 1  // OUT_Q8X: a lane's next row loaded while it works on this one
@@ -431,11 +428,7 @@ __device__ __forceinline__ float unit_dot_x(const u8* blk, int p, const float (&
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             const u32 nib = (((i < 4 ? w0 : w1) >> (8 * (i & 3))) >> shift) & 15u;
-#if NIB_BITS  // the float 2^23 + nib by its bits, minus 2^23: exact, no I2F
-            const float q = __int_as_float(0x4B000000u | nib) - 8388608.f;
-#else
             const float q = (float)nib;
-#endif
             s += q * xx[i];
             sx += xx[i];
         }

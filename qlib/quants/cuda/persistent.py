@@ -303,8 +303,12 @@ def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: i
     # two staging areas, beside the floats and the static addresses (WHERE_BYTES)
     wcap = (optin - 4 * floats - 256 - WHERE_BYTES) // 32 * 16
     shared = 2 * wcap + 4 * floats
-    q8_as_x8 = bool((given or {}).get("Q8_AS_X8", 0))  # (the layers' Q8_0 matrices as T_X8)
-    types = {1 << kernel_type(ly[n].dtype.name, q8_as_x8) for ly in layers for n in MATRICES}
+    # the layers' Q8_0 matrices as T_X8 blocks, read by whole words (X8_WIDE, on by default):
+    # 261 against 282 us a step on the Q8_0 variant (docs/gpu.md); alone, slower (312)
+    given = dict(given or {})
+    given.setdefault("Q8_AS_X8", int(given.get("X8_WIDE", 1)))
+    types = {1 << kernel_type(ly[n].dtype.name, bool(given["Q8_AS_X8"]))
+             for ly in layers for n in MATRICES}  # fmt: skip
     m: dict[str, object] = dict(
         THREADS=threads, DIM=dim, NFF=n_ff, NH=nh, NKV=c.head_count_kv, HD=hd, NL=nl,
         VOCAB=vocab, MAXSEQ=max_seq, EPS=f"{c.rms_norm_eps!r}f", NEOX=int(c.rope_is_neox),
@@ -316,7 +320,7 @@ def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: i
         LAYER_TYPES=sum(types), OUT_TYPES=1 << TYPE_IDS[output.dtype.name])  # fmt: skip
     if stage_times:  # block 0 notes the time at every mark (``stage_times_ns``)
         m["QLIB_STAGE_TIMES"] = 1
-    m.update(given or {})  # experiments: any of persistent.cu's macros
+    m.update(given)  # experiments: any of persistent.cu's macros
     # the MLP tasks' sums in two copies of the counted words (half the atomics an address)
     m.setdefault("DOWN_COPIES", 2 if m["XRES"] else 1)
     # a Q8_0 output layer as int8 rows and float32 scales (the kernel's output_rows_q8x)
