@@ -133,6 +133,36 @@ def test_macros_from_the_environment():
             persistent.env_macros(bad)
 
 
+def test_compiled_kernels_are_cached(tmp_path, monkeypatch):
+    """``cached_cubin`` compiles once per source, macros, options, architecture and NVRTC
+    version and reads the cache after that; an unwritable cache only means compiling again
+    (NVRTC replaced by a counting stand-in: any machine)."""
+    builds = []
+
+    def fake_compile(macros, arch):
+        builds.append((dict(macros), arch))
+        return f"cubin {sorted(macros.items())} {arch}".encode()
+
+    monkeypatch.setattr(persistent, "compile_cubin", fake_compile)
+    monkeypatch.setattr(persistent, "_nvrtc_version", lambda: "13.0")
+    monkeypatch.setenv("QLIB_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("QLIB_NVRTC_OPTIONS", raising=False)
+    first = persistent.cached_cubin({"DIM": 576}, "sm_90")
+    assert persistent.cached_cubin({"DIM": 576}, "sm_90") == first and len(builds) == 1
+    assert len(list((tmp_path / "persistent").glob("*.cubin"))) == 1
+    persistent.cached_cubin({"DIM": 512}, "sm_90")
+    persistent.cached_cubin({"DIM": 576}, "sm_100")
+    monkeypatch.setenv("QLIB_NVRTC_OPTIONS", "-lineinfo")
+    persistent.cached_cubin({"DIM": 576}, "sm_90")
+    monkeypatch.setattr(persistent, "_nvrtc_version", lambda: "13.1")
+    persistent.cached_cubin({"DIM": 576}, "sm_90")
+    assert len(builds) == 5
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the cache directory should be
+    monkeypatch.setenv("QLIB_CACHE_DIR", str(blocked))
+    assert persistent.cached_cubin({"DIM": 576}, "sm_90") == first and len(builds) == 6
+
+
 @needs_cuda
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("graphs", [False, True])

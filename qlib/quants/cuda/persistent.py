@@ -5,10 +5,13 @@ are macros, so every loop bound is a constant) and this GPU's architecture, load
 CUDA driver API and launches it on torch's current stream, so the launch can be captured in a
 CUDA graph like any other. Both libraries are reached through ctypes: NVRTC from the
 ``nvidia-cuda-nvrtc`` wheel that CUDA builds of torch depend on (``$QLIB_NVRTC`` names another),
-the driver from ``libcuda.so.1``; nothing else is needed. The grid is one block per SM, all
-resident at once, which the kernel's waits on other blocks' words require; on Hopper and later
-the grid runs as clusters of two blocks (``MLP_PAIR``: two MLP tasks pool their values through
-distributed shared memory), where ``cuOccupancyMaxActiveClusters`` says they all fit at once.
+the driver from ``libcuda.so.1``; nothing else is needed. A compiled kernel is kept in the cache
+directory (``$QLIB_CACHE_DIR`` or ``~/.cache/qlib``, ``persistent/``), keyed by the source, the
+macros, the architecture and NVRTC's version, so later loads skip NVRTC's seconds. The grid
+is one block per SM, all resident at once, which the kernel's waits on other blocks' words
+require; on Hopper and later the grid runs as clusters of two blocks (``MLP_PAIR``: two MLP
+tasks pool their values through distributed shared memory), where
+``cuOccupancyMaxActiveClusters`` says they all fit at once.
 
 The weights are the GGUF blocks as in the file (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0),
 each tensor a device copy of its bytes. The K-quants (Q2_K .. Q6_K) are expanded once, exactly,
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -28,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..base import FORMATS
+from ..cpu.build import cache_dir
 
 SOURCE = Path(__file__).with_name("persistent.cu")
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -146,6 +151,36 @@ def compile_cubin(macros: dict[str, object], arch: str) -> bytes:
         return cubin.raw
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _nvrtc_version() -> str:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
+def cached_cubin(macros: dict[str, object], arch: str) -> bytes:
+    """``compile_cubin(macros, arch)``, read from the cache directory when an earlier process
+    compiled the same source with the same macros, options, architecture and NVRTC version;
+    a cache that cannot be written only means compiling again next time."""
+    options = os.environ.get("QLIB_NVRTC_OPTIONS", "")
+    key = hashlib.sha256(b"\0".join([
+        SOURCE.read_bytes(), repr(sorted(macros.items())).encode(), arch.encode(),
+        options.encode(), _nvrtc_version().encode()])).hexdigest()[:24]  # fmt: skip
+    path = cache_dir() / "persistent" / f"{key}.cubin"
+    try:
+        return path.read_bytes()
+    except OSError:
+        pass
+    cubin = compile_cubin(macros, arch)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(cubin)
+        os.replace(tmp, path)  # atomic: concurrent first uses are safe
+    except OSError:
+        pass
+    return cubin
 
 
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
@@ -425,7 +460,7 @@ class PersistentDecoder:
 
     def _kernel(self, arch: str, shared: int, device: torch.device, threads: int) -> Kernel:
         cluster = 2 if self.macros["MLP_PAIR"] else 1
-        return Kernel(compile_cubin(self.macros, arch), shared, device, threads, cluster)
+        return Kernel(cached_cubin(self.macros, arch), shared, device, threads, cluster)
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor,
              host_out: torch.Tensor | None = None,
