@@ -790,7 +790,7 @@ PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 @needs_kernels
 @pytest.mark.parametrize("type_name", PACKED_TYPES)
 def test_dequantize_rows_of_packed_weights(type_name):
-    """A packed weight's rows (planes, widened Q5_0, GGUF blocks) dequantize to exactly the
+    """A packed weight's rows (planes, GGUF blocks) dequantize to exactly the
     values of the QTensor it was packed from: a tied embedding is looked up there."""
     g = torch.Generator().manual_seed(4)
     w = QTensor.quantize(torch.randn(40, 512, generator=g), type_name)

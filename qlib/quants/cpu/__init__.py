@@ -1,5 +1,5 @@
-"""AVX-512 VNNI kernels for the CPU quantized matmul (Q4_0, Q4_1, Q8_0 weights, Q5_0 widened;
-Q2_K..Q6_K and Q5_1 on their GGUF blocks).
+"""AVX-512 VNNI kernels for the CPU quantized matmul (Q4_0, Q4_1, Q8_0 weights repacked;
+Q2_K..Q6_K, Q5_0 and Q5_1 on their GGUF blocks).
 
 ``kernels.c`` (the quantized GEMM/GEMV of repacked Q4_0 / Q4_1 / Q8_0 planes),
 ``kquants.c`` (the same for K-quant and Q5_1 blocks as the file has them),
@@ -21,8 +21,7 @@ Modules, each importing only those above it:
   (``qgemm``, ``add_rmsnorm``, ``attn_prefill``, ...), the prepared calls of the
   decode step (``qgemm_plan``, ``attn_decode_plan``) and their one-call chain
   (``DecodeChain``), ``amx_available()``;
-* ``packing``: QTensors -> ``PackedWeight`` (``pack``; Q5_0 widened to Q8_0 codes, the same
-  values: ``WIDENED``, ``packable``), weights -> AMX tiles;
+* ``packing``: QTensors -> ``PackedWeight`` (``pack``, ``supports``), weights -> AMX tiles;
 * ``memory``: ``collapse_hugepages`` (2 MB pages for the weights);
 * ``matmul``: the quantized matmul with ggml semantics in torch, using the C kernels
   when they take the weight (not imported here).
@@ -35,7 +34,7 @@ off) for the prefill kernels. This package re-exports the public names of its mo
 """
 
 from .build import available, cache_dir, unavailable_reason
-from .layout import TYPE_CODES, WIDENED, AmxWeight, AmxWeightC, PackedWeight
+from .layout import TYPE_CODES, AmxWeight, AmxWeightC, PackedWeight
 from .memory import collapse_hugepages
 from .ops import (
     DECODE_MODES,
@@ -72,7 +71,6 @@ from .packing import (
     pack_amx_bf16,
     pack_amx_codes,
     pack_amx_quantized,
-    packable,
     supports,
 )
 
@@ -81,7 +79,6 @@ __all__ = [
     "cache_dir",
     "unavailable_reason",
     "TYPE_CODES",
-    "WIDENED",
     "AmxWeight",
     "AmxWeightC",
     "PackedWeight",
@@ -118,6 +115,5 @@ __all__ = [
     "AMX_CODES",
     "amx_code_bytes",
     "amx_codes_plan",
-    "packable",
     "supports",
 ]

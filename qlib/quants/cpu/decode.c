@@ -104,7 +104,7 @@ static int step_ok(const qlib_step *s) {
     case STEP_QGEMV:
         return s->k % 64 == 0 && (s->type == 2 || s->type == 3 || s->type == 8);
     case STEP_KGEMV:
-        return s->type == 7 || qlib_float_type(s->type)
+        return s->type == 6 || s->type == 7 || qlib_float_type(s->type) /* Q5_0, Q5_1 */
                    ? s->k % 64 == 0 : s->type >= 10 && s->type <= 14 && s->k % 256 == 0;
     case STEP_ATTN:
         return s->head_dim % 16 == 0 && s->head_dim <= 128 && s->n_head % s->n_kv == 0;

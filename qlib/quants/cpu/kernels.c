@@ -19,8 +19,9 @@
  * From qlib_gemm_min_rows rows (4; prefill) a tiled GEMM path (below) computes the same
  * exact integer block dots with weight tiles re-laid once per call: equal to the GEMV
  * loops to float rounding (the float32 order of the per-block terms), rows independent
- * within each path. The tiled path also takes Q5_1 weights as their GGUF blocks
- * (qlib_q51_gemm, for kquants.c: codes 0..31 unpacked into the tiles, Q4_1's formula).
+ * within each path. The tiled path also takes Q5_0 and Q5_1 weights as their GGUF blocks
+ * (qlib_q5_gemm, for kquants.c: codes 0..31 unpacked into the tiles; Q5_1 with Q4_1's
+ * formula, Q5_0 with the block corrections of offset 16).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -32,7 +33,7 @@
 #include "simd.h"
 
 enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8 };
-/* Q5_0: repack only; Q5_1: its GGUF blocks, in the tiled path only (qlib_q51_gemm) */
+/* Q5_0, Q5_1: their GGUF blocks, in the tiled path only (qlib_q5_gemm) */
 
 /* Whether a weight type's blocks have minimums (the m_w s_a term; no code offset). */
 static inline int has_min(int type) { return type == QLIB_Q4_1 || type == QLIB_Q5_1; }
@@ -110,7 +111,7 @@ void qlib_qgemm_set_min_rows(int rows) { qlib_gemm_min_rows = rows; }
 
 /* The tile's codes as unsigned bytes in steps of 4 elements: wt[(s * GT + r) * 4 + t] = code
  * of element 4s + t of tile row r (rows past n repeat the last row); dt / mt: float d / m.
- * Q5_1: codes are the GGUF blocks (rows of row_bytes), d and m read from them. */
+ * Q5_0 / Q5_1: codes are the GGUF blocks (rows of row_bytes), d (and m) read from them. */
 static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const uint16_t *dw,
                       const uint16_t *mw, int j0, int n, int k, uint8_t *wt, float *dt,
                       float *mt) {
@@ -125,8 +126,8 @@ static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const ui
         for (int c = 0; c < k / 64; c++) { /* 64 elements: 16 steps */
             __m512i x[16];
             for (int l = 0; l < 16; l++) {
-                if (type == QLIB_Q5_1) {
-                    x[l] = q51_pair_codes(row[l] + 48 * c);
+                if (type == QLIB_Q5_0 || type == QLIB_Q5_1) {
+                    x[l] = q5_pair_codes(row[l] + 2 * row_bytes / G * c, type == QLIB_Q5_1);
                 } else if (type == QLIB_Q8_0) {
                     x[l] = _mm512_loadu_si512(row[l] + 64 * c);
                 } else {
@@ -143,12 +144,14 @@ static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const ui
     }
     for (int r = 0; r < GT; r++) {
         const size_t row = (size_t)(j0 + (r < last ? r : last)), jr = row * G;
-        if (type == QLIB_Q5_1) { /* d, m: the first 4 bytes of each 24-byte block */
+        if (type == QLIB_Q5_0 || type == QLIB_Q5_1) { /* d (, m): each block's first bytes */
             const uint8_t *blocks = codes + row * row_bytes;
+            const size_t bsize = row_bytes / G;
             for (int b = 0; b < G; b++) {
                 uint16_t dm[2];
-                memcpy(dm, blocks + (size_t)b * 24, 4);
-                dt[b * GT + r] = _cvtsh_ss(dm[0]), mt[b * GT + r] = _cvtsh_ss(dm[1]);
+                memcpy(dm, blocks + (size_t)b * bsize, 4);
+                dt[b * GT + r] = _cvtsh_ss(dm[0]);
+                if (mt) mt[b * GT + r] = _cvtsh_ss(dm[1]);
             }
             continue;
         }
@@ -213,11 +216,14 @@ static inline __attribute__((always_inline)) void gemm_rows(
 
 /* Activation row i of the tiled path: the input row (x itself, or RmsNorm / SwiGLU of it into
  * the scratch ri), its Q8_0 / Q8_1 codes, d (and s), and the block corrections
- * cb = -offset * (sum of the block's codes) (Q4_0, Q8_0; Q4_1 has no offset). The same codes,
- * scales and (exact integer) corrections as act_row's. */
+ * cb = -offset * (sum of the block's codes) (Q4_0, Q5_0, Q8_0; Q4_1, Q5_1 have no offset).
+ * The same codes, scales and (exact integer) corrections as act_row's. */
 static void act_row_gemm(int type, const float *x, int k, int i, const float *norm_w, float eps,
                          int swiglu, float *ri, int8_t *aq, float *ad, float *as, int32_t *cb) {
-    const int G = k / 32, offset = type == QLIB_Q8_0 ? 128 : type == QLIB_Q4_0 ? 8 : 0;
+    const int G = k / 32, offset = type == QLIB_Q8_0   ? 128
+                                   : type == QLIB_Q5_0 ? 16
+                                   : type == QLIB_Q4_0 ? 8
+                                                       : 0;
     int8_t *q = aq + (size_t)i * k;
     const float *src = x + (size_t)i * k * (swiglu ? 2 : 1);
     if (norm_w || swiglu) {
@@ -296,15 +302,18 @@ static int qgemm_tiled(int type, const uint8_t *codes, size_t row_bytes, const u
     return failed ? -1 : 0;
 }
 
-/* y[m, n] (+)= f(x)[m, k] @ W[n, k].T for Q5_1 weights as GGUF blocks ([n, k / 32], 24
- * bytes each), through the tiled path: the unpacked 5-bit codes times the Q8_1 activation
- * codes (exact), per block float(sum) * (d_w d_a) + m_w s_a, as kquants.c's Q5_1 GEMV to float
- * rounding (kquants.c's qlib_kgemm calls it from qlib_gemm_min_rows rows). Returns 0 or -1. */
-int qlib_q51_gemm(const uint8_t *blocks, int n, int k, const float *x, int m, float *y,
-                  const float *norm_w, float eps, int swiglu, int accumulate) {
-    if (k % 64) return -1;
-    return qgemm_tiled(QLIB_Q5_1, blocks, (size_t)k / 32 * 24, NULL, NULL, n, k, x, m, y, norm_w,
-                       eps, swiglu, accumulate);
+/* y[m, n] (+)= f(x)[m, k] @ W[n, k].T for Q5_0 or Q5_1 weights as GGUF blocks ([n, k / 32],
+ * 22 or 24 bytes each), through the tiled path: the unpacked 5-bit codes times the Q8_0 / Q8_1
+ * activation codes (exact), per block float(sum) * (d_w d_a) (Q5_0: the sum started at -16 x
+ * the activation codes' sum, as the Q8_0 planes' -128; Q5_1: + m_w s_a), as kquants.c's GEMVs
+ * to float rounding (kquants.c's qlib_kgemm calls it from qlib_gemm_min_rows rows). Returns 0
+ * or -1. */
+int qlib_q5_gemm(int type, const uint8_t *blocks, int n, int k, const float *x, int m, float *y,
+                 const float *norm_w, float eps, int swiglu, int accumulate) {
+    if (k % 64 || (type != QLIB_Q5_0 && type != QLIB_Q5_1)) return -1;
+    const size_t row_bytes = (size_t)k / 32 * (type == QLIB_Q5_1 ? 24 : 22);
+    return qgemm_tiled(type, blocks, row_bytes, NULL, NULL, n, k, x, m, y, norm_w, eps, swiglu,
+                       accumulate);
 }
 
 /* Activation row i of qlib_qgemm_ex: the input row (scratch ri), its Q8_0 / Q8_1 codes,
@@ -463,7 +472,7 @@ void qlib_qgemv_region(int type, const uint8_t *codes, const uint16_t *dw, const
 void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, uint16_t *d,
                  uint16_t *m) {
     const int G = k / 32;
-    const int bsize = type == QLIB_Q8_0 ? 34 : type == QLIB_Q5_0 ? 22 : type == QLIB_Q4_1 ? 20 : 18;
+    const int bsize = type == QLIB_Q8_0 ? 34 : type == QLIB_Q4_1 ? 20 : 18;
 #pragma omp parallel for schedule(static)
     for (int j = 0; j < n; j++) {
         for (int b = 0; b < G; b++) {
@@ -471,18 +480,6 @@ void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, 
             memcpy(d + (size_t)j * G + b, blk, 2);
             if (type == QLIB_Q8_0) {
                 for (int i = 0; i < 32; i++) codes[(size_t)j * k + b * 32 + i] = blk[2 + i] ^ 0x80;
-                continue;
-            }
-            if (type == QLIB_Q5_0) { /* into Q8_0 planes: code (q - 16) + 128, the same d */
-                uint32_t qh;
-                memcpy(&qh, blk + 2, 4);
-                uint8_t *out = codes + (size_t)j * k + b * 32;
-                for (int i = 0; i < 16; i++) {
-                    const int lo = (blk[6 + i] & 0x0F) | (int)((qh >> i) & 1) << 4;
-                    const int hi = (blk[6 + i] >> 4) | (int)((qh >> (i + 16)) & 1) << 4;
-                    out[i] = (uint8_t)(lo + 112);
-                    out[i + 16] = (uint8_t)(hi + 112);
-                }
                 continue;
             }
             if (type == QLIB_Q4_1) memcpy(m + (size_t)j * G + b, blk + 2, 2);

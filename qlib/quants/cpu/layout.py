@@ -1,8 +1,8 @@
 """The weight layouts the C kernels read (``packing`` makes them, ``ops`` passes them).
 
 * ``PackedWeight``: a Q4_0 / Q4_1 / Q8_0 weight as per-row planes for the quantized
-  GEMM/GEMV of ``kernels.c`` (code bytes, f16 scales, Q4_1 minimums), or a K-quant / Q5_1
-  weight as its GGUF blocks, row after row, for ``kquants.c`` (F32 / F16 / BF16 rows the
+  GEMM/GEMV of ``kernels.c`` (code bytes, f16 scales, Q4_1 minimums), or a K-quant / Q5_0 /
+  Q5_1 weight as its GGUF blocks, row after row, for ``kquants.c`` (F32 / F16 / BF16 rows the
   same way, for ``floats.c``);
 * ``AmxWeight``: a weight for the AMX kernels of ``prefill.c``, bf16 B tiles or the
   4/8-bit codes in tile order with float32 scales; ``AmxWeightC`` is its C descriptor
@@ -17,17 +17,12 @@ from dataclasses import dataclass
 import torch
 
 TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the weight types of kernels.c (its enum)
-# types ``qlib_repack`` also reads, into the planes of the kernel type they are widened to:
-# a Q5_0 block (d, 5-bit codes q - 16) holds exactly the values of the Q8_0 block with the
-# same d and int8 codes q - 16, and ggml's Q5_0 x Q8_0 dot is Q8_0 x Q8_0's formula
-WIDENED = {"Q5_0": "Q8_0"}
-REPACK_CODES = {**TYPE_CODES, "Q5_0": 6}
 # the weight types of kquants.c (ggml's type ids), read as GGUF blocks: (elements, bytes) a
 # block; the float types' rows (floats.c, through kquants.c's entry points) are blocks of one
-BLOCK_CODES = {"Q5_1": 7, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
-               "F32": 0, "F16": 1, "BF16": 30}  # fmt: skip
-BLOCKS = {"Q5_1": (32, 24), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
-          "Q5_K": (256, 176), "Q6_K": (256, 210),
+BLOCK_CODES = {"Q5_0": 6, "Q5_1": 7, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+               "Q6_K": 14, "F32": 0, "F16": 1, "BF16": 30}  # fmt: skip
+BLOCKS = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q2_K": (256, 84), "Q3_K": (256, 110),
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
           "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2)}  # fmt: skip
 # the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants: super-blocks of 256)
 ROW_MULTIPLE = {t: 256 if t.endswith("_K") else 64 for t in (*TYPE_CODES, *BLOCK_CODES)}

@@ -42,7 +42,7 @@ import torch
 from ..activations import VEC_DOT_TYPE, quantize_activations
 from ..api import block_format, dequantize_torch
 from .ops import qgemm
-from .packing import pack, packable
+from .packing import pack, supports
 
 _INT_ROWS = 8  # up to this many rows: block-diagonal int8 matmul
 _HAS_INT_MM = hasattr(torch, "_int_mm")  # private torch API (CPU int8 x int8 -> int32)
@@ -118,7 +118,7 @@ def _packed(w):
     """The C kernel's ``PackedWeight`` for ``w``, or None when the kernel cannot take it."""
     if isinstance(w, PreparedWeight) or len(w.shape) != 2:
         return None
-    if not packable(w.dtype.name, int(w.shape[-1])):
+    if not supports(w.dtype.name, int(w.shape[-1])):
         return None
     key = id(w.data)
     hit = _PACKED.get(key)
@@ -209,8 +209,8 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     ``x``: ``[m, k]``; f16/bf16 inputs are computed in float32 and the result cast
     back (CUDA/MPS inputs: ``qlib.quants.cuda.matmul``). ``w`` may also be a
     ``PreparedWeight``; a QTensor is prepared on first use and cached. Q4_0, Q4_1,
-    Q8_0 and Q5_1 weights with rows a multiple of 64 (Q5_0 too, widened to Q8_0 planes of
-    the same values, as the fast engine does), and K-quants (rows a multiple of 256), go
+    Q8_0, Q5_0 and Q5_1 weights with rows a multiple of 64, and K-quants (rows a multiple of
+    256), go
     through the C kernels of ``qlib.quants.cpu`` when they are available
     (AVX-512 VNNI and a C compiler; ``QLIB_NO_CKERNELS=1`` turns them off): the same
     quantized activations and integer block sums, summed in another order (equal to

@@ -32,10 +32,8 @@ import torch
 from . import build
 from .layout import (
     BLOCKS,
-    REPACK_CODES,
     ROW_MULTIPLE,
     TYPE_CODES,
-    WIDENED,
     AmxWeight,
     AmxWeightC,
     PackedWeight,
@@ -45,7 +43,7 @@ KernelCall = Callable[[], int]
 """A prepared C call: all arguments bound; returns the kernel's status (0: done)."""
 
 AMX_EPILOGUES = {"bf16": 0, "add": 1, "swiglu": 2}  # amx_gemm's epilogues in prefill.c
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}  # GGUF bytes per block of 32
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF bytes per block of 32
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # name: (argument types, result type); the qlib_amx_* / qlib_prefill_layer entries exist
@@ -311,17 +309,16 @@ def has_steps(call: KernelCall) -> bool:
 def repack(type_name: str, blocks: torch.Tensor, k: int, codes: torch.Tensor, d: torch.Tensor,
            m: torch.Tensor | None) -> None:  # fmt: skip
     """GGUF blocks (``blocks``: the uint8 bytes of ``[n, k/32]`` blocks) -> the planes of a
-    ``PackedWeight`` of ``n = codes.shape[0]`` rows, written into ``codes``, ``d``, ``m``
-    (a ``WIDENED`` type into the planes of its kernel type)."""
+    ``PackedWeight`` of ``n = codes.shape[0]`` rows, written into ``codes``, ``d``, ``m``."""
     lib = _lib()
     n = codes.shape[0]
     _check(blocks, torch.uint8, "blocks")
-    if type_name not in REPACK_CODES or k % 64:
+    if type_name not in TYPE_CODES or k % 64:
         raise ValueError(f"repack: no C kernel for {type_name} with k={k} (k % 64 == 0)")
     if blocks.numel() != n * (k // 32) * _BLOCK_BYTES[type_name]:
         raise ValueError(f"repack: {n} rows of {type_name} blocks, k={k} (k % 64 == 0)")
-    _check_packed(PackedWeight(WIDENED.get(type_name, type_name), n, k, codes, d, m))
-    lib.qlib_repack(REPACK_CODES[type_name], blocks.data_ptr(), n, k, codes.data_ptr(),
+    _check_packed(PackedWeight(type_name, n, k, codes, d, m))
+    lib.qlib_repack(TYPE_CODES[type_name], blocks.data_ptr(), n, k, codes.data_ptr(),
                     d.data_ptr(), _ptr(m))  # fmt: skip
 
 

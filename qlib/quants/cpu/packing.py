@@ -2,15 +2,11 @@
 packed or quantized weights -> AMX tiles (``pack_amx``; ``pack_amx_quantized`` from the
 planes, ``pack_amx_codes`` from the GGUF blocks of any quantized type or mix).
 
-``WIDENED`` types (``layout``) have no kernel of their own but are exactly one of the kernel
-types with wider codes: a Q5_0 block (``d``, 5-bit codes ``q - 16``) is the Q8_0 block with
-the same ``d`` and int8 codes ``q - 16``, and ggml's Q5_0 x Q8_0 dot is Q8_0 x Q8_0's formula
-(``d_w d_a sum(q_w q_a)`` per block). ``pack`` widens them (``qlib_repack`` reads Q5_0
-blocks into Q8_0 planes: 34 bytes a block instead of 22, the same values and sums);
-``packable`` says which weights ``pack`` takes, ``supports`` which the kernels take as they
-are (what ``matmul.qmatmul`` uses). K-quant, Q5_1 and F32 / F16 / BF16 weights
-(``BLOCK_CODES``) are not repacked: ``kquants.c`` (``floats.c`` for the float types) reads
-their GGUF rows, which ``pack`` copies row after row.
+``supports`` says which weights ``pack`` and the kernels take (what ``matmul.qmatmul``
+uses). K-quant, Q5_0, Q5_1 and F32 / F16 / BF16 weights (``BLOCK_CODES``) are not repacked:
+``kquants.c`` (``floats.c`` for the float types) reads their GGUF rows, which ``pack``
+copies row after row. (Until 2026-12-04 Q5_0 was widened into Q8_0 planes: the same values
+and sums, 34 bytes a block against 22.)
 """
 
 from __future__ import annotations
@@ -22,33 +18,16 @@ import torch
 
 from ..api import dequantize_torch
 from ..base import FORMATS
-from ..legacy import Q5_0
 from . import build, ops
-from .layout import BLOCK_CODES, BLOCKS, ROW_MULTIPLE, TYPE_CODES, WIDENED, AmxWeight, PackedWeight
+from .layout import BLOCK_CODES, BLOCKS, ROW_MULTIPLE, TYPE_CODES, AmxWeight, PackedWeight
 
 
 def supports(type_name: str, k: int) -> bool:
     """Whether the C kernels handle a weight of this type and row length (``kernels.c``:
-    Q4_0, Q4_1, Q8_0, k % 64 == 0; ``kquants.c``: Q2_K..Q6_K, k % 256 == 0, Q5_1, k % 64)."""
+    Q4_0, Q4_1, Q8_0, k % 64 == 0; ``kquants.c``: Q2_K..Q6_K, k % 256 == 0, Q5_0, Q5_1,
+    k % 64; ``floats.c``: F32, F16, BF16, k % 64)."""
     multiple = ROW_MULTIPLE.get(type_name)
     return multiple is not None and k % multiple == 0 and build.available()
-
-
-def packable(type_name: str, k: int) -> bool:
-    """Whether ``pack`` takes a weight of this type and row length (``supports``, or a
-    ``WIDENED`` type whose kernel type ``supports``)."""
-    return supports(WIDENED.get(type_name, type_name), k)
-
-
-def widen_q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q5_0 blocks (uint8 bytes, 22 a block) -> the Q8_0 blocks (34 bytes) of the same values:
-    the same f16 ``d``, int8 codes ``q - 16`` (torch, for machines without the C kernels)."""
-    b = blocks.reshape(-1, 22)
-    q, _, _ = Q5_0.unpack(b)  # int8 codes - 16, in element order
-    out = torch.empty(b.shape[0], 34, dtype=torch.uint8)
-    out[:, :2] = b[:, :2]
-    out[:, 2:] = q.view(torch.uint8)
-    return out
 
 
 PACK_CHUNK = 4 << 20  # bytes of GGUF blocks ``pack`` reads between two ``release`` calls
@@ -61,8 +40,7 @@ def _chunks(rows: int, row_bytes: int) -> list[slice]:
 
 
 def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> PackedWeight:
-    """Repack one 2-D QTensor, or several with the same type and k stacked by rows (a
-    ``WIDENED`` type as its kernel type: ``type_name`` is then that one).
+    """Repack one 2-D QTensor, or several with the same type and k stacked by rows.
 
     ``release``, if given, is called with each piece of the blocks once it is packed (about
     ``PACK_CHUNK`` bytes: ``gguf.release_pages`` drops a mapped file's pages of it), so a
@@ -90,14 +68,13 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> P
                     release(data[part])
             j += rows
         return PackedWeight(name, n, k, codes, None, None)
-    kernel_type = WIDENED.get(name, name)
-    if kernel_type not in TYPE_CODES or k % 64:
+    if name not in TYPE_CODES or k % 64:
         raise ValueError(f"pack: no C kernel for {name} with k={k} (needs k % 64 == 0)")
     n = sum(rows for rows, _ in weights)
     G = k // 32
-    codes = torch.empty(n, k if kernel_type == "Q8_0" else k // 2, dtype=torch.uint8)
+    codes = torch.empty(n, k if name == "Q8_0" else k // 2, dtype=torch.uint8)
     d = torch.empty(n, G, dtype=torch.int16)
-    m = torch.empty(n, G, dtype=torch.int16) if kernel_type == "Q4_1" else None
+    m = torch.empty(n, G, dtype=torch.int16) if name == "Q4_1" else None
     if build.available():
         j = 0
         for rows, data in weights:  # each weight into its rows of the planes, piece by piece
@@ -109,10 +86,7 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> P
                 if release is not None:
                     release(data[part])
             j += rows
-        return PackedWeight(kernel_type, n, k, codes, d, m)
-    if name in WIDENED:  # the same values in the kernel type's blocks
-        weights = [(rows, widen_q5_0(data)) for rows, data in weights]
-    name = kernel_type
+        return PackedWeight(name, n, k, codes, d, m)
     rows = torch.cat([data.reshape(-1) for _, data in weights])
     blocks = rows.view(n, G, -1)  # the same in torch (slow), for machines without the kernel
     d.copy_(blocks[:, :, 0:2].contiguous().view(torch.int16).reshape(n, G))
