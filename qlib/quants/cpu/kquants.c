@@ -396,20 +396,18 @@ static void dot_rows_k(int rows, int type, const uint8_t *w, size_t row_bytes, i
         QLIB_K_CASE(QLIB_Q4_K)
         QLIB_K_CASE(QLIB_Q5_K)
         QLIB_K_CASE(QLIB_Q6_K)
-    case QLIB_Q5_0:
-        if (rows == 4)
-            q5rows(4, 0, w, row_bytes, k / 32, aq, ad, as, pf, y);
-        else
-            q5rows(1, 0, w, row_bytes, k / 32, aq, ad, as, NULL, y);
+#define QLIB_Q5_CASE(T, M)                                                              \
+    case T:                                                                             \
+        if (rows == 4)                                                                  \
+            q5rows(4, M, w, row_bytes, k / 32, aq, ad, as, pf, y);                      \
+        else                                                                            \
+            q5rows(1, M, w, row_bytes, k / 32, aq, ad, as, NULL, y);                    \
         break;
-    case QLIB_Q5_1:
-        if (rows == 4)
-            q5rows(4, 1, w, row_bytes, k / 32, aq, ad, as, pf, y);
-        else
-            q5rows(1, 1, w, row_bytes, k / 32, aq, ad, as, NULL, y);
-        break;
+        QLIB_Q5_CASE(QLIB_Q5_0, 0)
+        QLIB_Q5_CASE(QLIB_Q5_1, 1)
     }
 #undef QLIB_K_CASE
+#undef QLIB_Q5_CASE
 }
 
 /* kcols for M (1 or 4) activation rows: the type and M as constants */
