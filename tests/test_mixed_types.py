@@ -249,7 +249,7 @@ def test_uniform_kernel_types_keep_one_fused_weight(files):
 @needs_kernels
 def test_mixed_stack_parts(files):
     """Q4_K_M's layer 0: q, k Q4_K, v Q6_K (two ``kquants.c`` calls on the GGUF blocks);
-    layer 1: q Q5_0 (its GGUF blocks: the C kernel), k, v Q4_K; rows of the parts
+    layer 1: q Q5_0 (planes: the C kernel), k, v Q4_K; rows of the parts
     follow each other."""
     fm = _build(files["Q4_K_M"], fast.FastModel)
     wqkv0, wqkv1 = fm.layers[0].wqkv, fm.layers[1].wqkv
@@ -259,7 +259,7 @@ def test_mixed_stack_parts(files):
     assert all(p.packed.blocks for p in wqkv0.parts)
     q = wqkv1.parts[0]
     assert wqkv1.types == ["Q5_0", "Q4_K"] and q.packed is not None
-    assert q.packed.type_name == "Q5_0" and q.packed.blocks and q.n == 256
+    assert q.packed.type_name == "Q5_0" and not q.packed.blocks and q.n == 256
     legacy = _build(files["legacy"], fast.FastModel)
     assert legacy.layers[0].wqkv.types == ["Q4_0", "Q8_0", "Q4_0"]
     assert all(p.packed is not None for p in legacy.layers[0].wqkv.parts)  # three C calls
@@ -290,22 +290,31 @@ def _as_q8_0(w: QTensor) -> QTensor:
 
 @needs_kernels
 @pytest.mark.parametrize("m", [1, 5])
-def test_q5_0_blocks_as_the_q8_0_kernel(m):
-    """Q5_0 on its GGUF blocks (kquants.c's GEMV, the tiled GEMM from 4 rows): the sums of the
-    Q8_0 kernel on the same values bit for bit (the lanes start at -16 x their activation
-    codes' sum as the Q8_0 planes' start at -128 x it; until 2026-12-04 Q5_0 was widened into
-    those planes), and ggml's sums (the torch fallback) to float rounding."""
+def test_q5_0_planes_as_the_q8_0_kernel(m, monkeypatch):
+    """Q5_0 as planes (its low 4 bits as Q4_0's nibbles, its qh words; the GEMV and the tiled
+    GEMM from 4 rows): the sums of the Q8_0 kernel on the same values bit for bit (the lanes
+    start at -16 x their activation codes' sum as the Q8_0 planes' start at -128 x it; until
+    2026-12-04 Q5_0 was widened into those planes), ggml's sums (the torch fallback) to float
+    rounding; the bf16 copy, the rows looked up and the torch repack as the C one."""
     g = torch.Generator().manual_seed(7)
     w = QTensor.quantize(torch.randn(40, 192, generator=g), "Q5_0")
     assert cpu.supports("Q5_0", 192) and not cpu.supports("Q5_0", 160)
     pw = cpu.pack(w)
-    assert pw.type_name == "Q5_0" and pw.blocks and pw.codes.shape == (40, 192 // 32 * 22)
+    assert pw.type_name == "Q5_0" and not pw.blocks
+    assert pw.codes.shape == (40, 96) and pw.m.shape == (40, 12)
     w8 = _as_q8_0(w)
     assert torch.equal(w8.dequantize(), w.dequantize())
     x = torch.randn(m, 192, generator=g) * 3
     assert torch.equal(cpu.qgemm(x, pw), cpu.qgemm(x, cpu.pack(w8)))
     ref = qmatmul_prepared(x, prepare(w))
     torch.testing.assert_close(cpu.qgemm(x, pw), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+    assert torch.equal(cpu.dequantize_bf16(pw), w.dequantize().to(torch.bfloat16))
+    ids = torch.tensor([0, 39, 7, 7])
+    assert torch.equal(cpu.dequantize_rows(pw, ids), w.dequantize()[ids])
+    monkeypatch.setattr(cpu.build, "_lib", None)
+    monkeypatch.setattr(cpu.build, "_reason", "disabled by the test")
+    pt = cpu.pack(w)
+    assert all(torch.equal(a, b) for a, b in ((pt.codes, pw.codes), (pt.d, pw.d), (pt.m, pw.m)))
 
 
 # -- CUDA: the grouping, checked on CPU ----------------------------------------------------

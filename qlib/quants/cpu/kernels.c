@@ -1,17 +1,18 @@
-/* qlib CPU kernels: y = x @ W.T for Q4_0 / Q4_1 / Q8_0 weights with ggml semantics.
+/* qlib CPU kernels: y = x @ W.T for Q4_0 / Q4_1 / Q5_0 / Q8_0 weights with ggml semantics.
  *
- * Every activation row is quantized as ggml's x86 backend does (Q8_0 for Q4_0 and
+ * Every activation row is quantized as ggml's x86 backend does (Q8_0 for Q4_0, Q5_0 and
  * Q8_0 weights, Q8_1 for Q4_1; blocks of 32, d = amax / 127 stored as f16, codes
  * rounded half to even with the multiplier 127 / amax). Each block of 32 gives an
  * exact integer dot (AVX-512 VNNI vpdpbusd: unsigned weight bytes x signed
  * activation bytes), scaled in float32 by d_w * d_a; Q4_1 adds m_w * s_a per block.
  *
  * Weights are repacked by qlib.quants.cpu.packing into per-row planes:
- *   codes  Q4_*: k/2 bytes, per 64 elements 32 bytes, byte i = e[i] | e[i+32] << 4
- *                (codes 0..15, as stored by ggml before the -8 of Q4_0);
+ *   codes  Q4_*, Q5_0: k/2 bytes, per 64 elements 32 bytes, byte i = e[i] | e[i+32] << 4
+ *                (the low 4 bits of the codes, as stored by ggml before the -8 of Q4_0);
  *          Q8_0: k bytes, code + 128 (unsigned);
- *   d      f16 bits, k/32 per row;  m: f16 bits, k/32 per row (Q4_1 only).
- * The unsigned offset (8 or 128) is removed exactly by starting each block's
+ *   d      f16 bits, k/32 per row;  m: f16 bits, k/32 per row (Q4_1), or Q5_0's high bits,
+ *          its qh words (bit i: element i of the block), k/32 uint32 per row.
+ * The unsigned offset (8, 16 or 128) is removed exactly by starting each block's
  * integer accumulator at -offset * (sum of 4 activation codes) per lane.
  * Rows are split over OpenMP threads; each output element is computed by one
  * thread in a fixed order, so a row's result never depends on the other rows.
@@ -19,9 +20,8 @@
  * From qlib_gemm_min_rows rows (4; prefill) a tiled GEMM path (below) computes the same
  * exact integer block dots with weight tiles re-laid once per call: equal to the GEMV
  * loops to float rounding (the float32 order of the per-block terms), rows independent
- * within each path. The tiled path also takes Q5_0 and Q5_1 weights as their GGUF blocks
- * (qlib_q5_gemm, for kquants.c: codes 0..31 unpacked into the tiles; Q5_1 with Q4_1's
- * formula, Q5_0 with the block corrections of offset 16).
+ * within each path. The tiled path also takes Q5_1 weights as their GGUF blocks
+ * (qlib_q51_gemm, for kquants.c: codes 0..31 unpacked into the tiles, Q4_1's formula).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -33,10 +33,16 @@
 #include "simd.h"
 
 enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8 };
-/* Q5_0, Q5_1: their GGUF blocks, in the tiled path only (qlib_q5_gemm) */
+/* Q5_1: its GGUF blocks, in the tiled path only (qlib_q51_gemm) */
 
 /* Whether a weight type's blocks have minimums (the m_w s_a term; no code offset). */
 static inline int has_min(int type) { return type == QLIB_Q4_1 || type == QLIB_Q5_1; }
+
+/* The unsigned offset of a type's stored codes (Q4_0: 8, Q5_0: 16, Q8_0's planes: 128), removed
+ * exactly through the activation codes' sums; 0 for the types with minimums. */
+static inline int code_offset(int type) {
+    return type == QLIB_Q8_0 ? 128 : type == QLIB_Q5_0 ? 16 : type == QLIB_Q4_0 ? 8 : 0;
+}
 
 /* Dots of R consecutive repacked weight rows with one quantized activation row
  * (R is a compile-time constant at each call: the loops unroll, the R chains overlap). */
@@ -82,6 +88,11 @@ static inline __attribute__((always_inline)) void dot_rows(
                     __m256i lo = _mm256_and_si256(v, low4);
                     __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                     w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                    if (type == QLIB_Q5_0) { /* + 16 where the block pair's qh bit is set */
+                        uint64_t h;
+                        memcpy(&h, (const uint8_t *)mw + 4 * ((size_t)r * G + c + p), 8);
+                        w = _mm512_mask_add_epi8(w, (__mmask64)h, w, _mm512_set1_epi8(16));
+                    }
                 }
                 __m512i acc = _mm512_dpbusd_epi32(init, w, a);
                 facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc),
@@ -111,23 +122,26 @@ void qlib_qgemm_set_min_rows(int rows) { qlib_gemm_min_rows = rows; }
 
 /* The tile's codes as unsigned bytes in steps of 4 elements: wt[(s * GT + r) * 4 + t] = code
  * of element 4s + t of tile row r (rows past n repeat the last row); dt / mt: float d / m.
- * Q5_0 / Q5_1: codes are the GGUF blocks (rows of row_bytes), d (and m) read from them. */
+ * Q5_1: codes are the GGUF blocks (rows of row_bytes), d and m read from them; Q5_0: mw holds
+ * the high bits (qh words). */
 static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const uint16_t *dw,
                       const uint16_t *mw, int j0, int n, int k, uint8_t *wt, float *dt,
                       float *mt) {
     const int G = k / 32, last = n - 1 - j0;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int v = 0; v < GT / 16; v++) {
-        const uint8_t *row[16];
+        const uint8_t *row[16], *qh[16];
         for (int l = 0; l < 16; l++) {
             const int r = v * 16 + l;
-            row[l] = codes + (size_t)(j0 + (r < last ? r : last)) * row_bytes;
+            const size_t jr = (size_t)(j0 + (r < last ? r : last));
+            row[l] = codes + jr * row_bytes;
+            qh[l] = type == QLIB_Q5_0 ? (const uint8_t *)mw + 4 * jr * G : NULL;
         }
         for (int c = 0; c < k / 64; c++) { /* 64 elements: 16 steps */
             __m512i x[16];
             for (int l = 0; l < 16; l++) {
-                if (type == QLIB_Q5_0 || type == QLIB_Q5_1) {
-                    x[l] = q5_pair_codes(row[l] + 2 * row_bytes / G * c, type == QLIB_Q5_1);
+                if (type == QLIB_Q5_1) {
+                    x[l] = q51_pair_codes(row[l] + 48 * c);
                 } else if (type == QLIB_Q8_0) {
                     x[l] = _mm512_loadu_si512(row[l] + 64 * c);
                 } else {
@@ -135,6 +149,11 @@ static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const ui
                     x[l] = _mm512_inserti64x4(
                         _mm512_castsi256_si512(_mm256_and_si256(p, low4)),
                         _mm256_and_si256(_mm256_srli_epi16(p, 4), low4), 1);
+                    if (type == QLIB_Q5_0) {
+                        uint64_t h;
+                        memcpy(&h, qh[l] + 8 * c, 8);
+                        x[l] = _mm512_mask_add_epi8(x[l], (__mmask64)h, x[l], _mm512_set1_epi8(16));
+                    }
                 }
             }
             transpose16(x);
@@ -144,14 +163,12 @@ static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const ui
     }
     for (int r = 0; r < GT; r++) {
         const size_t row = (size_t)(j0 + (r < last ? r : last)), jr = row * G;
-        if (type == QLIB_Q5_0 || type == QLIB_Q5_1) { /* d (, m): each block's first bytes */
+        if (type == QLIB_Q5_1) { /* d, m: the first 4 bytes of each 24-byte block */
             const uint8_t *blocks = codes + row * row_bytes;
-            const size_t bsize = row_bytes / G;
             for (int b = 0; b < G; b++) {
                 uint16_t dm[2];
-                memcpy(dm, blocks + (size_t)b * bsize, 4);
-                dt[b * GT + r] = _cvtsh_ss(dm[0]);
-                if (mt) mt[b * GT + r] = _cvtsh_ss(dm[1]);
+                memcpy(dm, blocks + (size_t)b * 24, 4);
+                dt[b * GT + r] = _cvtsh_ss(dm[0]), mt[b * GT + r] = _cvtsh_ss(dm[1]);
             }
             continue;
         }
@@ -220,10 +237,7 @@ static inline __attribute__((always_inline)) void gemm_rows(
  * The same codes, scales and (exact integer) corrections as act_row's. */
 static void act_row_gemm(int type, const float *x, int k, int i, const float *norm_w, float eps,
                          int swiglu, float *ri, int8_t *aq, float *ad, float *as, int32_t *cb) {
-    const int G = k / 32, offset = type == QLIB_Q8_0   ? 128
-                                   : type == QLIB_Q5_0 ? 16
-                                   : type == QLIB_Q4_0 ? 8
-                                                       : 0;
+    const int G = k / 32, offset = code_offset(type);
     int8_t *q = aq + (size_t)i * k;
     const float *src = x + (size_t)i * k * (swiglu ? 2 : 1);
     if (norm_w || swiglu) {
@@ -302,25 +316,22 @@ static int qgemm_tiled(int type, const uint8_t *codes, size_t row_bytes, const u
     return failed ? -1 : 0;
 }
 
-/* y[m, n] (+)= f(x)[m, k] @ W[n, k].T for Q5_0 or Q5_1 weights as GGUF blocks ([n, k / 32],
- * 22 or 24 bytes each), through the tiled path: the unpacked 5-bit codes times the Q8_0 / Q8_1
- * activation codes (exact), per block float(sum) * (d_w d_a) (Q5_0: the sum started at -16 x
- * the activation codes' sum, as the Q8_0 planes' -128; Q5_1: + m_w s_a), as kquants.c's GEMVs
- * to float rounding (kquants.c's qlib_kgemm calls it from qlib_gemm_min_rows rows). Returns 0
- * or -1. */
-int qlib_q5_gemm(int type, const uint8_t *blocks, int n, int k, const float *x, int m, float *y,
-                 const float *norm_w, float eps, int swiglu, int accumulate) {
-    if (k % 64 || (type != QLIB_Q5_0 && type != QLIB_Q5_1)) return -1;
-    const size_t row_bytes = (size_t)k / 32 * (type == QLIB_Q5_1 ? 24 : 22);
-    return qgemm_tiled(type, blocks, row_bytes, NULL, NULL, n, k, x, m, y, norm_w, eps, swiglu,
-                       accumulate);
+/* y[m, n] (+)= f(x)[m, k] @ W[n, k].T for Q5_1 weights as GGUF blocks ([n, k / 32], 24
+ * bytes each), through the tiled path: the unpacked 5-bit codes times the Q8_1 activation
+ * codes (exact), per block float(sum) * (d_w d_a) + m_w s_a, as kquants.c's Q5_1 GEMV to float
+ * rounding (kquants.c's qlib_kgemm calls it from qlib_gemm_min_rows rows). Returns 0 or -1. */
+int qlib_q51_gemm(const uint8_t *blocks, int n, int k, const float *x, int m, float *y,
+                  const float *norm_w, float eps, int swiglu, int accumulate) {
+    if (k % 64) return -1;
+    return qgemm_tiled(QLIB_Q5_1, blocks, (size_t)k / 32 * 24, NULL, NULL, n, k, x, m, y, norm_w,
+                       eps, swiglu, accumulate);
 }
 
 /* Activation row i of qlib_qgemm_ex: the input row (scratch ri), its Q8_0 / Q8_1 codes,
  * d (and s), and -offset * (sum of each 4 codes) per int32 lane. */
 static void act_row(int type, const float *x, int k, int i, const float *norm_w, float eps,
                     int swiglu, float *ri, int8_t *aq, float *ad, float *as, int32_t *corr) {
-    const int G = k / 32, offset = type == QLIB_Q8_0 ? 128 : type == QLIB_Q4_0 ? 8 : 0;
+    const int G = k / 32, offset = code_offset(type);
     const __m512i ones = _mm512_set1_epi8(1);
     int8_t *q = aq + (size_t)i * k;
     input_row(x + (size_t)i * k * (swiglu ? 2 : 1), k, norm_w, eps, swiglu, ri);
@@ -366,7 +377,8 @@ static inline __attribute__((always_inline)) void gemv_group(
     const int j = jb * 4, rows = n - j < 4 ? n - j : 4;
     const uint8_t *cj = codes + (size_t)j * row_bytes;
     const uint16_t *dj = dw + (size_t)j * G;
-    const uint16_t *mj = mw ? mw + (size_t)j * G : NULL;
+    const size_t ms = type == QLIB_Q5_0 ? 2 * (size_t)G : (size_t)G; /* m plane: u16 a row */
+    const uint16_t *mj = mw ? mw + (size_t)j * ms : NULL;
     const char *pf = NULL;
     const int sequential = type == QLIB_Q8_0 && k <= qlib_gemv_seq_k;
     /* codes two groups ahead into L2 (rows are short: 288 bytes for Q4_1 at k = 576; the
@@ -390,7 +402,7 @@ static inline __attribute__((always_inline)) void gemv_group(
         else
             for (int r = 0; r < rows; r++)
                 dot_rows(1, type, cj + r * row_bytes, row_bytes, dj + (size_t)r * G,
-                         mj ? mj + (size_t)r * G : NULL, k, qi, di, si, ci, NULL, out + r);
+                         mj ? mj + (size_t)r * ms : NULL, k, qi, di, si, ci, NULL, out + r);
         float *yi = y + (size_t)i * n + j;
         for (int r = 0; r < rows; r++) yi[r] = accumulate ? yi[r] + out[r] : out[r];
     }
@@ -402,7 +414,8 @@ static inline __attribute__((always_inline)) void gemv_group(
 int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint16_t *mw,
                   int n, int k, const float *x, int m, float *y, const float *norm_w,
                   float eps, int swiglu, int accumulate) {
-    if (k % 64 || (type != QLIB_Q4_0 && type != QLIB_Q4_1 && type != QLIB_Q8_0)) return -1;
+    if (k % 64 || (type != QLIB_Q4_0 && type != QLIB_Q4_1 && type != QLIB_Q5_0 && type != QLIB_Q8_0))
+        return -1;
     const int G = k / 32;
     const size_t row_bytes = type == QLIB_Q8_0 ? (size_t)k : (size_t)k / 2;
     if (m >= qlib_gemm_min_rows) /* many rows: the tiled path, on exact block corrections */
@@ -472,7 +485,7 @@ void qlib_qgemv_region(int type, const uint8_t *codes, const uint16_t *dw, const
 void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, uint16_t *d,
                  uint16_t *m) {
     const int G = k / 32;
-    const int bsize = type == QLIB_Q8_0 ? 34 : type == QLIB_Q4_1 ? 20 : 18;
+    const int bsize = type == QLIB_Q8_0 ? 34 : type == QLIB_Q5_0 ? 22 : type == QLIB_Q4_1 ? 20 : 18;
 #pragma omp parallel for schedule(static)
     for (int j = 0; j < n; j++) {
         for (int b = 0; b < G; b++) {
@@ -483,7 +496,8 @@ void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, 
                 continue;
             }
             if (type == QLIB_Q4_1) memcpy(m + (size_t)j * G + b, blk + 2, 2);
-            const uint8_t *qs = blk + (type == QLIB_Q4_1 ? 4 : 2);
+            if (type == QLIB_Q5_0) memcpy(m + 2 * ((size_t)j * G + b), blk + 2, 4); /* qh */
+            const uint8_t *qs = blk + (type == QLIB_Q4_1 ? 4 : type == QLIB_Q5_0 ? 6 : 2);
             uint8_t *out = codes + (size_t)j * (k / 2) + (b / 2) * 32;
             const int shift = (b % 2) * 4; /* even block: low nibbles, odd block: high */
             for (int i = 0; i < 16; i++) {
@@ -510,6 +524,11 @@ void qlib_dequant_bf16(int type, const uint8_t *codes, const uint16_t *d, const 
                 } else {
                     uint8_t byte = codes[(size_t)j * (k / 2) + (b / 2) * 32 + i];
                     q = (b % 2 ? byte >> 4 : byte & 0x0F) - (type == QLIB_Q4_0 ? 8 : 0);
+                    if (type == QLIB_Q5_0) {
+                        uint32_t h;
+                        memcpy(&h, m + 2 * ((size_t)j * G + b), 4);
+                        q += (int)((h >> i) & 1) * 16 - 16;
+                    }
                 }
                 float v = type == QLIB_Q4_1 ? dd * (float)q + mm : dd * (float)q;
                 uint32_t u;

@@ -1,11 +1,11 @@
-/* qlib CPU kernels: y = x @ W.T for K-quant (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), Q5_0 and Q5_1 weights,
+/* qlib CPU kernels: y = x @ W.T for K-quant (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and Q5_1 weights,
  * with ggml semantics, reading the GGUF blocks as they are (no repacking).
  *
  * Activations are quantized as ggml's x86 backend does: Q8_K for the K-quants
  * (quantize_row_q8_K_ref: the signed value of largest magnitude max, first of equals;
  * iscale = -127 / max, codes min(127, nearest_int(iscale x)) with the 1.5 * 2^23 trick,
- * d = 1 / iscale as float32, sums of each 16 codes), Q8_1 for Q5_1 and Q8_0 for Q5_0
- * (quantize_row_q8 of simd.h, as kernels.c's Q4_1 and Q8_0). The codes of each 256-block are stored in the order in
+ * d = 1 / iscale as float32, sums of each 16 codes), Q8_1 for Q5_1 (quantize_row_q8 of
+ * simd.h, as kernels.c's Q4_1). The codes of each 256-block are stored in the order in
  * which the weight's bit planes unpack (see act_order), so a 64-byte load of codes meets a
  * 64-byte vector of unpacked weight codes.
  *
@@ -17,15 +17,13 @@
  * (sum_s sc_s * off * bsum_s), and the mins of Q2_K / Q4_K / Q5_K give the integer
  * sum_s m_s * bsum_s. Each super-block then adds float(lanes) * (d_w d_a) (and
  * float(min sums) * (-dmin_w d_a)) into float32 lane accumulators, summed over the lanes
- * at the end of the row; Q5_1 adds per block pair float(lanes) * (d_w d_a) and m_w s_a, Q5_0
- * float(lanes) * (d_w d_a) with each lane started at -16 x its activation codes' sum (the
- * lanes, and so the sums, of kernels.c's Q8_0 planes holding the same values).
+ * at the end of the row; Q5_1 adds per block pair float(lanes) * (d_w d_a) and m_w s_a.
  * Rows are split over OpenMP threads; each output element is computed by one thread in a
  * fixed order, so a row's result never depends on the other rows.
- * Requires k % 256 == 0 (K-quants), k % 64 == 0 (Q5_0, Q5_1). F32 / F16 / BF16 rows, which the
+ * Requires k % 256 == 0 (K-quants), k % 64 == 0 (Q5_1). F32 / F16 / BF16 rows, which the
  * Python side passes as one more kind of GGUF rows, go to floats.c.
- * From qlib_gemm_min_rows rows (4; prefill) the K-quants take a tiled GEMM path (below; Q5_0
- * and Q5_1 kernels.c's, qlib_q5_gemm): the same
+ * From qlib_gemm_min_rows rows (4; prefill) the K-quants take a tiled GEMM path (below; Q5_1
+ * kernels.c's, qlib_q51_gemm): the same
  * exact integer block dots with weight tiles re-laid once per call: equal to the GEMV
  * loops to float rounding (the float32 order of the per-block terms), rows independent
  * within each path.
@@ -46,17 +44,16 @@ int qlib_fgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
 void qlib_fgemv_region(int type, const uint8_t *w, int n, int k, const float *x, float *y,
                        const float *norm_w, float eps, int swiglu, int accumulate,
                        float *scratch, float *shared);
-/* kernels.c: the tiled GEMM of Q5_0 / Q5_1 blocks (many rows) */
-int qlib_q5_gemm(int type, const uint8_t *blocks, int n, int k, const float *x, int m, float *y,
-                 const float *norm_w, float eps, int swiglu, int accumulate);
+/* kernels.c: the tiled GEMM of Q5_1 blocks (many rows) */
+int qlib_q51_gemm(const uint8_t *blocks, int n, int k, const float *x, int m, float *y,
+                  const float *norm_w, float eps, int swiglu, int accumulate);
 
 /* ggml's type ids */
-enum { QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q2_K = 10, QLIB_Q3_K = 11, QLIB_Q4_K = 12, QLIB_Q5_K = 13,
+enum { QLIB_Q5_1 = 7, QLIB_Q2_K = 10, QLIB_Q3_K = 11, QLIB_Q4_K = 12, QLIB_Q5_K = 13,
        QLIB_Q6_K = 14 };
 
 static int block_bytes(int type) {
     switch (type) {
-    case QLIB_Q5_0: return 22;  /* d: f16; qh: u32; qs[16] */
     case QLIB_Q5_1: return 24;  /* d, m: f16; qh: u32; qs[16] */
     case QLIB_Q2_K: return 84;  /* scales[16] qs[64] d dmin */
     case QLIB_Q3_K: return 110; /* hmask[32] qs[64] scales[12] d */
@@ -342,37 +339,28 @@ static inline __attribute__((always_inline)) void kcols(
     for (int i = 0; i < M; i++) y[i] = _mm512_reduce_add_ps(acc[i]) + hsum8(accm[i]);
 }
 
-/* Dots of R consecutive Q5_1 weight rows with one Q8_1 activation row, or (m = 0) Q5_0 rows
- * with a Q8_0 row (k / 32 blocks, even); pf as in krows (R * 2 blocks a step of two blocks).
- * Q5_0: each int32 lane starts at -16 x the sum of its 4 activation codes, so that it holds
- * the exact sum of (q - 16) a over its 4 elements (the lanes of kernels.c's Q8_0 planes). */
-static inline __attribute__((always_inline)) void q5rows(
-    const int R, const int m, const uint8_t *w, size_t row_bytes, int G, const int8_t *aq,
-    const float *ad, const float *as, const char *pf, float *y) {
-    const int bsize = m ? 24 : 22;
+/* Dots of R consecutive Q5_1 weight rows with one Q8_1 activation row (k / 32 blocks, even);
+ * pf as in krows (R * 48 bytes a step of two blocks). */
+static inline __attribute__((always_inline)) void q51rows(
+    const int R, const uint8_t *w, size_t row_bytes, int G, const int8_t *aq, const float *ad,
+    const float *as, const char *pf, float *y) {
     __m512 acc[4];
     float macc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), macc[r] = 0.0f;
     for (int p = 0; p < G; p += 2) {
         const __m512i a = _mm512_loadu_si512(aq + 32 * p);
-        const __m512i init = m ? _mm512_setzero_si512()
-                               : _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                                                        _mm512_set1_epi8(1), a),
-                                                    _mm512_set1_epi32(-16));
         if (pf)
-            for (int off = 0; off < R * 2 * bsize; off += 64)
-                _mm_prefetch(pf + (size_t)p * R * bsize + off, QLIB_PF_HINT);
+            for (int off = 0; off < R * 48; off += 64)
+                _mm_prefetch(pf + (size_t)p * R * 24 + off, QLIB_PF_HINT);
         for (int r = 0; r < R; r++) {
-            const uint8_t *b0 = w + r * row_bytes + (size_t)p * bsize, *b1 = b0 + bsize;
-            const __m512i v = q5_pair_codes(b0, m);
-            const __m512i isum = _mm512_dpbusd_epi32(init, v, a);
+            const uint8_t *b0 = w + r * row_bytes + (size_t)p * 24, *b1 = b0 + 24;
+            const __m512i v = q51_pair_codes(b0);
+            const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, a);
             const __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16_at(b0) * ad[p]),
                                                    _mm512_set1_ps(f16_at(b1) * ad[p + 1]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, acc[r]);
-            if (m) {
-                macc[r] += f16_at(b0 + 2) * as[p];
-                macc[r] += f16_at(b1 + 2) * as[p + 1];
-            }
+            macc[r] += f16_at(b0 + 2) * as[p];
+            macc[r] += f16_at(b1 + 2) * as[p + 1];
         }
     }
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) + macc[r];
@@ -396,18 +384,14 @@ static void dot_rows_k(int rows, int type, const uint8_t *w, size_t row_bytes, i
         QLIB_K_CASE(QLIB_Q4_K)
         QLIB_K_CASE(QLIB_Q5_K)
         QLIB_K_CASE(QLIB_Q6_K)
-#define QLIB_Q5_CASE(T, M)                                                              \
-    case T:                                                                             \
-        if (rows == 4)                                                                  \
-            q5rows(4, M, w, row_bytes, k / 32, aq, ad, as, pf, y);                      \
-        else                                                                            \
-            q5rows(1, M, w, row_bytes, k / 32, aq, ad, as, NULL, y);                    \
+    case QLIB_Q5_1:
+        if (rows == 4)
+            q51rows(4, w, row_bytes, k / 32, aq, ad, as, pf, y);
+        else
+            q51rows(1, w, row_bytes, k / 32, aq, ad, as, NULL, y);
         break;
-        QLIB_Q5_CASE(QLIB_Q5_0, 0)
-        QLIB_Q5_CASE(QLIB_Q5_1, 1)
     }
 #undef QLIB_K_CASE
-#undef QLIB_Q5_CASE
 }
 
 /* kcols for M (1 or 4) activation rows: the type and M as constants */
@@ -642,8 +626,7 @@ static int kgemm_tiled(int type, const uint8_t *w, size_t row_bytes, int n, int 
     return failed ? -1 : 0;
 }
 
-/* Activation row i of qlib_kgemm: the input row (scratch ri), its Q8_K (kq) or Q8_1 codes
- * (Q5_0 reads them as Q8_0's: the same codes and d). */
+/* Activation row i of qlib_kgemm: the input row (scratch ri), its Q8_K (kq) or Q8_1 codes. */
 static void kact_row(int type, int kq, const float *x, int k, int i, const float *norm_w,
                      float eps, int swiglu, float *ri, int8_t *aq, float *ad, float *as,
                      int16_t *abs_) {
@@ -680,16 +663,16 @@ static inline __attribute__((always_inline)) void kgemv_rows(
 }
 
 /* y[m, n] (+)= f(x)[m, k] @ W[n, k].T for W given as GGUF blocks ([n, k / 256] K-quant
- * blocks or [n, k / 32] Q5_0 / Q5_1 blocks), f and the flags as in kernels.c's qlib_qgemm_ex.
- * Returns 0, or -1 (type, k % 256 (Q5_0, Q5_1: 64) != 0, out of memory). */
+ * blocks or [n, k / 32] Q5_1 blocks), f and the flags as in kernels.c's qlib_qgemm_ex.
+ * Returns 0, or -1 (type, k % 256 (Q5_1: 64) != 0, out of memory). */
 int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, float *y,
                const float *norm_w, float eps, int swiglu, int accumulate) {
     if (qlib_float_type(type)) /* F32 / F16 / BF16 rows: floats.c */
         return qlib_fgemm(type, w, n, k, x, m, y, norm_w, eps, swiglu, accumulate);
-    const int bsize = block_bytes(type), kq = type >= QLIB_Q2_K;
+    const int bsize = block_bytes(type), kq = type != QLIB_Q5_1;
     if (!bsize || (kq ? k % 256 : k % 64)) return -1;
-    if (!kq && m >= qlib_gemm_min_rows) /* Q5_0 / Q5_1, many rows: kernels.c's tiled path */
-        return qlib_q5_gemm(type, w, n, k, x, m, y, norm_w, eps, swiglu, accumulate);
+    if (!kq && m >= qlib_gemm_min_rows) /* Q5_1, many rows: kernels.c's tiled path */
+        return qlib_q51_gemm(w, n, k, x, m, y, norm_w, eps, swiglu, accumulate);
     const size_t row_bytes = (size_t)(k / (kq ? 256 : 32)) * bsize;
     const int G = k / 32, NB = k / 256;
     int8_t *aq = malloc((size_t)m * k);
@@ -775,7 +758,7 @@ size_t qlib_kgemv_scratch(int k) {
 /* Bytes of one weight row of k for qlib_kgemv_region's block types (0 for the float types,
  * whose rows floats.c reads) */
 size_t qlib_kgemv_row_bytes(int type, int k) {
-    return (size_t)(k / (type >= QLIB_Q2_K ? 256 : 32)) * block_bytes(type);
+    return (size_t)(k / (type != QLIB_Q5_1 ? 256 : 32)) * block_bytes(type);
 }
 
 /* qlib_kgemm's GEMV for one row (m = 1), called by every thread of an enclosing parallel
@@ -792,7 +775,7 @@ void qlib_kgemv_region(int type, const uint8_t *w, int n, int k, const float *x,
                           (float *)scratch, shared);
         return;
     }
-    const int kq = type >= QLIB_Q2_K, G = k / 32, NB = k / 256;
+    const int kq = type != QLIB_Q5_1, G = k / 32, NB = k / 256;
     const size_t row_bytes = (size_t)(k / (kq ? 256 : 32)) * block_bytes(type);
     int8_t *aq = (int8_t *)scratch;
     float *ad = (float *)(scratch + kup64((size_t)k));

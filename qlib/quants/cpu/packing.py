@@ -3,10 +3,11 @@ packed or quantized weights -> AMX tiles (``pack_amx``; ``pack_amx_quantized`` f
 planes, ``pack_amx_codes`` from the GGUF blocks of any quantized type or mix).
 
 ``supports`` says which weights ``pack`` and the kernels take (what ``matmul.qmatmul``
-uses). K-quant, Q5_0, Q5_1 and F32 / F16 / BF16 weights (``BLOCK_CODES``) are not repacked:
-``kquants.c`` (``floats.c`` for the float types) reads their GGUF rows, which ``pack``
-copies row after row. (Until 2026-12-04 Q5_0 was widened into Q8_0 planes: the same values
-and sums, 34 bytes a block against 22.)
+uses). Q4_0, Q4_1, Q5_0 and Q8_0 become per-row planes (Q5_0: its low 4 bits as Q4_0's
+nibbles, its fifth bits as the blocks' ``qh`` words; until 2026-12-04 it was widened into
+Q8_0 planes, the same values and sums in 34 bytes a block against 22). K-quant, Q5_1 and F32
+/ F16 / BF16 weights (``BLOCK_CODES``) are not repacked: ``kquants.c`` (``floats.c`` for the
+float types) reads their GGUF rows, which ``pack`` copies row after row.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> P
     G = k // 32
     codes = torch.empty(n, k if name == "Q8_0" else k // 2, dtype=torch.uint8)
     d = torch.empty(n, G, dtype=torch.int16)
-    m = torch.empty(n, G, dtype=torch.int16) if name == "Q4_1" else None
+    m = torch.empty(n, {"Q4_1": G, "Q5_0": 2 * G}[name], dtype=torch.int16) \
+        if name in ("Q4_1", "Q5_0") else None  # fmt: skip
     if build.available():
         j = 0
         for rows, data in weights:  # each weight into its rows of the planes, piece by piece
@@ -93,21 +95,30 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> P
     if name == "Q8_0":
         codes.copy_(blocks[:, :, 2:34].reshape(n, k) ^ 0x80)
     else:
+        extra = {"Q4_1": 2, "Q5_0": 4}.get(name, 0)  # bytes of m or qh after d
         if m is not None:
-            m.copy_(blocks[:, :, 2:4].contiguous().view(torch.int16).reshape(n, G))
-        qs = blocks[:, :, (4 if m is not None else 2) :][:, :, :16]
+            m.copy_(blocks[:, :, 2 : 2 + extra].contiguous().view(torch.int16).reshape(n, -1))
+        qs = blocks[:, :, 2 + extra :][:, :, :16]
         q = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n, k // 64, 2, 32)  # natural order
         codes.copy_((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2))
     return PackedWeight(name, n, k, codes, d, m)
 
 
-def _plane_codes(codes: torch.Tensor, type_name: str) -> torch.Tensor:
+def _plane_codes(codes: torch.Tensor, type_name: str,
+                 qh: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The codes of packed planes ``[rows, bytes]`` as int16 ``[rows, k]``, in element order:
-    Q8_0's ``q`` (stored ``q + 128``), Q4_*'s nibbles 0..15 (before Q4_0's -8)."""
+    Q8_0's ``q`` (stored ``q + 128``), Q4_*'s nibbles 0..15 (before Q4_0's -8), Q5_0's
+    ``q - 16`` (its fifth bits from ``qh``, the ``m`` plane of its rows)."""
     if type_name == "Q8_0":
         return codes.to(torch.int16) - 128
-    c = codes.view(codes.shape[0], -1, 32)  # per 64 elements 32 bytes: e[i] | e[i + 32] << 4
-    return torch.cat([c & 15, c >> 4], dim=-1).reshape(codes.shape[0], -1).to(torch.int16)
+    rows = codes.shape[0]
+    c = codes.view(rows, -1, 32)  # per 64 elements 32 bytes: e[i] | e[i + 32] << 4
+    q = torch.cat([c & 15, c >> 4], dim=-1).reshape(rows, -1).to(torch.int16)
+    if type_name == "Q5_0":
+        words = qh.contiguous().view(torch.int32).reshape(rows, -1, 1)
+        bits = (words >> torch.arange(32, dtype=torch.int32)) & 1  # [rows, blocks, 32]
+        q = q + (bits.reshape(rows, -1) * 16 - 16).to(torch.int16)
+    return q
 
 
 def dequantize_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
@@ -119,12 +130,12 @@ def dequantize_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     t, k = ids.numel(), pw.k
     if pw.blocks:
         return dequantize_torch(pw.codes[ids].reshape(-1), pw.type_name, (t, k))
-    q = _plane_codes(pw.codes[ids], pw.type_name)
+    q = _plane_codes(pw.codes[ids], pw.type_name, pw.m[ids] if pw.type_name == "Q5_0" else None)
     if pw.type_name == "Q4_0":
         q = q - 8
     d = pw.d[ids].view(torch.float16).float().unsqueeze(-1)
     y = q.float().view(t, k // 32, 32) * d
-    if pw.m is not None:
+    if pw.type_name == "Q4_1":
         y = y + pw.m[ids].view(torch.float16).float().unsqueeze(-1)
     return y.reshape(t, k)
 
@@ -222,15 +233,17 @@ def _amx_code_tiles(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor
 
 
 def pack_amx_quantized(pw: PackedWeight, interleave: bool = False) -> AmxWeight:
-    """A repacked Q4_0 / Q4_1 / Q8_0 weight as AMX-ordered codes and float32 scales (see
-    ``AmxWeight``): 0.75 (4-bit) or 1.125 (Q8_0) bytes per weight instead of bf16's 2; the
-    GEMM expands them to exactly the bf16 values ``dequantize_bf16`` gives."""
+    """A repacked Q4_0 / Q4_1 / Q5_0 / Q8_0 weight as AMX-ordered codes and float32 scales (see
+    ``AmxWeight``): 0.75 (4-bit) or 1.125 (Q8_0; Q5_0 as its ``q - 16``) bytes per weight
+    instead of bf16's 2; the GEMM expands them to exactly the bf16 values ``dequantize_bf16``
+    gives."""
     n, k = pw.n, pw.k
     if n % 32 or k % 64:
         raise ValueError(f"pack_amx_quantized: n % 32 and k % 64 == 0 needed, got {n}x{k}")
     d = pw.d.view(torch.float16).float()
-    q = _plane_codes(pw.codes, pw.type_name).to(torch.int8)
-    if pw.type_name == "Q8_0":
+    q = _plane_codes(pw.codes, pw.type_name, pw.m if pw.type_name == "Q5_0" else None)
+    q = q.to(torch.int8)
+    if pw.type_name in ("Q8_0", "Q5_0"):
         return _amx_code_tiles("q8", q, d, None, interleave)
     m = pw.m.view(torch.float16).float() if pw.type_name == "Q4_1" else d * -8.0
     return _amx_code_tiles("q4", q, d, m, interleave)
