@@ -696,6 +696,20 @@ def test_amx_codes_hold_the_bf16_values(types, interleave):
     assert w.kind == cpu.amx_codes_plan(types)[0]
 
 
+@needs_kernels
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+def test_amx_codes_from_the_planes_hold_the_bf16_values(type_name):
+    """``pack_amx_quantized`` (the planes of ``pack``; Q5_0 as Q8_0-style codes ``q - 16``),
+    expanded as the AMX GEMM expands it, gives ``QTensor.dequantize``'s values rounded to bf16
+    bit for bit, in ``pack_amx``'s tile order. Runs without AMX."""
+    g = torch.Generator().manual_seed(9)
+    q = QTensor.quantize(torch.randn(64, 512, generator=g) * 0.05, type_name)
+    w = cpu.pack_amx_quantized(cpu.pack(q))
+    want = q.dequantize(dtype=torch.bfloat16)
+    want = cpu.pack_amx(want).permute(0, 3, 1, 2, 4).reshape(want.shape)
+    assert torch.equal(_expand_amx_codes(w), want)
+
+
 def test_amx_codes_refuse_float_parts():
     w = QTensor.quantize(torch.randn(32, 256), "F16")
     assert cpu.amx_codes_plan(["Q4_K", "F16"]) is None and cpu.amx_code_bytes(["F32"]) is None
