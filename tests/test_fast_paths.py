@@ -697,9 +697,9 @@ def test_amx_codes_hold_the_bf16_values(types, interleave):
 
 
 @needs_kernels
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_amx_codes_from_the_planes_hold_the_bf16_values(type_name):
-    """``pack_amx_quantized`` (the planes of ``pack``; Q5_0 as Q8_0-style codes ``q - 16``),
+    """``pack_amx_quantized`` (the planes of ``pack``; Q5_* as 8-bit codes, Q5_0's ``q - 16``),
     expanded as the AMX GEMM expands it, gives ``QTensor.dequantize``'s values rounded to bf16
     bit for bit, in ``pack_amx``'s tile order. Runs without AMX."""
     g = torch.Generator().manual_seed(9)

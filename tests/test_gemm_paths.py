@@ -23,8 +23,8 @@ from qlib.quants.cpu import ops, packing
 from qlib.quants.qtensor import QTensor
 
 TOL = 1e-5  # x max |output|: the float32 order of the per-block terms (see above)
-PLANES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # kernels.c
-BLOCKS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_1")  # kquants.c
+PLANES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # kernels.c
+BLOCKS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # kquants.c
 ROWS = list(range(1, 41)) + [63, 64, 65, 127, 128, 129, 203, 255, 256, 299, 300]
 
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,5 @@
-"""The C kernel for K-quant and Q5_1 weights (``qlib/quants/cpu/kquants.c``, ``qlib_kgemm``).
+"""The C kernels for K-quant weights (``qlib/quants/cpu/kquants.c``, ``qlib_kgemm``) and Q5_1
+(since 2026-12-04 ``kernels.c``'s planes, as Q4_1 with the fifth bits: the same checks).
 
 The kernel reads the GGUF blocks as they are, quantizes each activation row to the weight's
 dot type (Q8_K for Q2_K..Q6_K, Q8_1 for Q5_1, as ``qlib.quants.activations``) and sums exact
@@ -76,7 +77,8 @@ def _gate_up(m: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Te
 def test_kgemm_matches_torch_fallback(type_name, n, k):
     w = _weight(type_name, n, k, seed=n + k)
     pw = cpu.pack(w)
-    assert cpu.supports(type_name, k) and pw.blocks and pw.type_name == type_name
+    assert cpu.supports(type_name, k) and pw.type_name == type_name
+    assert pw.blocks == (type_name != "Q5_1")  # Q5_1: planes
     assert pw.codes.data_ptr() != w.data.data_ptr()  # a copy: the file's pages may go
     pr = prepare(w)
     g = torch.Generator().manual_seed(k)
@@ -196,7 +198,8 @@ def test_fast_engine_matches_faithful(type_name, tmp_path):
     assert fm._plan is not None
     for ly in fm.layers:
         for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2):
-            assert lin.packed is not None and lin.packed.blocks  # one qlib_kgemm call each
+            assert lin.packed is not None  # one C call each (qlib_kgemm; Q5_1: qlib_qgemm_ex)
+            assert lin.packed.blocks == (type_name != "Q5_1")
     assert fm.output.packed is not None and fm.output.packed.type_name == type_name
     ref = _build(path, form="quantized", attention="sdpa", kv_cache="static")
     ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(3))

@@ -6,8 +6,8 @@ none of candle's sharp edges. What differs from the faithful path:
 
 * **decode GEMVs** (and every matmul of fewer than ``bf16_min_rows`` rows) run
   the AVX-512 VNNI kernels of ``qlib.quants.cpu`` on the packed 4/8-bit
-  weights (Q4_0, Q4_1, Q8_0) and on the GGUF blocks of the K-quants (Q2_K .. Q6_K, rows a
-  multiple of 256), Q5_0 and Q5_1: ggml
+  weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and on the GGUF blocks of the K-quants (Q2_K ..
+  Q6_K, rows a multiple of 256): ggml
   semantics (Q8_0 / Q8_1 / Q8_K activations, exact integer block dots), so the logits
   equal the faithful ``quantized`` form's to float rounding. Other types (F32 / F16 /
   BF16, K-quant rows not a multiple of 256), and every type without the kernels (no
@@ -228,8 +228,8 @@ def _owned(q: QTensor) -> torch.Tensor:
 
 class LinearPart:
     """Rows ``r0 .. r0 + n`` of a (stacked) weight, all of one GGUF type: the C kernels'
-    weight (``packed``: Q4_0 / Q4_1 / Q8_0 planes; the GGUF blocks of K-quants, Q5_0 and
-    Q5_1) or, for the types and shapes the kernels
+    weight (``packed``: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 planes; the GGUF blocks of
+    K-quants) or, for the types and shapes the kernels
     lack, the torch matmul with ggml semantics (``prepared``: int8 codes and float32
     scales; the dequantized float32 weight for F32 / F16 / BF16)."""
 

@@ -1,8 +1,8 @@
-"""AVX-512 VNNI kernels for the CPU quantized matmul (Q4_0, Q4_1, Q8_0 weights repacked;
-Q2_K..Q6_K, Q5_0 and Q5_1 on their GGUF blocks).
+"""AVX-512 VNNI kernels for the CPU quantized matmul (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 weights
+repacked; Q2_K..Q6_K on their GGUF blocks).
 
-``kernels.c`` (the quantized GEMM/GEMV of repacked Q4_0 / Q4_1 / Q8_0 planes),
-``kquants.c`` (the same for K-quant and Q5_1 blocks as the file has them),
+``kernels.c`` (the quantized GEMM/GEMV of repacked Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 planes),
+``kquants.c`` (the same for K-quant blocks as the file has them),
 ``attn.c`` (the decode attention step), ``decode.c`` (the decode step's GEMVs and
 attention run in one C call, in one OpenMP region: ``DecodeChain``) and
 ``prefill.c`` (RmsNorm, SwiGLU, RoPE + KV write + causal attention between the

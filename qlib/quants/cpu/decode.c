@@ -84,9 +84,9 @@ static void prefetch_share(const qlib_step *s, int t, int nth) {
     if (rows <= 0) return;
     size_t row_bytes;
     if (s->kind == STEP_QGEMV) {
-        row_bytes = s->type == 8 ? (size_t)s->k : (size_t)s->k / 2; /* Q8_0 : Q4_0/1, Q5_0 */
+        row_bytes = s->type == 8 ? (size_t)s->k : (size_t)s->k / 2; /* Q8_0 : Q4_*, Q5_* */
         const size_t planes = sizeof(uint16_t) * (size_t)(s->k / 32);
-        const size_t mplanes = s->type == 6 ? 2 * planes : planes; /* Q5_0: its qh words */
+        const size_t mplanes = planes * (s->type == 7 ? 3 : s->type == 6 ? 2 : 1); /* + qh */
         for (size_t off = 0; off < planes * rows; off += 64)
             _mm_prefetch((const char *)s->d + planes * j + off, _MM_HINT_T1);
         if (s->m)
@@ -104,10 +104,11 @@ static void prefetch_share(const qlib_step *s, int t, int nth) {
 static int step_ok(const qlib_step *s) {
     switch (s->kind) {
     case STEP_QGEMV:
-        return s->k % 64 == 0 && (s->type == 2 || s->type == 3 || s->type == 6 || s->type == 8);
+        return s->k % 64 == 0 && (s->type == 2 || s->type == 3 || s->type == 6 || s->type == 7 ||
+                                  s->type == 8);
     case STEP_KGEMV:
-        return s->type == 7 || qlib_float_type(s->type)
-                   ? s->k % 64 == 0 : s->type >= 10 && s->type <= 14 && s->k % 256 == 0;
+        return qlib_float_type(s->type) ? s->k % 64 == 0
+                                        : s->type >= 10 && s->type <= 14 && s->k % 256 == 0;
     case STEP_ATTN:
         return s->head_dim % 16 == 0 && s->head_dim <= 128 && s->n_head % s->n_kv == 0;
     }

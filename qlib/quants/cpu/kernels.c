@@ -1,17 +1,18 @@
-/* qlib CPU kernels: y = x @ W.T for Q4_0 / Q4_1 / Q5_0 / Q8_0 weights with ggml semantics.
+/* qlib CPU kernels: y = x @ W.T for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights, ggml semantics.
  *
  * Every activation row is quantized as ggml's x86 backend does (Q8_0 for Q4_0, Q5_0 and
- * Q8_0 weights, Q8_1 for Q4_1; blocks of 32, d = amax / 127 stored as f16, codes
+ * Q8_0 weights, Q8_1 for Q4_1 and Q5_1; blocks of 32, d = amax / 127 stored as f16, codes
  * rounded half to even with the multiplier 127 / amax). Each block of 32 gives an
  * exact integer dot (AVX-512 VNNI vpdpbusd: unsigned weight bytes x signed
- * activation bytes), scaled in float32 by d_w * d_a; Q4_1 adds m_w * s_a per block.
+ * activation bytes), scaled in float32 by d_w * d_a; Q4_1, Q5_1 add m_w * s_a per block.
  *
  * Weights are repacked by qlib.quants.cpu.packing into per-row planes:
- *   codes  Q4_*, Q5_0: k/2 bytes, per 64 elements 32 bytes, byte i = e[i] | e[i+32] << 4
+ *   codes  Q4_*, Q5_*: k/2 bytes, per 64 elements 32 bytes, byte i = e[i] | e[i+32] << 4
  *                (the low 4 bits of the codes, as stored by ggml before the -8 of Q4_0);
  *          Q8_0: k bytes, code + 128 (unsigned);
- *   d      f16 bits, k/32 per row;  m: f16 bits, k/32 per row (Q4_1), or Q5_0's high bits,
- *          its qh words (bit i: element i of the block), k/32 uint32 per row.
+ *   d      f16 bits, k/32 per row;
+ *   m      Q4_1: f16 minimums, k/32 per row; Q5_0: the high bits, the blocks' qh words (bit
+ *          i: element i), k/32 uint32 per row; Q5_1: its minimums, then its qh words.
  * The unsigned offset (8, 16 or 128) is removed exactly by starting each block's
  * integer accumulator at -offset * (sum of 4 activation codes) per lane.
  * Rows are split over OpenMP threads; each output element is computed by one
@@ -20,8 +21,7 @@
  * From qlib_gemm_min_rows rows (4; prefill) a tiled GEMM path (below) computes the same
  * exact integer block dots with weight tiles re-laid once per call: equal to the GEMV
  * loops to float rounding (the float32 order of the per-block terms), rows independent
- * within each path. The tiled path also takes Q5_1 weights as their GGUF blocks
- * (qlib_q51_gemm, for kquants.c: codes 0..31 unpacked into the tiles, Q4_1's formula).
+ * within each path.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -33,10 +33,18 @@
 #include "simd.h"
 
 enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8 };
-/* Q5_1: its GGUF blocks, in the tiled path only (qlib_q51_gemm) */
 
 /* Whether a weight type's blocks have minimums (the m_w s_a term; no code offset). */
 static inline int has_min(int type) { return type == QLIB_Q4_1 || type == QLIB_Q5_1; }
+
+/* The m plane (module comment) per row, in uint16, and where a row's qh words begin in it */
+static inline size_t m_stride(int type, int G) {
+    return (size_t)G * (type == QLIB_Q5_1 ? 3 : type == QLIB_Q5_0 ? 2 : 1);
+}
+static inline const uint8_t *qh_words(int type, const uint16_t *m_row, int G) {
+    return (const uint8_t *)(m_row + (type == QLIB_Q5_1 ? G : 0));
+}
+static inline int has_qh(int type) { return type == QLIB_Q5_0 || type == QLIB_Q5_1; }
 
 /* The unsigned offset of a type's stored codes (Q4_0: 8, Q5_0: 16, Q8_0's planes: 128), removed
  * exactly through the activation codes' sums; 0 for the types with minimums. */
@@ -51,6 +59,7 @@ static inline __attribute__((always_inline)) void dot_rows(
     const uint16_t *mw, int k, const int8_t *aq, const float *ad, const float *as,
     const int32_t *corr, const char *pf, float *y) {
     const int G = k / 32;
+    const size_t ms = m_stride(type, G);
     const __m512i base = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m512 facc[4];
@@ -63,9 +72,9 @@ static inline __attribute__((always_inline)) void dot_rows(
         for (int r = 0; r < R; r++) {
             dd[r] = _mm512_mul_ps(
                 _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, dw + (size_t)r * G + c)), da);
-            if (type == QLIB_Q4_1) /* the offset term, sum over blocks of m_w * s_a */
+            if (has_min(type)) /* the offset term, sum over blocks of m_w * s_a */
                 facc[r] = _mm512_fmadd_ps(
-                    _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mw + (size_t)r * G + c)),
+                    _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mw + (size_t)r * ms + c)),
                     _mm512_maskz_loadu_ps(mask, as + c), facc[r]);
         }
         for (int p = 0; p < nb; p += 2) {
@@ -75,8 +84,8 @@ static inline __attribute__((always_inline)) void dot_rows(
                 for (int r = 0; r < R; r++) _mm_prefetch(pf + r * row_bytes + off, _MM_HINT_T1);
             }
             const __m512i a = _mm512_loadu_si512(aq + e);
-            const __m512i init = type == QLIB_Q4_1 ? _mm512_setzero_si512()
-                                                   : _mm512_loadu_si512(corr + e / 4);
+            const __m512i init = has_min(type) ? _mm512_setzero_si512()
+                                               : _mm512_loadu_si512(corr + e / 4);
             const __m512i idx = _mm512_add_epi32(base, _mm512_set1_epi32(p));
             for (int r = 0; r < R; r++) {
                 const uint8_t *cr = codes + (size_t)r * row_bytes;
@@ -88,9 +97,9 @@ static inline __attribute__((always_inline)) void dot_rows(
                     __m256i lo = _mm256_and_si256(v, low4);
                     __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                     w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                    if (type == QLIB_Q5_0) { /* + 16 where the block pair's qh bit is set */
+                    if (has_qh(type)) { /* + 16 where the block pair's qh bit is set */
                         uint64_t h;
-                        memcpy(&h, (const uint8_t *)mw + 4 * ((size_t)r * G + c + p), 8);
+                        memcpy(&h, qh_words(type, mw + (size_t)r * ms, G) + 4 * (c + p), 8);
                         w = _mm512_mask_add_epi8(w, (__mmask64)h, w, _mm512_set1_epi8(16));
                     }
                 }
@@ -122,8 +131,7 @@ void qlib_qgemm_set_min_rows(int rows) { qlib_gemm_min_rows = rows; }
 
 /* The tile's codes as unsigned bytes in steps of 4 elements: wt[(s * GT + r) * 4 + t] = code
  * of element 4s + t of tile row r (rows past n repeat the last row); dt / mt: float d / m.
- * Q5_1: codes are the GGUF blocks (rows of row_bytes), d and m read from them; Q5_0: mw holds
- * the high bits (qh words). */
+ * Q5_0 / Q5_1: the m plane holds their high bits (qh words). */
 static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const uint16_t *dw,
                       const uint16_t *mw, int j0, int n, int k, uint8_t *wt, float *dt,
                       float *mt) {
@@ -135,21 +143,19 @@ static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const ui
             const int r = v * 16 + l;
             const size_t jr = (size_t)(j0 + (r < last ? r : last));
             row[l] = codes + jr * row_bytes;
-            qh[l] = type == QLIB_Q5_0 ? (const uint8_t *)mw + 4 * jr * G : NULL;
+            qh[l] = has_qh(type) ? qh_words(type, mw + jr * m_stride(type, G), G) : NULL;
         }
         for (int c = 0; c < k / 64; c++) { /* 64 elements: 16 steps */
             __m512i x[16];
             for (int l = 0; l < 16; l++) {
-                if (type == QLIB_Q5_1) {
-                    x[l] = q51_pair_codes(row[l] + 48 * c);
-                } else if (type == QLIB_Q8_0) {
+                if (type == QLIB_Q8_0) {
                     x[l] = _mm512_loadu_si512(row[l] + 64 * c);
                 } else {
                     const __m256i p = _mm256_loadu_si256((const __m256i *)(row[l] + 32 * c));
                     x[l] = _mm512_inserti64x4(
                         _mm512_castsi256_si512(_mm256_and_si256(p, low4)),
                         _mm256_and_si256(_mm256_srli_epi16(p, 4), low4), 1);
-                    if (type == QLIB_Q5_0) {
+                    if (has_qh(type)) {
                         uint64_t h;
                         memcpy(&h, qh[l] + 8 * c, 8);
                         x[l] = _mm512_mask_add_epi8(x[l], (__mmask64)h, x[l], _mm512_set1_epi8(16));
@@ -163,18 +169,10 @@ static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const ui
     }
     for (int r = 0; r < GT; r++) {
         const size_t row = (size_t)(j0 + (r < last ? r : last)), jr = row * G;
-        if (type == QLIB_Q5_1) { /* d, m: the first 4 bytes of each 24-byte block */
-            const uint8_t *blocks = codes + row * row_bytes;
-            for (int b = 0; b < G; b++) {
-                uint16_t dm[2];
-                memcpy(dm, blocks + (size_t)b * 24, 4);
-                dt[b * GT + r] = _cvtsh_ss(dm[0]), mt[b * GT + r] = _cvtsh_ss(dm[1]);
-            }
-            continue;
-        }
+        const uint16_t *mr = mw ? mw + row * m_stride(type, G) : NULL;
         for (int b = 0; b < G; b++) {
             dt[b * GT + r] = _cvtsh_ss(dw[jr + b]);
-            if (mt) mt[b * GT + r] = _cvtsh_ss(mw[jr + b]);
+            if (mt) mt[b * GT + r] = _cvtsh_ss(mr[b]);
         }
     }
 }
@@ -316,17 +314,6 @@ static int qgemm_tiled(int type, const uint8_t *codes, size_t row_bytes, const u
     return failed ? -1 : 0;
 }
 
-/* y[m, n] (+)= f(x)[m, k] @ W[n, k].T for Q5_1 weights as GGUF blocks ([n, k / 32], 24
- * bytes each), through the tiled path: the unpacked 5-bit codes times the Q8_1 activation
- * codes (exact), per block float(sum) * (d_w d_a) + m_w s_a, as kquants.c's Q5_1 GEMV to float
- * rounding (kquants.c's qlib_kgemm calls it from qlib_gemm_min_rows rows). Returns 0 or -1. */
-int qlib_q51_gemm(const uint8_t *blocks, int n, int k, const float *x, int m, float *y,
-                  const float *norm_w, float eps, int swiglu, int accumulate) {
-    if (k % 64) return -1;
-    return qgemm_tiled(QLIB_Q5_1, blocks, (size_t)k / 32 * 24, NULL, NULL, n, k, x, m, y, norm_w,
-                       eps, swiglu, accumulate);
-}
-
 /* Activation row i of qlib_qgemm_ex: the input row (scratch ri), its Q8_0 / Q8_1 codes,
  * d (and s), and -offset * (sum of each 4 codes) per int32 lane. */
 static void act_row(int type, const float *x, int k, int i, const float *norm_w, float eps,
@@ -335,7 +322,7 @@ static void act_row(int type, const float *x, int k, int i, const float *norm_w,
     const __m512i ones = _mm512_set1_epi8(1);
     int8_t *q = aq + (size_t)i * k;
     input_row(x + (size_t)i * k * (swiglu ? 2 : 1), k, norm_w, eps, swiglu, ri);
-    quantize_row_q8(ri, k, q, ad + (size_t)i * G, type == QLIB_Q4_1 ? as + (size_t)i * G : NULL);
+    quantize_row_q8(ri, k, q, ad + (size_t)i * G, has_min(type) ? as + (size_t)i * G : NULL);
     for (int e = 0; e < k; e += 64) {
         __m512i lane = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(q + e));
         _mm512_storeu_si512(corr + (size_t)i * (k / 4) + e / 4,
@@ -377,7 +364,7 @@ static inline __attribute__((always_inline)) void gemv_group(
     const int j = jb * 4, rows = n - j < 4 ? n - j : 4;
     const uint8_t *cj = codes + (size_t)j * row_bytes;
     const uint16_t *dj = dw + (size_t)j * G;
-    const size_t ms = type == QLIB_Q5_0 ? 2 * (size_t)G : (size_t)G; /* m plane: u16 a row */
+    const size_t ms = m_stride(type, G);
     const uint16_t *mj = mw ? mw + (size_t)j * ms : NULL;
     const char *pf = NULL;
     const int sequential = type == QLIB_Q8_0 && k <= qlib_gemv_seq_k;
@@ -414,7 +401,8 @@ static inline __attribute__((always_inline)) void gemv_group(
 int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint16_t *mw,
                   int n, int k, const float *x, int m, float *y, const float *norm_w,
                   float eps, int swiglu, int accumulate) {
-    if (k % 64 || (type != QLIB_Q4_0 && type != QLIB_Q4_1 && type != QLIB_Q5_0 && type != QLIB_Q8_0))
+    if (k % 64 || (type != QLIB_Q4_0 && type != QLIB_Q4_1 && type != QLIB_Q5_0 &&
+                   type != QLIB_Q5_1 && type != QLIB_Q8_0))
         return -1;
     const int G = k / 32;
     const size_t row_bytes = type == QLIB_Q8_0 ? (size_t)k : (size_t)k / 2;
@@ -485,7 +473,12 @@ void qlib_qgemv_region(int type, const uint8_t *codes, const uint16_t *dw, const
 void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, uint16_t *d,
                  uint16_t *m) {
     const int G = k / 32;
-    const int bsize = type == QLIB_Q8_0 ? 34 : type == QLIB_Q5_0 ? 22 : type == QLIB_Q4_1 ? 20 : 18;
+    const int bsize = type == QLIB_Q8_0   ? 34
+                      : type == QLIB_Q5_1 ? 24
+                      : type == QLIB_Q5_0 ? 22
+                      : type == QLIB_Q4_1 ? 20
+                                          : 18;
+    const size_t ms = m_stride(type, G);
 #pragma omp parallel for schedule(static)
     for (int j = 0; j < n; j++) {
         for (int b = 0; b < G; b++) {
@@ -495,9 +488,10 @@ void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, 
                 for (int i = 0; i < 32; i++) codes[(size_t)j * k + b * 32 + i] = blk[2 + i] ^ 0x80;
                 continue;
             }
-            if (type == QLIB_Q4_1) memcpy(m + (size_t)j * G + b, blk + 2, 2);
-            if (type == QLIB_Q5_0) memcpy(m + 2 * ((size_t)j * G + b), blk + 2, 4); /* qh */
-            const uint8_t *qs = blk + (type == QLIB_Q4_1 ? 4 : type == QLIB_Q5_0 ? 6 : 2);
+            const int dm = has_min(type) ? 4 : 2; /* d (and m) */
+            if (has_min(type)) memcpy(m + j * ms + b, blk + 2, 2);
+            if (has_qh(type)) memcpy((uint8_t *)qh_words(type, m + j * ms, G) + 4 * b, blk + dm, 4);
+            const uint8_t *qs = blk + dm + (has_qh(type) ? 4 : 0);
             uint8_t *out = codes + (size_t)j * (k / 2) + (b / 2) * 32;
             const int shift = (b % 2) * 4; /* even block: low nibbles, odd block: high */
             for (int i = 0; i < 16; i++) {
@@ -516,7 +510,8 @@ void qlib_dequant_bf16(int type, const uint8_t *codes, const uint16_t *d, const 
     for (int j = 0; j < n; j++) {
         for (int b = 0; b < G; b++) {
             const float dd = _cvtsh_ss(d[(size_t)j * G + b]);
-            const float mm = type == QLIB_Q4_1 ? _cvtsh_ss(m[(size_t)j * G + b]) : 0.0f;
+            const uint16_t *mr = m ? m + j * m_stride(type, G) : NULL;
+            const float mm = has_min(type) ? _cvtsh_ss(mr[b]) : 0.0f;
             for (int i = 0; i < 32; i++) {
                 int q;
                 if (type == QLIB_Q8_0) {
@@ -524,13 +519,13 @@ void qlib_dequant_bf16(int type, const uint8_t *codes, const uint16_t *d, const 
                 } else {
                     uint8_t byte = codes[(size_t)j * (k / 2) + (b / 2) * 32 + i];
                     q = (b % 2 ? byte >> 4 : byte & 0x0F) - (type == QLIB_Q4_0 ? 8 : 0);
-                    if (type == QLIB_Q5_0) {
+                    if (has_qh(type)) {
                         uint32_t h;
-                        memcpy(&h, m + 2 * ((size_t)j * G + b), 4);
-                        q += (int)((h >> i) & 1) * 16 - 16;
+                        memcpy(&h, qh_words(type, mr, G) + 4 * b, 4);
+                        q += (int)((h >> i) & 1) * 16 - (type == QLIB_Q5_0 ? 16 : 0);
                     }
                 }
-                float v = type == QLIB_Q4_1 ? dd * (float)q + mm : dd * (float)q;
+                float v = has_min(type) ? dd * (float)q + mm : dd * (float)q;
                 uint32_t u;
                 memcpy(&u, &v, 4);
                 out[(size_t)j * k + b * 32 + i] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);

@@ -1,11 +1,11 @@
-/* qlib CPU kernels: y = x @ W.T for K-quant (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and Q5_1 weights,
+/* qlib CPU kernels: y = x @ W.T for K-quant (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) weights,
  * with ggml semantics, reading the GGUF blocks as they are (no repacking).
  *
  * Activations are quantized as ggml's x86 backend does: Q8_K for the K-quants
  * (quantize_row_q8_K_ref: the signed value of largest magnitude max, first of equals;
  * iscale = -127 / max, codes min(127, nearest_int(iscale x)) with the 1.5 * 2^23 trick,
- * d = 1 / iscale as float32, sums of each 16 codes), Q8_1 for Q5_1 (quantize_row_q8 of
- * simd.h, as kernels.c's Q4_1). The codes of each 256-block are stored in the order in
+ * d = 1 / iscale as float32, sums of each 16 codes). The codes of each 256-block are stored
+ * in the order in
  * which the weight's bit planes unpack (see act_order), so a 64-byte load of codes meets a
  * 64-byte vector of unpacked weight codes.
  *
@@ -17,13 +17,13 @@
  * (sum_s sc_s * off * bsum_s), and the mins of Q2_K / Q4_K / Q5_K give the integer
  * sum_s m_s * bsum_s. Each super-block then adds float(lanes) * (d_w d_a) (and
  * float(min sums) * (-dmin_w d_a)) into float32 lane accumulators, summed over the lanes
- * at the end of the row; Q5_1 adds per block pair float(lanes) * (d_w d_a) and m_w s_a.
+ * at the end of the row.
  * Rows are split over OpenMP threads; each output element is computed by one thread in a
  * fixed order, so a row's result never depends on the other rows.
- * Requires k % 256 == 0 (K-quants), k % 64 == 0 (Q5_1). F32 / F16 / BF16 rows, which the
+ * Requires k % 256 == 0. F32 / F16 / BF16 rows, which the
  * Python side passes as one more kind of GGUF rows, go to floats.c.
- * From qlib_gemm_min_rows rows (4; prefill) the K-quants take a tiled GEMM path (below; Q5_1
- * kernels.c's, qlib_q51_gemm): the same
+ * From qlib_gemm_min_rows rows (4; prefill) the K-quants take a tiled GEMM path (below): the
+ * same
  * exact integer block dots with weight tiles re-laid once per call: equal to the GEMV
  * loops to float rounding (the float32 order of the per-block terms), rows independent
  * within each path.
@@ -44,17 +44,13 @@ int qlib_fgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
 void qlib_fgemv_region(int type, const uint8_t *w, int n, int k, const float *x, float *y,
                        const float *norm_w, float eps, int swiglu, int accumulate,
                        float *scratch, float *shared);
-/* kernels.c: the tiled GEMM of Q5_1 blocks (many rows) */
-int qlib_q51_gemm(const uint8_t *blocks, int n, int k, const float *x, int m, float *y,
-                  const float *norm_w, float eps, int swiglu, int accumulate);
 
 /* ggml's type ids */
-enum { QLIB_Q5_1 = 7, QLIB_Q2_K = 10, QLIB_Q3_K = 11, QLIB_Q4_K = 12, QLIB_Q5_K = 13,
+enum { QLIB_Q2_K = 10, QLIB_Q3_K = 11, QLIB_Q4_K = 12, QLIB_Q5_K = 13,
        QLIB_Q6_K = 14 };
 
 static int block_bytes(int type) {
     switch (type) {
-    case QLIB_Q5_1: return 24;  /* d, m: f16; qh: u32; qs[16] */
     case QLIB_Q2_K: return 84;  /* scales[16] qs[64] d dmin */
     case QLIB_Q3_K: return 110; /* hmask[32] qs[64] scales[12] d */
     case QLIB_Q4_K: return 144; /* d dmin scales[12] qs[128] */
@@ -339,37 +335,10 @@ static inline __attribute__((always_inline)) void kcols(
     for (int i = 0; i < M; i++) y[i] = _mm512_reduce_add_ps(acc[i]) + hsum8(accm[i]);
 }
 
-/* Dots of R consecutive Q5_1 weight rows with one Q8_1 activation row (k / 32 blocks, even);
- * pf as in krows (R * 48 bytes a step of two blocks). */
-static inline __attribute__((always_inline)) void q51rows(
-    const int R, const uint8_t *w, size_t row_bytes, int G, const int8_t *aq, const float *ad,
-    const float *as, const char *pf, float *y) {
-    __m512 acc[4];
-    float macc[4];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), macc[r] = 0.0f;
-    for (int p = 0; p < G; p += 2) {
-        const __m512i a = _mm512_loadu_si512(aq + 32 * p);
-        if (pf)
-            for (int off = 0; off < R * 48; off += 64)
-                _mm_prefetch(pf + (size_t)p * R * 24 + off, QLIB_PF_HINT);
-        for (int r = 0; r < R; r++) {
-            const uint8_t *b0 = w + r * row_bytes + (size_t)p * 24, *b1 = b0 + 24;
-            const __m512i v = q51_pair_codes(b0);
-            const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, a);
-            const __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16_at(b0) * ad[p]),
-                                                   _mm512_set1_ps(f16_at(b1) * ad[p + 1]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, acc[r]);
-            macc[r] += f16_at(b0 + 2) * as[p];
-            macc[r] += f16_at(b1 + 2) * as[p + 1];
-        }
-    }
-    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) + macc[r];
-}
-
 /* rows (1 or 4) weight rows of one type: the type and row count as constants for the
  * inlined loops */
 static void dot_rows_k(int rows, int type, const uint8_t *w, size_t row_bytes, int k,
-                       const int8_t *aq, const float *ad, const float *as, const int16_t *abs_,
+                       const int8_t *aq, const float *ad, const int16_t *abs_,
                        const __m512i idx[4], const char *pf, float *y) {
 #define QLIB_K_CASE(T)                                                                  \
     case T:                                                                             \
@@ -384,12 +353,6 @@ static void dot_rows_k(int rows, int type, const uint8_t *w, size_t row_bytes, i
         QLIB_K_CASE(QLIB_Q4_K)
         QLIB_K_CASE(QLIB_Q5_K)
         QLIB_K_CASE(QLIB_Q6_K)
-    case QLIB_Q5_1:
-        if (rows == 4)
-            q51rows(4, w, row_bytes, k / 32, aq, ad, as, pf, y);
-        else
-            q51rows(1, w, row_bytes, k / 32, aq, ad, as, NULL, y);
-        break;
     }
 #undef QLIB_K_CASE
 }
@@ -626,36 +589,32 @@ static int kgemm_tiled(int type, const uint8_t *w, size_t row_bytes, int n, int 
     return failed ? -1 : 0;
 }
 
-/* Activation row i of qlib_kgemm: the input row (scratch ri), its Q8_K (kq) or Q8_1 codes. */
-static void kact_row(int type, int kq, const float *x, int k, int i, const float *norm_w,
-                     float eps, int swiglu, float *ri, int8_t *aq, float *ad, float *as,
-                     int16_t *abs_) {
-    const int G = k / 32, NB = k / 256;
+/* Activation row i of qlib_kgemm: the input row (scratch ri), its Q8_K codes. */
+static void kact_row(int type, const float *x, int k, int i, const float *norm_w, float eps,
+                     int swiglu, float *ri, int8_t *aq, float *ad, int16_t *abs_) {
+    const int NB = k / 256;
     input_row(x + (size_t)i * k * (swiglu ? 2 : 1), k, norm_w, eps, swiglu, ri);
-    if (kq)
-        quantize_row_q8k(ri, k, type, aq + (size_t)i * k, ad + (size_t)i * NB,
-                         abs_ + (size_t)i * 16 * NB);
-    else
-        quantize_row_q8(ri, k, aq + (size_t)i * k, ad + (size_t)i * G, as + (size_t)i * G);
+    quantize_row_q8k(ri, k, type, aq + (size_t)i * k, ad + (size_t)i * NB,
+                     abs_ + (size_t)i * 16 * NB);
 }
 
 /* The GEMV path of qlib_kgemm for one group of rows (<= 4) weight rows from row j (wj) times
  * the m quantized activation rows; pf: qlib_kgemm's prefetch (or NULL). */
 static inline __attribute__((always_inline)) void kgemv_rows(
     int type, const uint8_t *wj, size_t row_bytes, int rows, int n, int j, int k,
-    const int8_t *aq, const float *ad, const float *as, const int16_t *abs_, int dstride,
-    const __m512i idx[4], const char *pf, int m, float *y, int accumulate) {
-    const int G = k / 32, NB = k / 256;
+    const int8_t *aq, const float *ad, const int16_t *abs_, const __m512i idx[4],
+    const char *pf, int m, float *y, int accumulate) {
+    const int NB = k / 256;
     for (int i = 0; i < m; i++) {
         float out[4];
         const int8_t *qi = aq + (size_t)i * k;
-        const float *di = ad + (size_t)i * dstride, *si = as + (size_t)i * G;
+        const float *di = ad + (size_t)i * NB;
         const int16_t *bi = abs_ + (size_t)i * 16 * NB;
         if (rows == 4)
-            dot_rows_k(4, type, wj, row_bytes, k, qi, di, si, bi, idx, i ? NULL : pf, out);
+            dot_rows_k(4, type, wj, row_bytes, k, qi, di, bi, idx, i ? NULL : pf, out);
         else
             for (int r = 0; r < rows; r++)
-                dot_rows_k(1, type, wj + r * row_bytes, row_bytes, k, qi, di, si, bi, idx, NULL,
+                dot_rows_k(1, type, wj + r * row_bytes, row_bytes, k, qi, di, bi, idx, NULL,
                            out + r);
         float *yi = y + (size_t)i * n + j;
         for (int r = 0; r < rows; r++) yi[r] = accumulate ? yi[r] + out[r] : out[r];
@@ -663,46 +622,42 @@ static inline __attribute__((always_inline)) void kgemv_rows(
 }
 
 /* y[m, n] (+)= f(x)[m, k] @ W[n, k].T for W given as GGUF blocks ([n, k / 256] K-quant
- * blocks or [n, k / 32] Q5_1 blocks), f and the flags as in kernels.c's qlib_qgemm_ex.
- * Returns 0, or -1 (type, k % 256 (Q5_1: 64) != 0, out of memory). */
+ * blocks), f and the flags as in kernels.c's qlib_qgemm_ex.
+ * Returns 0, or -1 (type, k % 256 != 0, out of memory). */
 int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, float *y,
                const float *norm_w, float eps, int swiglu, int accumulate) {
     if (qlib_float_type(type)) /* F32 / F16 / BF16 rows: floats.c */
         return qlib_fgemm(type, w, n, k, x, m, y, norm_w, eps, swiglu, accumulate);
-    const int bsize = block_bytes(type), kq = type != QLIB_Q5_1;
-    if (!bsize || (kq ? k % 256 : k % 64)) return -1;
-    if (!kq && m >= qlib_gemm_min_rows) /* Q5_1, many rows: kernels.c's tiled path */
-        return qlib_q51_gemm(w, n, k, x, m, y, norm_w, eps, swiglu, accumulate);
-    const size_t row_bytes = (size_t)(k / (kq ? 256 : 32)) * bsize;
-    const int G = k / 32, NB = k / 256;
+    const int bsize = block_bytes(type);
+    if (!bsize || k % 256) return -1;
+    const size_t row_bytes = (size_t)(k / 256) * bsize;
+    const int NB = k / 256;
     int8_t *aq = malloc((size_t)m * k);
-    float *ad = malloc(sizeof(float) * (size_t)m * G);
-    float *as = malloc(sizeof(float) * (size_t)m * G);
-    int16_t *abs_ = malloc(sizeof(int16_t) * 16 * (size_t)m * (NB ? NB : 1));
+    float *ad = malloc(sizeof(float) * (size_t)m * NB);
+    int16_t *abs_ = malloc(sizeof(int16_t) * 16 * (size_t)m * NB);
     const int par = m >= qlib_gemm_min_rows && omp_get_max_threads() > 1;
     float *row = malloc(sizeof(float) * (size_t)k * (par ? omp_get_max_threads() : 1));
-    if (!aq || !ad || !as || !abs_ || !row) {
-        free(aq), free(ad), free(as), free(abs_), free(row);
+    if (!aq || !ad || !abs_ || !row) {
+        free(aq), free(ad), free(abs_), free(row);
         return -1;
     }
     if (par) { /* many rows: the rows' quantization split over the threads too */
 #pragma omp parallel for schedule(static)
         for (int i = 0; i < m; i++)
-            kact_row(type, kq, x, k, i, norm_w, eps, swiglu,
-                     row + (size_t)omp_get_thread_num() * k, aq, ad, as, abs_);
+            kact_row(type, x, k, i, norm_w, eps, swiglu, row + (size_t)omp_get_thread_num() * k,
+                     aq, ad, abs_);
     } else { /* decode: no parallel region */
         for (int i = 0; i < m; i++)
-            kact_row(type, kq, x, k, i, norm_w, eps, swiglu, row, aq, ad, as, abs_);
+            kact_row(type, x, k, i, norm_w, eps, swiglu, row, aq, ad, abs_);
     }
-    if (kq && m >= qlib_gemm_min_rows) { /* many rows: the tiled path */
+    if (m >= qlib_gemm_min_rows) { /* many rows: the tiled path */
         const int rc = kgemm_tiled(type, w, row_bytes, n, k, aq, ad, abs_, m, y, accumulate);
-        free(aq), free(ad), free(as), free(abs_), free(row);
+        free(aq), free(ad), free(abs_), free(row);
         return rc;
     }
     int16_t idx_tab[4][32];
     scale_index(type, idx_tab);
     const int nblk = (n + 3) / 4; /* groups of 4 weight rows */
-    const int dstride = kq ? NB : G;
 #pragma omp parallel for schedule(static)
     for (int jb = 0; jb < nblk; jb++) {
         __m512i idx[4];
@@ -714,7 +669,7 @@ int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
          * 1-7 KB, 4 to a group) */
         const char *pf = jb + QLIB_PF_GROUPS < nblk
                              ? (const char *)(wj + 4 * QLIB_PF_GROUPS * row_bytes) : NULL;
-        if (kq && m > 1) { /* several rows (prefill): each super-block unpacked once for 4 */
+        if (m > 1) { /* several rows (prefill): each super-block unpacked once for 4 */
             for (int i0 = 0; i0 < m; i0 += 4) {
                 const int M = m - i0 < 4 ? m - i0 : 4;
                 for (int r = 0; r < rows; r++) {
@@ -737,10 +692,9 @@ int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
             }
             continue;
         }
-        kgemv_rows(type, wj, row_bytes, rows, n, j, k, aq, ad, as, abs_, dstride, idx, pf, m, y,
-                   accumulate);
+        kgemv_rows(type, wj, row_bytes, rows, n, j, k, aq, ad, abs_, idx, pf, m, y, accumulate);
     }
-    free(aq), free(ad), free(as), free(abs_), free(row);
+    free(aq), free(ad), free(abs_), free(row);
     return 0;
 }
 
@@ -750,15 +704,15 @@ static inline size_t kup64(size_t b) { return (b + 63) / 64 * 64; }
 
 /* Bytes of scratch qlib_kgemv_region needs per thread for rows of k. */
 size_t qlib_kgemv_scratch(int k) {
-    const size_t G = (size_t)k / 32, NB = (size_t)k / 256;
-    return kup64((size_t)k) + 2 * kup64(sizeof(float) * G) +
+    const size_t NB = (size_t)k / 256;
+    return kup64((size_t)k) + kup64(sizeof(float) * (NB ? NB : 1)) +
            kup64(sizeof(int16_t) * 16 * (NB ? NB : 1)) + kup64(sizeof(float) * (size_t)k);
 }
 
 /* Bytes of one weight row of k for qlib_kgemv_region's block types (0 for the float types,
  * whose rows floats.c reads) */
 size_t qlib_kgemv_row_bytes(int type, int k) {
-    return (size_t)(k / (type != QLIB_Q5_1 ? 256 : 32)) * block_bytes(type);
+    return (size_t)(k / 256) * block_bytes(type);
 }
 
 /* qlib_kgemm's GEMV for one row (m = 1), called by every thread of an enclosing parallel
@@ -775,30 +729,28 @@ void qlib_kgemv_region(int type, const uint8_t *w, int n, int k, const float *x,
                           (float *)scratch, shared);
         return;
     }
-    const int kq = type != QLIB_Q5_1, G = k / 32, NB = k / 256;
-    const size_t row_bytes = (size_t)(k / (kq ? 256 : 32)) * block_bytes(type);
+    const int NB = k / 256;
+    const size_t row_bytes = (size_t)NB * block_bytes(type);
     int8_t *aq = (int8_t *)scratch;
     float *ad = (float *)(scratch + kup64((size_t)k));
-    float *as = (float *)((uint8_t *)ad + kup64(sizeof(float) * G));
-    int16_t *abs_ = (int16_t *)((uint8_t *)as + kup64(sizeof(float) * G));
+    int16_t *abs_ = (int16_t *)((uint8_t *)ad + kup64(sizeof(float) * (NB ? NB : 1)));
     float *row = (float *)((uint8_t *)abs_ + kup64(sizeof(int16_t) * 16 * (NB ? NB : 1)));
     if (swiglu) { /* split over the team, as qlib_qgemv_region */
         swiglu_shared(x, k, shared);
         x = shared;
     }
-    kact_row(type, kq, x, k, 0, norm_w, eps, 0, row, aq, ad, as, abs_);
+    kact_row(type, x, k, 0, norm_w, eps, 0, row, aq, ad, abs_);
     int16_t idx_tab[4][32];
     scale_index(type, idx_tab);
     __m512i idx[4];
     for (int i = 0; i < 4; i++) idx[i] = _mm512_loadu_si512(idx_tab[i]);
-    const int nblk = (n + 3) / 4, dstride = kq ? NB : G;
+    const int nblk = (n + 3) / 4;
 #pragma omp for schedule(static)
     for (int jb = 0; jb < nblk; jb++) {
         const int j = jb * 4, rows = n - j < 4 ? n - j : 4;
         const uint8_t *wj = w + (size_t)j * row_bytes;
         const char *pf = jb + QLIB_PF_GROUPS < nblk
                              ? (const char *)(wj + 4 * QLIB_PF_GROUPS * row_bytes) : NULL;
-        kgemv_rows(type, wj, row_bytes, rows, n, j, k, aq, ad, as, abs_, dstride, idx, pf, 1, y,
-                   accumulate);
+        kgemv_rows(type, wj, row_bytes, rows, n, j, k, aq, ad, abs_, idx, pf, 1, y, accumulate);
     }
 }

@@ -1,9 +1,9 @@
 """The weight layouts the C kernels read (``packing`` makes them, ``ops`` passes them).
 
-* ``PackedWeight``: a Q4_0 / Q4_1 / Q5_0 / Q8_0 weight as per-row planes for the quantized
-  GEMM/GEMV of ``kernels.c`` (code bytes, f16 scales, Q4_1 minimums or Q5_0 high bits), or a
-  K-quant / Q5_1 weight as its GGUF blocks, row after row, for ``kquants.c`` (F32 / F16 / BF16
-  rows the same way, for ``floats.c``);
+* ``PackedWeight``: a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weight as per-row planes for the
+  quantized GEMM/GEMV of ``kernels.c`` (code bytes, f16 scales, the minimums and high bits
+  of Q4_1 / Q5_*), or a K-quant weight as its GGUF blocks, row after row, for ``kquants.c``
+  (F32 / F16 / BF16 rows the same way, for ``floats.c``);
 * ``AmxWeight``: a weight for the AMX kernels of ``prefill.c``, bf16 B tiles or the
   4/8-bit codes in tile order with float32 scales; ``AmxWeightC`` is its C descriptor
   (``amx_weight`` of prefill.c).
@@ -16,12 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8}  # kernels.c's weight types (its enum)
+TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}  # kernels.c's (its enum)
+# int16 words of the m plane per block: Q4_1 its minimum; Q5_0 its qh word; Q5_1 both (the
+# row's minimums, then its qh words)
+M_WORDS = {"Q4_1": 1, "Q5_0": 2, "Q5_1": 3}
 # the weight types of kquants.c (ggml's type ids), read as GGUF blocks: (elements, bytes) a
 # block; the float types' rows (floats.c, through kquants.c's entry points) are blocks of one
-BLOCK_CODES = {"Q5_1": 7, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+BLOCK_CODES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
                "Q6_K": 14, "F32": 0, "F16": 1, "BF16": 30}  # fmt: skip
-BLOCKS = {"Q5_1": (32, 24), "Q2_K": (256, 84), "Q3_K": (256, 110),
+BLOCKS = {"Q2_K": (256, 84), "Q3_K": (256, 110),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
           "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2)}  # fmt: skip
 # the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants: super-blocks of 256)
@@ -35,9 +38,9 @@ class PackedWeight:
     or the GGUF blocks themselves (``BLOCK_CODES``: ``codes`` holds them, ``d`` and ``m`` are
     None).
 
-    Per 64 elements of a Q4_* / Q5_0 row 32 bytes, byte ``i`` = ``e[i] | e[i + 32] << 4``
-    (codes 0..15, as ggml stores them before the -8 of Q4_0; Q5_0's low 4 bits, its fifth
-    bits in ``m``: the blocks' ``qh`` words, two int16 a block); Q8_0: code + 128.
+    Per 64 elements of a Q4_* / Q5_* row 32 bytes, byte ``i`` = ``e[i] | e[i + 32] << 4``
+    (codes 0..15, as ggml stores them before the -8 of Q4_0; Q5_*'s low 4 bits, their fifth
+    bits in ``m``: the blocks' ``qh`` words, ``M_WORDS``); Q8_0: code + 128.
     """
 
     type_name: str
@@ -45,7 +48,7 @@ class PackedWeight:
     k: int
     codes: torch.Tensor  # [n, k/2] (Q4_*), [n, k] (Q8_0) uint8; [n, row bytes] (GGUF blocks)
     d: torch.Tensor | None  # [n, k/32] int16 (f16 bits); None for GGUF blocks
-    m: torch.Tensor | None  # [n, k/32] int16 (Q4_1); [n, k/16] int16: qh words (Q5_0)
+    m: torch.Tensor | None  # [n, k/32 * M_WORDS] int16 (Q4_1, Q5_0, Q5_1)
 
     @property
     def type_code(self) -> int:

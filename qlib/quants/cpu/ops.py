@@ -32,6 +32,7 @@ import torch
 from . import build
 from .layout import (
     BLOCKS,
+    M_WORDS,
     ROW_MULTIPLE,
     TYPE_CODES,
     AmxWeight,
@@ -43,7 +44,7 @@ KernelCall = Callable[[], int]
 """A prepared C call: all arguments bound; returns the kernel's status (0: done)."""
 
 AMX_EPILOGUES = {"bf16": 0, "add": 1, "swiglu": 2}  # amx_gemm's epilogues in prefill.c
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}  # GGUF bytes per block of 32
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # GGUF, 32 values
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # name: (argument types, result type); the qlib_amx_* / qlib_prefill_layer entries exist
@@ -208,12 +209,12 @@ def _check_packed(w: PackedWeight) -> None:
     _check(w.d, torch.int16, "d")
     if w.codes.numel() != w.n * row or w.d.numel() != w.n * (w.k // 32):
         raise ValueError("PackedWeight: planes do not match n, k")
-    if (w.m is not None) != (w.type_name in ("Q4_1", "Q5_0")):
-        raise ValueError("PackedWeight: m is for Q4_1 and Q5_0 only, and they need it")
+    if (w.m is not None) != (w.type_name in M_WORDS):
+        raise ValueError("PackedWeight: m is for Q4_1, Q5_0 and Q5_1 only, and they need it")
     if w.m is not None:
         _check(w.m, torch.int16, "m")
-        if w.m.numel() != w.d.numel() * (2 if w.type_name == "Q5_0" else 1):
-            raise ValueError("PackedWeight: m must be like d (Q5_0: two int16 a block)")
+        if w.m.numel() != w.d.numel() * M_WORDS[w.type_name]:
+            raise ValueError("PackedWeight: m must hold M_WORDS int16 a block")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -3,11 +3,12 @@ packed or quantized weights -> AMX tiles (``pack_amx``; ``pack_amx_quantized`` f
 planes, ``pack_amx_codes`` from the GGUF blocks of any quantized type or mix).
 
 ``supports`` says which weights ``pack`` and the kernels take (what ``matmul.qmatmul``
-uses). Q4_0, Q4_1, Q5_0 and Q8_0 become per-row planes (Q5_0: its low 4 bits as Q4_0's
-nibbles, its fifth bits as the blocks' ``qh`` words; until 2026-12-04 it was widened into
-Q8_0 planes, the same values and sums in 34 bytes a block against 22). K-quant, Q5_1 and F32
-/ F16 / BF16 weights (``BLOCK_CODES``) are not repacked: ``kquants.c`` (``floats.c`` for the
-float types) reads their GGUF rows, which ``pack`` copies row after row.
+uses). Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 become per-row planes (Q5_*: their low 4 bits as
+Q4_*'s nibbles, their fifth bits as the blocks' ``qh`` words; until 2026-12-04 Q5_0 was
+widened into Q8_0 planes, the same values and sums in 34 bytes a block against 22, and Q5_1
+read from its blocks). K-quant and F32 / F16 / BF16 weights (``BLOCK_CODES``) are not
+repacked: ``kquants.c`` (``floats.c`` for the float types) reads their GGUF rows, which
+``pack`` copies row after row.
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ import torch
 from ..api import dequantize_torch
 from ..base import FORMATS
 from . import build, ops
-from .layout import BLOCK_CODES, BLOCKS, ROW_MULTIPLE, TYPE_CODES, AmxWeight, PackedWeight
+from .layout import (
+    BLOCK_CODES,
+    BLOCKS,
+    M_WORDS,
+    ROW_MULTIPLE,
+    TYPE_CODES,
+    AmxWeight,
+    PackedWeight,
+)
 
 
 def supports(type_name: str, k: int) -> bool:
@@ -75,8 +84,7 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> P
     G = k // 32
     codes = torch.empty(n, k if name == "Q8_0" else k // 2, dtype=torch.uint8)
     d = torch.empty(n, G, dtype=torch.int16)
-    m = torch.empty(n, {"Q4_1": G, "Q5_0": 2 * G}[name], dtype=torch.int16) \
-        if name in ("Q4_1", "Q5_0") else None  # fmt: skip
+    m = torch.empty(n, G * M_WORDS[name], dtype=torch.int16) if name in M_WORDS else None
     if build.available():
         j = 0
         for rows, data in weights:  # each weight into its rows of the planes, piece by piece
@@ -95,8 +103,11 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> P
     if name == "Q8_0":
         codes.copy_(blocks[:, :, 2:34].reshape(n, k) ^ 0x80)
     else:
-        extra = {"Q4_1": 2, "Q5_0": 4}.get(name, 0)  # bytes of m or qh after d
-        if m is not None:
+        extra = 2 * M_WORDS.get(name, 0)  # bytes of m and / or qh after d
+        if name == "Q5_1":  # the row's minimums, then its qh words
+            m[:, :G].copy_(blocks[:, :, 2:4].contiguous().view(torch.int16).reshape(n, G))
+            m[:, G:].copy_(blocks[:, :, 4:8].contiguous().view(torch.int16).reshape(n, 2 * G))
+        elif m is not None:
             m.copy_(blocks[:, :, 2 : 2 + extra].contiguous().view(torch.int16).reshape(n, -1))
         qs = blocks[:, :, 2 + extra :][:, :, :16]
         q = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n, k // 64, 2, 32)  # natural order
@@ -107,18 +118,31 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> P
 def _plane_codes(codes: torch.Tensor, type_name: str,
                  qh: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The codes of packed planes ``[rows, bytes]`` as int16 ``[rows, k]``, in element order:
-    Q8_0's ``q`` (stored ``q + 128``), Q4_*'s nibbles 0..15 (before Q4_0's -8), Q5_0's
-    ``q - 16`` (its fifth bits from ``qh``, the ``m`` plane of its rows)."""
+    Q8_0's ``q`` (stored ``q + 128``), Q4_*'s nibbles 0..15 (before Q4_0's -8), Q5_1's 0..31,
+    Q5_0's ``q - 16`` (their fifth bits from ``qh``, the qh words of their rows)."""
     if type_name == "Q8_0":
         return codes.to(torch.int16) - 128
     rows = codes.shape[0]
     c = codes.view(rows, -1, 32)  # per 64 elements 32 bytes: e[i] | e[i + 32] << 4
     q = torch.cat([c & 15, c >> 4], dim=-1).reshape(rows, -1).to(torch.int16)
-    if type_name == "Q5_0":
+    if type_name in ("Q5_0", "Q5_1"):
         words = qh.contiguous().view(torch.int32).reshape(rows, -1, 1)
         bits = (words >> torch.arange(32, dtype=torch.int32)) & 1  # [rows, blocks, 32]
-        q = q + (bits.reshape(rows, -1) * 16 - 16).to(torch.int16)
+        q = q + (bits.reshape(rows, -1) * 16 - (16 if type_name == "Q5_0" else 0)).to(torch.int16)
     return q
+
+
+def _qh(pw: PackedWeight, rows) -> torch.Tensor | None:
+    """The qh words (as int16 pairs) of rows ``rows`` of a Q5_* weight's planes, else None."""
+    if pw.type_name not in ("Q5_0", "Q5_1"):
+        return None
+    m = pw.m[rows]
+    return m[:, pw.k // 32 :] if pw.type_name == "Q5_1" else m
+
+
+def _mins(pw: PackedWeight, rows) -> torch.Tensor:
+    """The f16 minimums of rows ``rows`` of a Q4_1 / Q5_1 weight's planes, as float32."""
+    return pw.m[rows][:, : pw.k // 32].contiguous().view(torch.float16).float()
 
 
 def dequantize_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
@@ -130,13 +154,13 @@ def dequantize_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     t, k = ids.numel(), pw.k
     if pw.blocks:
         return dequantize_torch(pw.codes[ids].reshape(-1), pw.type_name, (t, k))
-    q = _plane_codes(pw.codes[ids], pw.type_name, pw.m[ids] if pw.type_name == "Q5_0" else None)
+    q = _plane_codes(pw.codes[ids], pw.type_name, _qh(pw, ids))
     if pw.type_name == "Q4_0":
         q = q - 8
     d = pw.d[ids].view(torch.float16).float().unsqueeze(-1)
     y = q.float().view(t, k // 32, 32) * d
-    if pw.type_name == "Q4_1":
-        y = y + pw.m[ids].view(torch.float16).float().unsqueeze(-1)
+    if pw.type_name in ("Q4_1", "Q5_1"):
+        y = y + _mins(pw, ids).unsqueeze(-1)
     return y.reshape(t, k)
 
 
@@ -233,19 +257,21 @@ def _amx_code_tiles(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor
 
 
 def pack_amx_quantized(pw: PackedWeight, interleave: bool = False) -> AmxWeight:
-    """A repacked Q4_0 / Q4_1 / Q5_0 / Q8_0 weight as AMX-ordered codes and float32 scales (see
-    ``AmxWeight``): 0.75 (4-bit) or 1.125 (Q8_0; Q5_0 as its ``q - 16``) bytes per weight
+    """A repacked Q4_0 / Q4_1 / Q5_* / Q8_0 weight as AMX-ordered codes and float32 scales (see
+    ``AmxWeight``): 0.75 (4-bit) or 1.125 (Q8_0; Q5_0 as its ``q - 16``, Q5_1 with its
+    offsets 1.25) bytes per weight
     instead of bf16's 2; the GEMM expands them to exactly the bf16 values ``dequantize_bf16``
     gives."""
     n, k = pw.n, pw.k
     if n % 32 or k % 64:
         raise ValueError(f"pack_amx_quantized: n % 32 and k % 64 == 0 needed, got {n}x{k}")
     d = pw.d.view(torch.float16).float()
-    q = _plane_codes(pw.codes, pw.type_name, pw.m if pw.type_name == "Q5_0" else None)
-    q = q.to(torch.int8)
+    q = _plane_codes(pw.codes, pw.type_name, _qh(pw, slice(None))).to(torch.int8)
     if pw.type_name in ("Q8_0", "Q5_0"):
         return _amx_code_tiles("q8", q, d, None, interleave)
-    m = pw.m.view(torch.float16).float() if pw.type_name == "Q4_1" else d * -8.0
+    if pw.type_name == "Q5_1":
+        return _amx_code_tiles("q8", q, d, _mins(pw, slice(None)), interleave)
+    m = _mins(pw, slice(None)) if pw.type_name == "Q4_1" else d * -8.0
     return _amx_code_tiles("q4", q, d, m, interleave)
 
 

@@ -182,25 +182,6 @@ static inline void input_row(const float *x, int k, const float *norm_w, float e
     }
 }
 
-/* The 64 codes (0..31, natural element order) of two consecutive Q5_1 blocks at b0 (24 bytes
- * each: d, m as f16, qh: u32, qs[16]; element i < 16 the low nibble of qs[i] with bit i of
- * qh, element 16 + i the high nibble with bit 16 + i), as unsigned bytes for vpdpbusd. */
-static inline __m512i q51_pair_codes(const uint8_t *b0) {
-    const uint8_t *b1 = b0 + 24;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m512i order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11); /* lo0 hi0 lo1 hi1 */
-    const __m256i t = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 8))),
-        _mm_loadu_si128((const __m128i *)(b1 + 8)), 1);
-    const __m256i lo = _mm256_and_si256(t, m4);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), m4);
-    const __m512i v = _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), order,
-                                                _mm512_castsi256_si512(hi));
-    uint32_t h0, h1;
-    memcpy(&h0, b0 + 4, 4), memcpy(&h1, b1 + 4, 4);
-    return _mm512_mask_add_epi8(v, (__mmask64)h0 | (__mmask64)h1 << 32, v, _mm512_set1_epi8(0x10));
-}
-
 /* Inside a parallel region (decode.c): out[0..k) = silu_mul of x = [gate | up], each thread
  * of the team a slice, then a barrier (the same values as input_row's loop). */
 static inline void swiglu_shared(const float *x, int k, float *out) {
