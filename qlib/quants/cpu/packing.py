@@ -34,8 +34,8 @@ from .layout import (
 
 def supports(type_name: str, k: int) -> bool:
     """Whether the C kernels handle a weight of this type and row length (``kernels.c``:
-    Q4_0, Q4_1, Q8_0, k % 64 == 0; ``kquants.c``: Q2_K..Q6_K, k % 256 == 0, Q5_0, Q5_1,
-    k % 64; ``floats.c``: F32, F16, BF16, k % 64)."""
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, k % 64 == 0; ``kquants.c``: Q2_K..Q6_K, k % 256 == 0;
+    ``floats.c``: F32, F16, BF16, k % 64)."""
     multiple = ROW_MULTIPLE.get(type_name)
     return multiple is not None and k % multiple == 0 and build.available()
 
@@ -258,10 +258,9 @@ def _amx_code_tiles(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor
 
 def pack_amx_quantized(pw: PackedWeight, interleave: bool = False) -> AmxWeight:
     """A repacked Q4_0 / Q4_1 / Q5_* / Q8_0 weight as AMX-ordered codes and float32 scales (see
-    ``AmxWeight``): 0.75 (4-bit) or 1.125 (Q8_0; Q5_0 as its ``q - 16``, Q5_1 with its
-    offsets 1.25) bytes per weight
-    instead of bf16's 2; the GEMM expands them to exactly the bf16 values ``dequantize_bf16``
-    gives."""
+    ``AmxWeight``): 0.75 (4-bit) or 1.125 (Q8_0; Q5_0 as its ``q - 16``; Q5_1 with its offsets
+    1.25) bytes per weight instead of bf16's 2; the GEMM expands them to exactly the bf16
+    values ``dequantize_bf16`` gives."""
     n, k = pw.n, pw.k
     if n % 32 or k % 64:
         raise ValueError(f"pack_amx_quantized: n % 32 and k % 64 == 0 needed, got {n}x{k}")
