@@ -52,6 +52,7 @@ int qlib_attn_decode_kv(float *qkv, void *kc, void *vc, int pos, int n_head, int
                         int kv_f16, int split);
 int qlib_float_type(int type);
 size_t qlib_qgemv_scratch(int k);
+size_t qlib_qgemv_m_row_bytes(int type, int k);
 size_t qlib_kgemv_scratch(int k);
 size_t qlib_attn_region_floats(int pos, int n_head, int n_kv, int d, int split, int nth,
                                int max_threads, int kv_f16);
@@ -86,7 +87,7 @@ static void prefetch_share(const qlib_step *s, int t, int nth) {
     if (s->kind == STEP_QGEMV) {
         row_bytes = s->type == 8 ? (size_t)s->k : (size_t)s->k / 2; /* Q8_0 : Q4_*, Q5_* */
         const size_t planes = sizeof(uint16_t) * (size_t)(s->k / 32);
-        const size_t mplanes = planes * (s->type == 7 ? 3 : s->type == 6 ? 2 : 1); /* + qh */
+        const size_t mplanes = qlib_qgemv_m_row_bytes(s->type, s->k); /* minimums, qh words */
         for (size_t off = 0; off < planes * rows; off += 64)
             _mm_prefetch((const char *)s->d + planes * j + off, _MM_HINT_T1);
         if (s->m)

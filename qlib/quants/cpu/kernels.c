@@ -432,6 +432,11 @@ int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint
 
 static inline size_t up64(size_t b) { return (b + 63) / 64 * 64; }
 
+/* Bytes of a row of k in the m plane of type (0: none; decode.c's prefetch). */
+size_t qlib_qgemv_m_row_bytes(int type, int k) {
+    return has_min(type) || has_qh(type) ? sizeof(uint16_t) * m_stride(type, k / 32) : 0;
+}
+
 /* Bytes of scratch qlib_qgemv_region needs per thread for rows of k. */
 size_t qlib_qgemv_scratch(int k) {
     const size_t G = (size_t)k / 32;
@@ -508,21 +513,21 @@ void qlib_dequant_bf16(int type, const uint8_t *codes, const uint16_t *d, const 
     const int G = k / 32;
 #pragma omp parallel for schedule(static)
     for (int j = 0; j < n; j++) {
+        const uint16_t *mr = m ? m + j * m_stride(type, G) : NULL;
         for (int b = 0; b < G; b++) {
             const float dd = _cvtsh_ss(d[(size_t)j * G + b]);
-            const uint16_t *mr = m ? m + j * m_stride(type, G) : NULL;
             const float mm = has_min(type) ? _cvtsh_ss(mr[b]) : 0.0f;
             for (int i = 0; i < 32; i++) {
                 int q;
                 if (type == QLIB_Q8_0) {
-                    q = (int)codes[(size_t)j * k + b * 32 + i] - 128;
+                    q = (int)codes[(size_t)j * k + b * 32 + i] - code_offset(type);
                 } else {
                     uint8_t byte = codes[(size_t)j * (k / 2) + (b / 2) * 32 + i];
-                    q = (b % 2 ? byte >> 4 : byte & 0x0F) - (type == QLIB_Q4_0 ? 8 : 0);
+                    q = (b % 2 ? byte >> 4 : byte & 0x0F) - code_offset(type);
                     if (has_qh(type)) {
                         uint32_t h;
                         memcpy(&h, qh_words(type, mr, G) + 4 * b, 4);
-                        q += (int)((h >> i) & 1) * 16 - (type == QLIB_Q5_0 ? 16 : 0);
+                        q += (int)((h >> i) & 1) * 16;
                     }
                 }
                 float v = has_min(type) ? dd * (float)q + mm : dd * (float)q;
