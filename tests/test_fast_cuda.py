@@ -54,6 +54,10 @@ def sizes(type_name: str) -> dict:
 
 
 def load_pair(path, **kwargs) -> tuple[ModelWeights, CudaFastModel]:
+    """The f32 form and the fast CUDA engine with the fused kernels unless ``decode`` says
+    otherwise (this module tests them; the default's choice, ``decode="auto"``:
+    tests/test_persistent_cuda.py)."""
+    kwargs.setdefault("decode", "fused")
     with open(path, "rb") as f:
         content = Content.read(f)
         ref = ModelWeights.from_gguf(content, f, DEVICE, form="f32")

@@ -10,6 +10,7 @@ another order than the f32 form's cuBLAS products: ``TOL`` x max |logit| per dec
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -55,6 +56,33 @@ def test_unsupported_reasons():
     assert "rope_dim" in persistent.unsupported({"w": "Q8_0"}, 64, 32)
     why = persistent.unsupported({"w": "IQ4_NL", "v": "Q8_1", "o": "Q4_K"}, 64, 64)
     assert "no code for IQ4_NL, Q8_1 " in why
+
+
+def test_auto_decode_choice():
+    """``decode="auto"`` (the fast CUDA engine's default) picks the persistent kernel only where
+    it was measured faster: Hopper, a float32 cache, no K-quant matrices; else the fused
+    kernels, with the reason."""
+    from qlib.llama.config import LlamaConfig
+    from qlib.llama.fast_cuda import auto_decode
+
+    c = LlamaConfig(head_count=4, head_count_kv=2, block_count=1, embedding_length=256,
+                    rope_dim=64, rms_norm_eps=1e-5, rope_freq_base=1e4, architecture="llama",
+                    rope_is_neox=False)  # fmt: skip
+    legacy = {"blk.0.attn_q.weight": "Q4_1", "token_embd.weight": "Q8_0"}
+    assert auto_decode(legacy, c, "f32", (9, 0))[0] == "persistent"
+    assert auto_decode(legacy, c, "f32", (10, 0))[0] == "persistent"
+    choice, why = auto_decode(legacy, c, "f16", (9, 0))
+    assert choice == "fused" and "float32 KV cache" in why
+    choice, why = auto_decode(legacy, c, "f32", (8, 0))
+    assert choice == "fused" and "Hopper" in why
+    assert auto_decode(legacy | {"blk.0.ffn_down.weight": "Q6_K"}, c, "f32", (9, 0))[0] == (
+        "persistent"
+    )
+    wide = dataclasses.replace(c, embedding_length=2048, head_count=32, head_count_kv=8)
+    choice, why = auto_decode(legacy, wide, "f32", (9, 0))
+    assert choice == "fused" and "2048" in why
+    choice, why = auto_decode(legacy | {"output.weight": "IQ4_NL"}, c, "f32", (9, 0))
+    assert choice == "fused" and "no code for IQ4_NL" in why
 
 
 def decode_x8(data: torch.Tensor) -> torch.Tensor:
@@ -178,6 +206,33 @@ def test_decode_steps_match_f32_form(tmp_path, type_name, graphs):
         x = torch.tensor([[token]])
         close(fast.forward(x, 7 + step), ref.forward(x, 7 + step))
     assert fast.kv_len == 12
+
+
+@needs_cuda
+def test_default_decode_is_the_auto_choice(tmp_path):
+    """With no ``decode`` given the engine runs what ``auto_decode`` picks for this device and
+    says why: on Hopper the persistent kernel for a Q4_1 file (its logits the same bits as
+    ``decode="persistent"``'s), the fused kernels with a float16 cache."""
+    from qlib.llama.fast_cuda import CudaFastModel
+
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=128, n_head=4,
+                            n_kv_head=2, n_ff=256)  # fmt: skip
+    ref, explicit = load(path)
+    with open(path, "rb") as f:
+        default = CudaFastModel.from_gguf(Content.read(f), f, "cuda")
+    assert default.decode == ("persistent" if hopper else "fused"), default.decode_note
+    ids = torch.tensor([[1, 5, 9, 33]])
+    default.forward(ids, 0), explicit.forward(ids, 0)
+    for pos, token in enumerate((3, 44, 200), start=4):
+        x = torch.tensor([[token]])
+        got = default.forward(x, pos)
+        close(got, ref.forward(x, pos))
+        if hopper:
+            assert torch.equal(got, explicit.forward(x, pos))
+    with open(path, "rb") as f:
+        fused = CudaFastModel.from_gguf(Content.read(f), f, "cuda", kv_type="f16")
+    assert fused.decode == "fused" and "float32" in fused.decode_note
 
 
 @needs_cuda

@@ -153,11 +153,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--decode",
-        choices=("fused", "merged", "persistent"),
+        choices=("auto", "fused", "merged", "persistent"),
         default=None,
-        help="--engine fast on CUDA: six fused kernels per layer (default), five (merged: the "
-        "attention's combine in the output projection's kernel, the heads' shares summed with "
-        "float atomics) or the whole decode step in one persistent kernel",
+        help="--engine fast on CUDA: auto (default: persistent where it was measured faster, "
+        "i.e. a Hopper GPU, a float32 KV cache and no K-quant matrices; else fused), six fused "
+        "kernels per layer, five (merged: the attention's combine in the output projection's "
+        "kernel, the heads' shares summed with float atomics) or the whole decode step in one "
+        "persistent kernel",
     )
 
 

@@ -84,8 +84,10 @@ PREFILL_MODES = ("f32", "tf32", "bf16", "packed")
 PREFILL_DTYPES = {"f32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
 ATTENTION_MODES = ("split", "single")  # decode attention: blocks in parallel, or one loop
 # six fused kernels per layer; five, the attention's combine merged into the output
-# projection (the heads' shares summed with float atomics); or one persistent kernel
-DECODE_MODES = ("fused", "merged", "persistent")
+# projection (the heads' shares summed with float atomics); one persistent kernel; or "auto"
+# (the default): persistent where ``auto_decode`` finds it measured faster, else fused
+DECODE_MODES = ("auto", "fused", "merged", "persistent")
+PERSISTENT_MAX_WIDTH = 1024  # decode="auto": wider models run fused (docs/gpu.md measures)
 GRAPH_CACHE = 4  # prefill graphs kept (one per prompt length)
 STEPS_MASK = 0xFFFFFFFF  # the persistent kernel counts its steps in 32 bits
 
@@ -225,6 +227,26 @@ def embed(ids: torch.Tensor, w: Part, out: torch.Tensor) -> None:
     fused.embed(ids, w, out)
 
 
+def auto_decode(types: dict[str, str], config: LlamaConfig, kv_type: str,
+                capability: tuple[int, int]) -> tuple[str, str]:  # fmt: skip
+    """What ``decode="auto"`` runs for a model (its matrices' GGUF types), and why: the
+    persistent kernel where it was measured faster than the fused kernels (docs/gpu.md: a
+    Hopper GPU, a float32 cache, layer types it reads as they are in the file), else fused."""
+    from ..quants.cuda import persistent
+
+    why = persistent.unsupported(types, config.head_dim, config.rope_dim)
+    if why:
+        return "fused", why
+    if kv_type != "f32":
+        return "fused", "the persistent kernel reads a float32 KV cache"
+    if capability < (9, 0):
+        return "fused", "the persistent kernel is tuned and measured on Hopper (sm_90) only"
+    if config.embedding_length > PERSISTENT_MAX_WIDTH:
+        return "fused", (f"the persistent kernel is tuned for models up to {PERSISTENT_MAX_WIDTH} "
+                         f"wide, not {config.embedding_length}")  # fmt: skip
+    return "persistent", "one kernel a step (measured ~2x faster than the fused kernels)"
+
+
 def _persistent_decoder(model: CudaFastModel, content, get, tok: QTensor, out: QTensor,
                         **options):  # fmt: skip
     """The ``PersistentDecoder`` of ``model``: the GGUF blocks of every matrix on the device."""
@@ -332,6 +354,7 @@ class CudaFastModel(StaticKVState):
         self._att = torch.empty(c.head_count * c.head_dim, device=device)
         self._g = torch.empty(n_ff, device=device)
         self.merged = False  # decode="merged": the combine in the output projection's kernel
+        self.decode_note = "as asked"  # why this decode (from_gguf's decode="auto" says)
         self._logits = torch.empty(1, output.n, device=device)
         self._decode_graph: torch.cuda.CUDAGraph | None = None
         self._greedy_graph: torch.cuda.CUDAGraph | None = None  # the step + its argmax
@@ -366,7 +389,7 @@ class CudaFastModel(StaticKVState):
         attention: str = "split",
         max_seq_len: int | None = None,
         kv_type: str | None = None,
-        decode: str = "fused",
+        decode: str = "auto",
         decode_options: dict | None = None,
         pdl: bool | None = None,
     ) -> CudaFastModel:
@@ -376,9 +399,11 @@ class CudaFastModel(StaticKVState):
         ``max_seq_len``: positions the KV cache holds (None: the file's ``llama.context_length``,
         else 4096); ``kv_type``: ``f32`` (None: the default) or ``f16`` (the module docstring;
         not with ``decode="persistent"``, whose kernel reads a float32 cache); ``decode``:
-        ``fused`` (six fused kernels per layer), ``merged`` (five: the attention's combine in
-        the output projection's kernel, float atomics summing the heads' shares, so the last
-        bits vary run to run) or ``persistent`` (the whole step in one kernel,
+        ``auto`` (the default: ``persistent`` where ``auto_decode`` says so, else ``fused``;
+        ``decode_note`` says why), ``fused`` (six fused kernels per layer), ``merged`` (five:
+        the attention's combine in the output projection's kernel, float atomics summing the
+        heads' shares, so the last bits vary run to run) or ``persistent`` (the whole step in
+        one kernel,
         ``qlib.quants.cuda.persistent``: a device copy of the GGUF blocks as well, K-quants
         expanded exactly to 12 bits a weight;
         ``decode_options`` go to its ``PersistentDecoder``: ``threads``, ``split``, ``min_split``,
@@ -389,13 +414,18 @@ class CudaFastModel(StaticKVState):
         if decode not in DECODE_MODES:
             raise ModelError(f"unknown decode mode {decode!r}: {', '.join(DECODE_MODES)}")
         kv_type = check_kv_type(kv_type)
+        config = LlamaConfig.from_metadata(content.metadata)
+        auto, note = decode == "auto", "as asked"
+        if auto:
+            mats = {n: i.dtype.name for n, i in content.tensor_infos.items() if len(i.shape) == 2}
+            cc = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
+            decode, note = auto_decode(mats, config, kv_type, cc)
         if decode == "persistent" and kv_type != "f32":
             raise ModelError("decode persistent reads a float32 KV cache: use kv_type f32")
         if max_seq_len is None:
             max_seq_len = context_length(content.metadata)
         if prefill not in PREFILL_MODES:
             raise ModelError(f"unknown prefill mode {prefill!r}: {', '.join(PREFILL_MODES)}")
-        config = LlamaConfig.from_metadata(content.metadata)
 
         def get(name: str) -> QTensor:
             return content.tensor(f, name, dev)
@@ -414,9 +444,15 @@ class CudaFastModel(StaticKVState):
                     attention=attention, max_seq_len=max_seq_len,
                     rope_freqs=rope_freqs, pdl=pdl, kv_type=kv_type)  # fmt: skip
         model.merged = decode == "merged"
+        model.decode_note = note
         if decode == "persistent":
-            model._persistent = _persistent_decoder(model, content, get, tok, out,
-                                                    **(decode_options or {}))  # fmt: skip
+            try:
+                model._persistent = _persistent_decoder(model, content, get, tok, out,
+                                                        **(decode_options or {}))  # fmt: skip
+            except ModelError as e:
+                if not auto:
+                    raise
+                model.decode_note = f"fused: the persistent kernel failed to build ({e})"
         return model
 
     # -- state -------------------------------------------------------------

@@ -50,9 +50,9 @@ class Rung:
 
 LADDER = (
     Rung("per-op", "faithful"),
-    Rung("fused, one by one", "fast", (("graphs", False),)),
-    Rung("fused, CUDA graph", "fast", (("graphs", True), ("pdl", False))),
-    Rung("fused, CUDA graph + PDL", "fast", (("graphs", True), ("pdl", True))),
+    Rung("fused, one by one", "fast", (("decode", "fused"), ("graphs", False))),
+    Rung("fused, CUDA graph", "fast", (("decode", "fused"), ("graphs", True), ("pdl", False))),
+    Rung("fused, CUDA graph + PDL", "fast", (("decode", "fused"), ("graphs", True), ("pdl", True))),
     Rung(
         "merged, CUDA graph + PDL", "fast", (("decode", "merged"), ("graphs", True), ("pdl", True))
     ),  # fmt: skip
@@ -60,7 +60,7 @@ LADDER = (
     Rung(
         "fused, CUDA graph + PDL + argmax on device",
         "fast",
-        (("graphs", True), ("pdl", True)),
+        (("decode", "fused"), ("graphs", True), ("pdl", True)),
         argmax_on_device=True,
     ),
     Rung(
