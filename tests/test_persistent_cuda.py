@@ -223,7 +223,7 @@ def test_default_decode_is_the_auto_choice(tmp_path):
         default = CudaFastModel.from_gguf(Content.read(f), f, "cuda")
     assert default.decode == ("persistent" if hopper else "fused"), default.decode_note
     ids = torch.tensor([[1, 5, 9, 33]])
-    default.forward(ids, 0), explicit.forward(ids, 0)
+    ref.forward(ids, 0), default.forward(ids, 0), explicit.forward(ids, 0)
     for pos, token in enumerate((3, 44, 200), start=4):
         x = torch.tensor([[token]])
         got = default.forward(x, pos)

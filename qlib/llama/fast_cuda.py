@@ -87,7 +87,7 @@ ATTENTION_MODES = ("split", "single")  # decode attention: blocks in parallel, o
 # projection (the heads' shares summed with float atomics); one persistent kernel; or "auto"
 # (the default): persistent where ``auto_decode`` finds it measured faster, else fused
 DECODE_MODES = ("auto", "fused", "merged", "persistent")
-PERSISTENT_MAX_WIDTH = 1024  # decode="auto": wider models run fused (docs/gpu.md measures)
+PERSISTENT_MAX_WIDTH = 768  # decode="auto": wider models run fused (docs/gpu.md measures)
 GRAPH_CACHE = 4  # prefill graphs kept (one per prompt length)
 STEPS_MASK = 0xFFFFFFFF  # the persistent kernel counts its steps in 32 bits
 
