@@ -60,8 +60,8 @@ def test_unsupported_reasons():
 
 def test_auto_decode_choice():
     """``decode="auto"`` (the fast CUDA engine's default) picks the persistent kernel only where
-    it was measured faster: Hopper, a float32 cache, no K-quant matrices; else the fused
-    kernels, with the reason."""
+    it was measured faster: Hopper, a float32 cache, up to 768 wide (K-quant mixes included);
+    else the fused kernels, with the reason."""
     from qlib.llama.config import LlamaConfig
     from qlib.llama.fast_cuda import auto_decode
 

@@ -6,7 +6,9 @@ are those of the faithful CUDA path (weights dequantized exactly to float32 insi
 the kernels, float32 activations and accumulation), so its logits equal the
 ``f32`` form's to float rounding. What differs is the shape of the work:
 
-* **decode** is six kernels per layer (``qlib.quants.cuda.fused``): RmsNorm +
+* **decode** (``decode="auto"``, the default: one persistent kernel a step where
+  ``auto_decode`` finds it measured faster, ``qlib.quants.cuda.persistent``; elsewhere, or
+  with ``decode="fused"``) is six kernels per layer (``qlib.quants.cuda.fused``): RmsNorm +
   stacked q/k/v GEMV + RoPE + KV-cache write; attention over the live length (blocks of
   positions in parallel, then their combine); output projection + residual (with
   ``decode="merged"`` the combine runs inside this kernel, five a layer); RmsNorm +
@@ -231,7 +233,7 @@ def auto_decode(types: dict[str, str], config: LlamaConfig, kv_type: str,
                 capability: tuple[int, int]) -> tuple[str, str]:  # fmt: skip
     """What ``decode="auto"`` runs for a model (its matrices' GGUF types), and why: the
     persistent kernel where it was measured faster than the fused kernels (docs/gpu.md: a
-    Hopper GPU, a float32 cache, layer types it reads as they are in the file), else fused."""
+    Hopper GPU, a float32 cache, models up to ``PERSISTENT_MAX_WIDTH`` wide), else fused."""
     from ..quants.cuda import persistent
 
     why = persistent.unsupported(types, config.head_dim, config.rope_dim)
@@ -244,7 +246,7 @@ def auto_decode(types: dict[str, str], config: LlamaConfig, kv_type: str,
     if config.embedding_length > PERSISTENT_MAX_WIDTH:
         return "fused", (f"the persistent kernel is tuned for models up to {PERSISTENT_MAX_WIDTH} "
                          f"wide, not {config.embedding_length}")  # fmt: skip
-    return "persistent", "one kernel a step (measured ~2x faster than the fused kernels)"
+    return "persistent", "one kernel a step (measured faster than the fused kernels here)"
 
 
 def _persistent_decoder(model: CudaFastModel, content, get, tok: QTensor, out: QTensor,
@@ -403,10 +405,9 @@ class CudaFastModel(StaticKVState):
         ``decode_note`` says why), ``fused`` (six fused kernels per layer), ``merged`` (five:
         the attention's combine in the output projection's kernel, float atomics summing the
         heads' shares, so the last bits vary run to run) or ``persistent`` (the whole step in
-        one kernel,
-        ``qlib.quants.cuda.persistent``: a device copy of the GGUF blocks as well, K-quants
-        expanded exactly to 12 bits a weight;
-        ``decode_options`` go to its ``PersistentDecoder``: ``threads``, ``split``, ``min_split``,
+        one kernel, ``qlib.quants.cuda.persistent``: a device copy of the GGUF blocks as well,
+        K-quants expanded exactly to 12 bits a weight; ``decode_options`` go to its
+        ``PersistentDecoder`` when it runs: ``threads``, ``split``, ``min_split``,
         ``kv_stage``, ``stage_times``, ``macros``);
         ``pdl``: programmatic dependent launch of the fused kernels (None: on where the device
         and Triton have it, ``fused.pdl_available()``)."""
