@@ -130,6 +130,30 @@ def test_load_progress_bar_over_layers(monkeypatch, capsys):
     assert "loading layers" not in capsys.readouterr().err
 
 
+def test_waiting_notice(monkeypatch, capsys):
+    """A single long step (the persistent kernel's compile) says so on stderr once it has
+    taken ``progress.DELAY_S``, then its time; a short one, or with the switch off, says
+    nothing."""
+    import time
+
+    from qlib import progress
+
+    monkeypatch.setenv("QLIB_PROGRESS", "1")
+    monkeypatch.setattr(progress, "DELAY_S", 0.01)
+    with progress.waiting("compiling"):
+        time.sleep(0.2)
+    err = capsys.readouterr().err
+    assert "compiling ..." in err and "compiling: 0." in err
+    monkeypatch.setattr(progress, "DELAY_S", 5.0)
+    with progress.waiting("compiling"):
+        pass
+    monkeypatch.setenv("QLIB_PROGRESS", "0")
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    with progress.waiting("compiling"):
+        time.sleep(0.05)
+    assert capsys.readouterr().err == ""
+
+
 def test_greedy_id_is_torch_argmax():
     """``greedy_id`` (numpy's argmax for float32 on the CPU, torch's elsewhere) picks what
     ``torch.argmax`` picks: the first of equal maxima, a NaN over any number, any shape."""

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ... import progress
 from ..base import FORMATS
 from ..cpu.build import cache_dir
 
@@ -172,7 +173,8 @@ def cached_cubin(macros: dict[str, object], arch: str) -> bytes:
         return path.read_bytes()
     except OSError:
         pass
-    cubin = compile_cubin(macros, arch)
+    with progress.waiting("compiling the persistent decode kernel (once: kept for later loads)"):
+        cubin = compile_cubin(macros, arch)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
