@@ -48,6 +48,17 @@ def test_variant_names_the_engine_options():
     )
 
 
+def test_auto_decode_note_in_the_table():
+    """The fast CUDA engine's ``decode="auto"`` choice and its reason follow the table; a
+    decode given on the command line ("as asked") and the CPU engine (no note) add nothing."""
+    from qlib.cli.bench import decode_notes
+
+    why = "the persistent kernel is tuned for models up to 768 wide, not 2048"
+    r = {"runtime": "qlib", "engine": "fast", "decode": "fused"}
+    assert decode_notes([r | {"decode_note": why}]) == [f"qlib decode: fused: {why}"]
+    assert decode_notes([r | {"decode_note": "as asked"}, r | {"decode_note": None}, r]) == []
+
+
 def test_several_contexts_run_in_one_process():
     """``--context 8,16``: both points measured in one process (a curve, the first point's
     statistics at the top), two rows each, and their decode ratio in the table's notes."""

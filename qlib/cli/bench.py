@@ -275,6 +275,13 @@ def _params(n: int | None) -> str:
     return "?" if n is None else f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
 
 
+def decode_notes(results: list[dict]) -> list[str]:
+    """What the fast CUDA engine's ``decode="auto"`` chose and why (nothing for a decode the
+    command line named, "as asked", or for engines without a choice)."""
+    return [f"{r['runtime']} decode: {r['decode']}: {r['decode_note']}" for r in results
+            if r.get("decode_note") not in (None, "as asked")]  # fmt: skip
+
+
 def markdown(results: list[dict], ratios: dict | None = None) -> str:
     table = [rw for rw in rows(results) if "error" not in rw]
     lines = ["| " + " | ".join(COLUMNS) + " |",
@@ -295,6 +302,7 @@ def markdown(results: list[dict], ratios: dict | None = None) -> str:
              for r in results if r.get("rss_before_load_mb") and "peak_rss_mb" in r]  # fmt: skip
     if added:  # the runtime's own imports (torch: ~220 MB) apart
         notes.append(f"peak RSS above the RSS before loading the model: {', '.join(added)}")
+    notes += decode_notes(results)
     notes += [f"{rw['runtime']}: FAILED {rw['error']}" for rw in rows(results) if "error" in rw]
     notes += [line for r in results if "error" not in r for line in curve_ratios(r)]
     for peer, r in (ratios or {}).items():

@@ -187,7 +187,8 @@ def bench_qlib(args: argparse.Namespace) -> dict:
     if engine == "fast":
         result.update(prefill=getattr(model, "prefill", args.prefill),
                       kv_type=getattr(model, "kv_type", "f32"),
-                      decode=getattr(model, "decode", "fused"))  # fmt: skip
+                      decode=getattr(model, "decode", "fused"),
+                      decode_note=getattr(model, "decode_note", None))  # fmt: skip
     return result
 
 
