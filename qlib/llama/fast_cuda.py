@@ -241,7 +241,7 @@ def auto_decode(types: dict[str, str], config: LlamaConfig, kv_type: str,
         return "fused", why
     if kv_type != "f32":
         return "fused", "the persistent kernel reads a float32 KV cache"
-    if capability < (9, 0):
+    if capability[0] != 9:
         return "fused", "the persistent kernel is tuned and measured on Hopper (sm_90) only"
     if config.embedding_length > PERSISTENT_MAX_WIDTH:
         return "fused", (f"the persistent kernel is tuned for models up to {PERSISTENT_MAX_WIDTH} "
