@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from . import sweep
+from . import runner, sweep
 from .machine import summary
 from .results import SEED_LABEL, atomic_write_text, dump_json, now
 
@@ -276,13 +276,7 @@ def _provenance(run: DeviceRun, rel_nb: str | None, page: NotebookPage | None = 
 
 def failure_reason(status: dict[str, Any]) -> str:
     """'timeout at cell In [3]: `CellTimeoutError: ...`' for a failed run's status."""
-    state = status.get("state")
-    how = {"running": "did not finish", None: "error"}.get(state, state)
-    if status.get("cell") is not None:
-        how += f" at cell In [{status['cell']}]"
-    elif status.get("cell_index") is not None:
-        how += f" at cell #{status['cell_index']}"
-    return f"{how}: `{status.get('error')}`"
+    return runner.failure_reason(status, quote="`")
 
 
 def _executed_notebook(run: DeviceRun, results_dir: Path) -> str | None:

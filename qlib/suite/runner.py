@@ -109,6 +109,18 @@ class NotebookResult:
         return d
 
 
+def failure_reason(status: dict[str, Any], quote: str = "") -> str:
+    """'timeout at cell In [3]: CellTimeoutError: ...' for a failed run's saved status (its
+    error between ``quote`` marks: the report's Markdown takes backticks)."""
+    state = status.get("state")
+    how = {"running": "did not finish", None: "error"}.get(state, state)
+    if status.get("cell") is not None:
+        how += f" at cell In [{status['cell']}]"
+    elif status.get("cell_index") is not None:
+        how += f" at cell #{status['cell_index']}"
+    return f"{how}: {quote}{status.get('error')}{quote}"
+
+
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 

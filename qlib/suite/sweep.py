@@ -292,18 +292,8 @@ def _entry(point: Point, output_dir: Path, status: dict[str, Any] | None) -> dic
     e.update({k: status.get(k) for k in _STATUS_KEYS})
     e["state"] = e["state"] or "pending"
     if status and not status.get("ok"):
-        e["failure"] = _failure(status)
+        e["failure"] = runner.failure_reason(status)
     return e
-
-
-def _failure(status: dict[str, Any]) -> str:
-    state = status.get("state")
-    how = {"running": "did not finish", None: "error"}.get(state, state)
-    if status.get("cell") is not None:
-        how += f" at cell In [{status['cell']}]"
-    elif status.get("cell_index") is not None:
-        how += f" at cell #{status['cell_index']}"
-    return f"{how}: {status.get('error')}"
 
 
 @dataclass
