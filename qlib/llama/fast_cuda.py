@@ -249,17 +249,13 @@ def auto_decode(types: dict[str, str], config: LlamaConfig, kv_type: str,
     return "persistent", "one kernel a step (measured faster than the fused kernels here)"
 
 
-def _persistent_decoder(model: CudaFastModel, content, get, tok: QTensor, out: QTensor,
+def _persistent_decoder(model: CudaFastModel, get, tok: QTensor, out: QTensor,
                         **options):  # fmt: skip
-    """The ``PersistentDecoder`` of ``model``: the GGUF blocks of every matrix on the device."""
+    """The ``PersistentDecoder`` of ``model`` (whose types ``persistent.unsupported`` passed):
+    the GGUF blocks of every matrix on the device."""
     from ..quants.cuda import persistent
 
     c = model.config
-    infos = content.tensor_infos
-    mats = {n: i.dtype.name for n, i in infos.items() if len(i.shape) == 2}
-    why = persistent.unsupported(mats, c.head_dim, c.rope_dim)
-    if why:
-        raise ModelError(why)
     layers = []
     for i, ly in enumerate(model.layers):
         raw = {n: get(f"blk.{i}.{n}.weight") for n in persistent.MATRICES}
@@ -417,12 +413,18 @@ class CudaFastModel(StaticKVState):
         kv_type = check_kv_type(kv_type)
         config = LlamaConfig.from_metadata(content.metadata)
         auto, note = decode == "auto", "as asked"
+        mats = {n: i.dtype.name for n, i in content.tensor_infos.items() if len(i.shape) == 2}
         if auto:
-            mats = {n: i.dtype.name for n, i in content.tensor_infos.items() if len(i.shape) == 2}
             cc = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
             decode, note = auto_decode(mats, config, kv_type, cc)
-        if decode == "persistent" and kv_type != "f32":
-            raise ModelError("decode persistent reads a float32 KV cache: use kv_type f32")
+        elif decode == "persistent":
+            from ..quants.cuda import persistent
+
+            if kv_type != "f32":
+                raise ModelError("decode persistent reads a float32 KV cache: use kv_type f32")
+            why = persistent.unsupported(mats, config.head_dim, config.rope_dim)
+            if why:
+                raise ModelError(why)
         if max_seq_len is None:
             max_seq_len = context_length(content.metadata)
         if prefill not in PREFILL_MODES:
@@ -448,7 +450,7 @@ class CudaFastModel(StaticKVState):
         model.decode_note = note
         if decode == "persistent":
             try:
-                model._persistent = _persistent_decoder(model, content, get, tok, out,
+                model._persistent = _persistent_decoder(model, get, tok, out,
                                                         **(decode_options or {}))  # fmt: skip
             except ModelError as e:
                 if not auto:
