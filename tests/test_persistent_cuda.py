@@ -106,7 +106,7 @@ def test_kernel_builds_without_spills(tmp_path, types):
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_K" if types == "Q4_K_M" else
                             types, n_embd=256, n_head=4, n_kv_head=2, n_ff=512,
                             weight_types=weight_types)  # fmt: skip
-    variants = {"Q4_1": ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0"],
+    variants = {"Q4_1": ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0", "KV_GROUP=0"],
                 "Q4_K_M": ["default", "X8_WIDE=0"],
                 "Q8_0": ["default", "Q8_AS_X8=0,X8_WIDE=0"]}[types]  # fmt: skip
     tool = Path(__file__).parents[1] / "tools" / "persistent_compile.py"
@@ -339,6 +339,8 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
         {"NORM_LATE": 0},
         {"OUT_Q8X": 0},
         {"Q41_WIDE": 0},
+        {"KV_GROUP": 0},
+        {"GROUP_FROM": 0},
     ],
 )
 @pytest.mark.parametrize("shape", [(4, 2, 128, None), (2, 2, 128, 16)])
@@ -350,7 +352,9 @@ def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
     norm's factor in IEEE division and square root; the MLP tasks one a block, not in
     clusters of two; gate and up rows dotted apart; the normalized input made before the
     dots; the Q8_0 output layer read as its blocks, not as int8 rows and scales; Q4_1 parts
-    by 16-bit loads; Q4_1 codes made floats by their bits) stay correct: decode steps from
+    by 16-bit loads; Q4_1 codes made floats by their bits; each query head's attention
+    reading its KV head's rows itself; a KV head's query heads scored together from position
+    0 on, not from ``GROUP_FROM``) stay correct: decode steps from
     position 0 as the f32 form, GQA 2:1 and MHA with ``split=16`` (several blocks a head past
     16 positions); a Q8_0 output layer, as SmolLM2's."""
     n_head, n_kv, n_embd, split = shape
@@ -366,14 +370,20 @@ def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
 
 
 @needs_cuda
+@pytest.mark.parametrize("heads", [(2, 2, 1024), (6, 2, 1024), (6, 2, 0), (6, 2, 40)])
 @pytest.mark.parametrize("split", [persistent.SPLIT, 16])
-def test_decode_from_position_zero_and_long_attention(tmp_path, split):
-    """Every position decoded one token at a time (no prefill); MHA, tied output, head_dim 64.
-    ``split=16``: past 16 positions the attention of a head runs in several blocks whose
-    partial softmaxes the last one merges."""
-    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q8_0", n_embd=128, n_head=2,
-                            n_kv_head=2, n_ff=256)  # fmt: skip
-    ref, fast = load(path, decode_options={"split": split})
+def test_decode_from_position_zero_and_long_attention(tmp_path, split, heads):
+    """Every position decoded one token at a time (no prefill); tied output, head_dim 64; MHA,
+    and GQA 3:1, whose attention tasks score a KV head's three query heads together from
+    ``GROUP_FROM`` positions on (0: from the first; 40: switching at the 40th step; 1024:
+    never here). ``split=16``: past 16 positions the attention of a head (or of a KV head's
+    group) runs in several blocks whose partial softmaxes are merged, some of them empty at
+    first (grouped: 3 x the splits over the same positions)."""
+    n_head, n_kv, group_from = heads
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q8_0", n_embd=64 * n_head,
+                            n_head=n_head, n_kv_head=n_kv, n_ff=256)  # fmt: skip
+    options = {"split": split, "macros": {"GROUP_FROM": group_from}}
+    ref, fast = load(path, decode_options=options)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (1, 100), generator=gen)
     want = ref.forward(ids, 0, all_logits=True)[0]

@@ -7,13 +7,16 @@
 //       MLP block has added its share into the residual (layer 0: the embedding row, which
 //       each block looks up itself), RmsNorm, the pairs' rows (flat_dots), RoPE, q, k and v
 //       as tagged words (XCHG, below), k and v into the KV cache at the position too.
-//   attention task (blocks < NH x ns: head h, split s of the positions): the head's q (and
-//       the KV head's new k and v, in the split that holds the position) once their words
-//       carry this step's tag, scores, softmax and weighted values over the split;
-//       with ns > 1 splits each publishes its partial softmax (tagged words) and gathers the
-//       head's others, then every split merges them (the same sums in the same order, so the
-//       same output). Then the split's 1 / ns of the rows of wo times the head's output,
-//       added into the residual (XRES words; head 0 adds the residual itself).
+//   attention task (blocks < NH x ns: head h, split s): with KV_GROUP (the default), from
+//       GROUP_FROM positions on, the GQA x ns blocks of one KV head's query heads split its
+//       positions GQA x ns ways, and each scores all GQA heads over its split, so that a key
+//       or value row is read once for the group, not once a head; the heads' q (and the KV head's new k and v, in the
+//       split that holds the position) once their words carry this step's tag, scores,
+//       softmax and weighted values over the split; with more than one split, each publishes
+//       its heads' partial softmaxes (tagged words), and head h's split s gathers head h's,
+//       then merges them (the same sums in the same order in every split, so the same
+//       output). Then the split's 1 / ns of the rows of wo times the head's output, added
+//       into the residual (XRES words; head 0 adds the residual itself).
 //   MLP task (the last MLP_BLOCKS blocks, apart from the attention blocks while the heads fit
 //       beside them: CHUNK hidden units each): wait until every head has added
 //       its share, RmsNorm, the units' gate and up rows, g = silu(gate) * up, and their CHUNK
@@ -94,8 +97,26 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #define XCHG 1  // q / new k, v and the splits' partials passed as tagged words, not after a counter
 #endif
 #define XQKV ((NH + 2 * NKV) * HD)        // tagged words a layer: q, the new k, the new v
-#define XPART (NH * NSMAX * (HD + 2))     // tagged words a layer: the splits' partial softmaxes
-static_assert(!XCHG || SMAXPOS >= NSMAX * (HD + 2), "XCHG: the splits' partials gathered in S");
+#ifndef KV_GROUP
+#define KV_GROUP 1  // an attention task reads its KV head's rows once for all GQA of its query heads
+#endif
+#define HPT (KV_GROUP ? GQA : 1)  // query heads an attention task scores at most
+#ifndef GROUP_FROM
+#define GROUP_FROM 1024  // KV_GROUP: from this many positions (below, a task scores one head)
+#endif
+#ifndef MERGE_SERIAL
+#define MERGE_SERIAL 8  // up to this many splits a head, a thread a dim merges them all
+#endif
+#ifndef SCORE_UNROLL
+#define SCORE_UNROLL 4  // passes of the score loop unrolled (key loads in flight)
+#endif
+#ifndef VALUE_UNROLL
+#define VALUE_UNROLL 3  // passes of the value loop unrolled in a task of GQA heads (one head: 4)
+#endif
+constexpr int kScoreUnroll = SCORE_UNROLL, kValueUnroll = VALUE_UNROLL;  // (for #pragma unroll)
+static_assert(HPT == 1 || XCHG, "KV_GROUP: the splits' partials as tagged words (XCHG)");
+#define XPART (NH * NSMAX * HPT * (HD + 2))  // tagged words a layer: the splits' partial softmaxes
+static_assert(SMAXPOS >= NSMAX * HPT * (HD + 2), "the splits' partials gathered in S");
 #ifndef XRES
 #define XRES 1  // the residual sums as fixed-point words that count their addends (res_add)
 #endif
@@ -188,6 +209,11 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned long long usize;
 #define NEG_INF __int_as_float(0xff800000)
+
+template <int N>
+struct IntC {  // a constant as a type (a generic lambda's code for each N)
+    static constexpr int value = N;
+};
 
 __device__ __forceinline__ float h2f(u16 u) {
     float f;
@@ -796,11 +822,37 @@ __device__ __forceinline__ u64 argmax_key(float v, int idx) {
 }
 
 
-__device__ float block_max(float v, float* red) {
-    warp_into(warp_max(v), red);
-    float m = NEG_INF;
-    for (int i = 0; i < WARPS; i++) m = fmaxf(m, red[i]);
-    return m;
+// N block maxima (sums) at once, in place: red holds N x WARPS floats; the sums in
+// warps_total's order (as block_sum's)
+template <int N>
+__device__ void block_max_n(float (&v)[N], float* red) {
+    float w[N];
+#pragma unroll
+    for (int i = 0; i < N; i++) w[i] = warp_max(v[i]);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int i = 0; i < N; i++) red[i * WARPS + (threadIdx.x >> 5)] = w[i];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        float m = NEG_INF;
+        for (int k = 0; k < WARPS; k++) m = fmaxf(m, red[i * WARPS + k]);
+        v[i] = m;
+    }
+}
+template <int N>
+__device__ void block_sum_n(float (&v)[N], float* red) {
+    float w[N];
+#pragma unroll
+    for (int i = 0; i < N; i++) w[i] = warp_sum(v[i]);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int i = 0; i < N; i++) red[i * WARPS + (threadIdx.x >> 5)] = w[i];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; i++) v[i] = warps_total(red + i * WARPS);
 }
 
 // RmsNorm's factor 1 / rms from the sum of squares of DIM elements
@@ -1013,8 +1065,61 @@ __device__ __forceinline__ void get_tagged(const u64* const (&p)[N], u32 tag, fl
     }
 }
 
-// A word of the splits' partials where the merge reads them: shared memory (XCHG) or L2.
-__device__ __forceinline__ float part_at(const float* p) { return XCHG ? *p : __ldcg(p); }
+// A head's output from its n splits' partials at P (split j at P + j (HD + 2): its score max,
+// its sum of exp, its HD weighted value sums), into out (HD). Up to MERGE_SERIAL splits, a
+// thread a dim adds them all; past that, every warp weighs the splits
+// itself (lanes j, j + 32, ...), then THREADS / HD parts of the threads each add every
+// (THREADS / HD)-th split into scratch (THREADS floats) and a thread a dim adds the parts: the
+// same sums in the same order in every split of the head, so every split gets the same output.
+__device__ void merge_partials(const float* P, int n, float* scratch, float* out) {
+    constexpr int JW = (NSMAX * HPT + 31) / 32, PARTS = THREADS / HD;
+    if (n <= MERGE_SERIAL) {  // few splits: a thread a dim, every split in turn
+        for (int d = threadIdx.x; d < HD; d += THREADS) {
+            float M = NEG_INF;
+            for (int j = 0; j < n; j++) M = fmaxf(M, P[j * (HD + 2)]);
+            float num = 0.f, den = 0.f;
+            for (int j = 0; j < n; j++) {
+                const float w = expf(P[j * (HD + 2)] - M);
+                den += w * P[j * (HD + 2) + 1];
+                num += w * P[j * (HD + 2) + 2 + d];
+            }
+            out[d] = num / den;
+        }
+        return;
+    }
+    const int lane = threadIdx.x & 31;
+    float M = NEG_INF;
+#pragma unroll
+    for (int k = 0; k < JW; k++) {
+        const int j = lane + 32 * k;
+        if (j < n) M = fmaxf(M, P[j * (HD + 2)]);
+    }
+    M = warp_max(M);
+    float wj[JW], den = 0.f;
+#pragma unroll
+    for (int k = 0; k < JW; k++) {
+        const int j = lane + 32 * k;
+        wj[k] = j < n ? expf(P[j * (HD + 2)] - M) : 0.f;
+        if (j < n) den += wj[k] * P[j * (HD + 2) + 1];
+    }
+    den = warp_sum(den);
+    const int part = threadIdx.x / HD, d = threadIdx.x % HD;  // (part: one a warp, HD % 32 == 0)
+    if (part < PARTS) {
+        float num = 0.f;
+        int j = part;  // (warp-uniform: splits j, j + PARTS, ... in order, lane j & 31's weight)
+#pragma unroll
+        for (int k = 0; k < JW; k++)
+            for (; j < n && j < 32 * (k + 1); j += PARTS)
+                num += __shfl_sync(0xffffffffu, wj[k], j & 31) * P[j * (HD + 2) + 2 + d];
+        scratch[part * HD + d] = num;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < HD; i += THREADS) {
+        float num = 0.f;
+        for (int k = 0; k < PARTS; k++) num += scratch[k * HD + i];
+        out[i] = num / den;
+    }
+}
 
 // QLIB_STAGE_TIMES: block 0 (a q/k/v and an attention task each layer) and the first MLP block
 // (marks 8-11) record %globaltimer (ns) at NMARK marks a layer, and at the step's start and end.
@@ -1060,17 +1165,17 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* xs = (float*)(smem_raw + 2 * WCAP);  // DIM: the normalized input
     float* res_in = xs + DIM;                   // DIM: the residual read at a stage's start
-    float* qv = res_in + DIM;                   // HD: the head's query, scaled
-    float* ovec = qv + HD;                      // HD: the head's output
+    float* qv = res_in + DIM;                   // HPT x HD: the task's queries, scaled
+    float* ovec = qv + HPT * HD;                // HD: the head's output
     float* rope_c = ovec + HD;                  // HD / 2 each: RoPE at this position
     float* rope_s = rope_c + HD / 2;
     float* knew = rope_s + HD / 2;              // HD each: the key and value rows at the position
     float* vnew = knew + HD;
     float* S = vnew + HD;                       // SMAXPOS: the split's scores, then weights
-    float* oacc = S + SMAXPOS;                  // WARPS x HD: the warps' weighted value sums
-    float* gsm = oacc + WARPS * HD;             // GSM_N: silu(gate) * up of an MLP task
-    float* red = gsm + GSM_N;                   // WARPS: block reductions
-    int* stypes = (int*)(red + WARPS);          // NL x 7: the matrices' types (off the global
+    float* oacc = S + SMAXPOS;                  // WARPS x HPT x HD: the warps' weighted value sums
+    float* gsm = oacc + WARPS * HPT * HD;       // GSM_N: silu(gate) * up of an MLP task
+    float* red = gsm + GSM_N;                   // WARPS x HPT: block reductions
+    int* stypes = (int*)(red + WARPS * HPT);    // NL x 7: the matrices' types (off the global
                                                 // loads of the critical path)
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1122,13 +1227,22 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     int ns = min(NS_FREE, (L + MIN_SPLIT - 1) / MIN_SPLIT);
     if ((L + SPLIT - 1) / SPLIT > ns) ns = min(NSMAX, (L + SPLIT - 1) / SPLIT);
     ns = max(ns, 1);
-    const int len = (L + ns - 1) / ns;
     // roles: attention task (head h, split s) on blocks < NH ns; MLP tasks on the last
     // MLP_BLOCKS blocks; q/k/v tasks b, b + grid, ... on every block
     const bool att = b < NH * ns, mlp = b >= MLP_FIRST && b < MLP_FIRST + MLP_BLOCKS;
     const int mb = b - MLP_FIRST;  // the MLP block's index
     const int h = att ? b / ns : 0, s = att ? b % ns : 0, kvh = h / GQA;
-    const int t0 = s * len, t1 = min(L, t0 + len), tc = min(t1, pos);  // cached before: [t0, tc)
+    // KV_GROUP, from GROUP_FROM positions: the GQA x ns blocks of a KV head's query heads
+    // split its positions GQA x ns ways, each scoring all GQA heads (split sg); head h's split
+    // s then merges head h's partials and adds its share of wo, as without (split sg = s of
+    // head h alone)
+    const bool grouped = HPT > 1 && L >= GROUP_FROM;
+    const int nq = grouped ? HPT : 1;  // query heads the task scores: hq0, hq0 + 1, ...
+    const int nsg = nq * ns, sg = grouped ? (h % GQA) * ns + s : s;
+    const int hq0 = grouped ? kvh * GQA : h;
+    const int len = (L + nsg - 1) / nsg;
+    const int t0 = min(L, sg * len), t1 = min(L, t0 + len);
+    const int tc = max(t0, min(t1, pos));  // cached before the step: [t0, tc)
     // the split's rows of wo (every split of a head merges the head's partials, then adds its
     // own rows): multiples of 4 rows, so that a slab piece stays 16-byte aligned
     const int wo_rows = ((DIM + ns - 1) / ns + 3) / 4 * 4;
@@ -1325,7 +1439,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         BLOCK_MARK(1)
         if (!att) stage_next();  // (it waits for the heads next)
 
-        // ---- attention of head h over the split [t0, t1), its share of wo
+        // ---- attention: the task's HPT query heads (hq0 ...) over the split [t0, t1) of its
+        // KV head's positions; then head h's merged output and its share of wo
         if (att) {
 #if !XCHG
             const float* kh = kc + (usize)kvh * MAXSEQ * HD;  // (XCHG: the new rows as tagged words)
@@ -1334,158 +1449,226 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #endif
             if (b == 0) MARK(NMARK * l + 3);
             const float scale = 1.0f / sqrtf((float)HD);
-            // q, and the key and value rows at the position when it is in the split (written by
-            // this step's q/k/v tasks: read from L2); the rows before it are staged (P_KV)
-            if (threadIdx.x < HD) {
-                const int d = threadIdx.x;
+            // the task's NQ heads (1, or HPT from GROUP_FROM positions): code made for each
+            // count, so that a task of one head runs the code it had without KV_GROUP
+            u64* PX = xchg + (usize)NL * XQKV + (usize)l * XPART;  // (XCHG: the partials)
+            (void)PX;
+            auto attend = [&](auto nq_c) {
+                constexpr int NQ = decltype(nq_c)::value;
+                // the heads' q, and the key and value rows at the position when it is in the
+                // split (written by this step's q/k/v tasks: read from L2); the rows before it
+                // are staged
+                if (threadIdx.x < HD) {
+                    const int d = threadIdx.x;
+                    float qd[NQ], kd = 0.f, vd = 0.f;
 #if XCHG
-                const u64* X = xchg + (usize)l * XQKV;
-                float qd, kd = 0.f, vd = 0.f;
-                if (tc < t1) {
-                    const u64* const w3[3] = {X + h * HD + d, X + (NH + kvh) * HD + d,
-                                              X + (NH + NKV + kvh) * HD + d};
-                    float v3[3];
-                    get_tagged<3>(w3, tag, v3);
-                    qd = v3[0];
-                    kd = v3[1];
-                    vd = v3[2];
-                } else {
-                    const u64* const w1[1] = {X + h * HD + d};
-                    float v1[1];
-                    get_tagged<1>(w1, tag, v1);
-                    qd = v1[0];
-                }
-#else
-                const float qd = __ldcg(qbuf + h * HD + d);
-                float kd = 0.f, vd = 0.f;
-                if (tc < t1) {
-                    kd = __ldcg(kh + (usize)pos * HD + d);
-                    vd = __ldcg(vh + (usize)pos * HD + d);
-                }
+                    const u64* X = xchg + (usize)l * XQKV;
+                    if (tc < t1) {
+                        const u64* w[NQ + 2];
+#pragma unroll
+                        for (int i = 0; i < NQ; i++) w[i] = X + (hq0 + i) * HD + d;
+                        w[NQ] = X + (NH + kvh) * HD + d;
+                        w[NQ + 1] = X + (NH + NKV + kvh) * HD + d;
+                        float v[NQ + 2];
+                        get_tagged<NQ + 2>(w, tag, v);
+#pragma unroll
+                        for (int i = 0; i < NQ; i++) qd[i] = v[i];
+                        kd = v[NQ];
+                        vd = v[NQ + 1];
+                    } else {
+                        const u64* w[NQ];
+#pragma unroll
+                        for (int i = 0; i < NQ; i++) w[i] = X + (hq0 + i) * HD + d;
+                        get_tagged<NQ>(w, tag, qd);
+                    }
+#else  // (NQ 1)
+                    qd[0] = __ldcg(qbuf + h * HD + d);
+                    if (tc < t1) {
+                        kd = __ldcg(kh + (usize)pos * HD + d);
+                        vd = __ldcg(vh + (usize)pos * HD + d);
+                    }
 #endif
-                qv[d] = qd * scale;
-                knew[d] = kd;
-                vnew[d] = vd;
-            }
-            __syncthreads();
-            const float* kst = (const float*)wp[P_KV];  // rows [t0, tc): shared memory, or the cache
-            const float* vst = (const float*)wp[P_KV + 1];
-            // eight lanes per position, lane sub holding float4s sub, sub + 8, ... of the row: a
-            // warp's load reads four whole 128-byte runs of key rows (shared memory: no conflicts)
-            float mx = NEG_INF;
-            {
-                const int sub = lane & 7;
-                float4 qr[HD / 32];
 #pragma unroll
-                for (int j = 0; j < HD / 32; j++) qr[j] = ((const float4*)qv)[sub + 8 * j];
-#pragma unroll 4
-                for (int tb = t0 + 4 * warp; tb < t1; tb += 4 * WARPS) {  // (warp-uniform)
-                    const int t = tb + (lane >> 3);
-                    const bool ok = t < t1;
-                    const int tt = ok ? t : tb;
-                    const float4* k4 = (const float4*)(tt < tc ? kst + (usize)(tt - t0) * HD : knew) + sub;
-                    float sc = 0.f;
-#pragma unroll
-                    for (int j = 0; j < HD / 32; j++) {
-                        const float4 kk = k4[8 * j];
-                        sc += qr[j].x * kk.x + qr[j].y * kk.y + qr[j].z * kk.z + qr[j].w * kk.w;
-                    }
-#pragma unroll
-                    for (int o = 1; o < 8; o <<= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-                    if (ok && sub == 0) S[t - t0] = sc;
-                    if (ok) mx = fmaxf(mx, sc);
-                }
-            }
-            mx = block_max(mx, red);
-            float sum = 0.f;
-            for (int t = t0 + threadIdx.x; t < t1; t += THREADS) {
-                const float p = expf(S[t - t0] - mx);
-                S[t - t0] = p;
-                sum += p;
-            }
-            sum = block_sum(sum, red);  // (its barriers also publish S)
-            if (b == 0) MARK(NMARK * l + 4);
-            {  // the weighted values as the scores: eight lanes per position, HD / 8 dims each
-                const int sub = lane & 7;
-                float4 o[HD / 32];
-#pragma unroll
-                for (int j = 0; j < HD / 32; j++) o[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-                for (int tb = t0 + 4 * warp; tb < t1; tb += 4 * WARPS) {
-                    const int t = tb + (lane >> 3);
-                    const float p = t < t1 ? S[t - t0] : 0.f;
-                    const int tt = t < t1 ? t : tb;
-                    const float4* v4 = (const float4*)(tt < tc ? vst + (usize)(tt - t0) * HD : vnew) + sub;
-#pragma unroll
-                    for (int j = 0; j < HD / 32; j++) {
-                        const float4 vv = v4[8 * j];
-                        o[j].x += p * vv.x;
-                        o[j].y += p * vv.y;
-                        o[j].z += p * vv.z;
-                        o[j].w += p * vv.w;
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < HD / 32; j++) {  // the warp's four position groups summed
-#pragma unroll
-                    for (int off = 8; off < 32; off <<= 1) {
-                        o[j].x += __shfl_xor_sync(0xffffffffu, o[j].x, off);
-                        o[j].y += __shfl_xor_sync(0xffffffffu, o[j].y, off);
-                        o[j].z += __shfl_xor_sync(0xffffffffu, o[j].z, off);
-                        o[j].w += __shfl_xor_sync(0xffffffffu, o[j].w, off);
-                    }
-                }
-                if (lane < 8)
-#pragma unroll
-                    for (int j = 0; j < HD / 32; j++) ((float4*)(oacc + warp * HD))[sub + 8 * j] = o[j];
-            }
-            __syncthreads();
-            for (int d = threadIdx.x; d < HD; d += THREADS) {
-                float v = 0.f;
-                for (int w = 0; w < WARPS; w++) v += oacc[w * HD + d];
-                ovec[d] = ns == 1 ? v / sum : v;
-            }
-            if (b == 0) MARK(NMARK * l + 5);
-            if (ns > 1) {  // publish the partial; once all are in, every split merges them
-#if XCHG  // as tagged words; then every split's words gathered into S (free after the values)
-                u64* PX = xchg + (usize)NL * XQKV + (usize)l * XPART + (usize)h * NSMAX * (HD + 2);
-                for (int d = threadIdx.x; d < HD; d += THREADS) put_tagged(PX + s * (HD + 2) + 2 + d, tag, ovec[d]);
-                if (threadIdx.x == 0) {
-                    put_tagged(PX + s * (HD + 2), tag, mx);
-                    put_tagged(PX + s * (HD + 2) + 1, tag, sum);
-                }
-                for (int i = threadIdx.x; i < ns * (HD + 2); i += THREADS) {
-                    const u64* const w1[1] = {PX + i};
-                    float v1[1];
-                    get_tagged<1>(w1, tag, v1);
-                    S[i] = v1[0];
+                    for (int i = 0; i < NQ; i++) qv[i * HD + d] = qd[i] * scale;
+                    knew[d] = kd;
+                    vnew[d] = vd;
                 }
                 __syncthreads();
-                const float* P0 = S;
-#else
-                float* P = part + ((usize)h * NSMAX + s) * (HD + 2);
-                for (int d = threadIdx.x; d < HD; d += THREADS) P[2 + d] = ovec[d];
-                if (threadIdx.x == 0) {
-                    P[0] = mx;
-                    P[1] = sum;
-                }
-                signal(head_cnt + l * NH + h);
-                wait_count(head_cnt + l * NH + h, ns);
-                const float* P0 = part + (usize)h * NSMAX * (HD + 2);
-#endif
-                for (int d = threadIdx.x; d < HD; d += THREADS) {
-                    float M = NEG_INF;
-                    for (int j = 0; j < ns; j++) M = fmaxf(M, part_at(P0 + (usize)j * (HD + 2)));
-                    float num = 0.f, den = 0.f;
-                    for (int j = 0; j < ns; j++) {
-                        const float* pj = P0 + (usize)j * (HD + 2);
-                        const float w = expf(part_at(pj) - M);
-                        den += w * part_at(pj + 1);
-                        num += w * part_at(pj + 2 + d);
+                const float* kst = (const float*)wp[P_KV];  // rows [t0, tc): shared memory, or the cache
+                const float* vst = (const float*)wp[P_KV + 1];
+                // eight lanes per position, lane sub holding float4s sub, sub + 8, ... of the row: a
+                // warp's load reads four whole 128-byte runs of key rows (shared memory: no
+                // conflicts), each key row loaded once for the NQ heads; head i's scores at S + i len
+                float mx[NQ];
+                {
+                    const int sub = lane & 7;
+                    float4 qr[NQ][HD / 32];
+#pragma unroll
+                    for (int i = 0; i < NQ; i++) {
+                        mx[i] = NEG_INF;
+#pragma unroll
+                        for (int j = 0; j < HD / 32; j++) qr[i][j] = ((const float4*)(qv + i * HD))[sub + 8 * j];
                     }
-                    ovec[d] = num / den;
+#pragma unroll(kScoreUnroll)
+                    for (int tb = t0 + 4 * warp; tb < t1; tb += 4 * WARPS) {  // (warp-uniform)
+                        const int t = tb + (lane >> 3);
+                        const bool ok = t < t1;
+                        const int tt = ok ? t : tb;
+                        const float4* k4 = (const float4*)(tt < tc ? kst + (usize)(tt - t0) * HD : knew) + sub;
+                        float sc[NQ];
+#pragma unroll
+                        for (int i = 0; i < NQ; i++) sc[i] = 0.f;
+#pragma unroll
+                        for (int j = 0; j < HD / 32; j++) {
+                            const float4 kk = k4[8 * j];
+#pragma unroll
+                            for (int i = 0; i < NQ; i++)
+                                sc[i] += qr[i][j].x * kk.x + qr[i][j].y * kk.y + qr[i][j].z * kk.z + qr[i][j].w * kk.w;
+                        }
+#pragma unroll
+                        for (int i = 0; i < NQ; i++) {
+#pragma unroll
+                            for (int o = 1; o < 8; o <<= 1) sc[i] += __shfl_xor_sync(0xffffffffu, sc[i], o);
+                            if (ok && sub == 0) S[i * len + t - t0] = sc[i];
+                            if (ok) mx[i] = fmaxf(mx[i], sc[i]);
+                        }
+                    }
                 }
+                block_max_n<NQ>(mx, red);
+                float sum[NQ];
+#pragma unroll
+                for (int i = 0; i < NQ; i++) sum[i] = 0.f;
+                for (int t = threadIdx.x; t < t1 - t0; t += THREADS) {
+#pragma unroll
+                    for (int i = 0; i < NQ; i++) {
+                        const float p = expf(S[i * len + t] - mx[i]);
+                        S[i * len + t] = p;
+                        sum[i] += p;
+                    }
+                }
+                block_sum_n<NQ>(sum, red);  // (its barriers also publish S)
+                if (b == 0) MARK(NMARK * l + 4);
+                {  // the weighted values as the scores: eight lanes per position, HD / 8 dims each
+                    const int sub = lane & 7;
+                    float4 o[NQ][HD / 32];
+#pragma unroll
+                    for (int i = 0; i < NQ; i++)
+#pragma unroll
+                        for (int j = 0; j < HD / 32; j++) o[i][j] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll(NQ > 1 ? kValueUnroll : 4)
+                    for (int tb = t0 + 4 * warp; tb < t1; tb += 4 * WARPS) {
+                        const int t = tb + (lane >> 3);
+                        float p[NQ];
+#pragma unroll
+                        for (int i = 0; i < NQ; i++) p[i] = t < t1 ? S[i * len + t - t0] : 0.f;
+                        const int tt = t < t1 ? t : tb;
+                        const float4* v4 = (const float4*)(tt < tc ? vst + (usize)(tt - t0) * HD : vnew) + sub;
+#pragma unroll
+                        for (int j = 0; j < HD / 32; j++) {
+                            const float4 vv = v4[8 * j];
+#pragma unroll
+                            for (int i = 0; i < NQ; i++) {
+                                o[i][j].x += p[i] * vv.x;
+                                o[i][j].y += p[i] * vv.y;
+                                o[i][j].z += p[i] * vv.z;
+                                o[i][j].w += p[i] * vv.w;
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (int i = 0; i < NQ; i++)
+#pragma unroll
+                        for (int j = 0; j < HD / 32; j++) {  // the warp's four position groups summed
+#pragma unroll
+                            for (int off = 8; off < 32; off <<= 1) {
+                                o[i][j].x += __shfl_xor_sync(0xffffffffu, o[i][j].x, off);
+                                o[i][j].y += __shfl_xor_sync(0xffffffffu, o[i][j].y, off);
+                                o[i][j].z += __shfl_xor_sync(0xffffffffu, o[i][j].z, off);
+                                o[i][j].w += __shfl_xor_sync(0xffffffffu, o[i][j].w, off);
+                            }
+                        }
+                    if (lane < 8)
+#pragma unroll
+                        for (int i = 0; i < NQ; i++)
+#pragma unroll
+                            for (int j = 0; j < HD / 32; j++) ((float4*)(oacc + (warp * NQ + i) * HD))[sub + 8 * j] = o[i][j];
+                }
+                __syncthreads();
+#if XCHG
+                // the heads' partials (max, sum, HD weighted values) as tagged words at split sg
+                // of each head's nsg; one split of one head (nsg 1): the output itself
+                for (int k = threadIdx.x; k < NQ * HD; k += THREADS) {
+                    const int i = k / HD, d = k % HD;
+                    float v = 0.f;
+                    for (int w = 0; w < WARPS; w++) v += oacc[(w * NQ + i) * HD + d];
+                    if (nsg == 1)
+                        ovec[d] = v / sum[0];
+                    else
+                        put_tagged(PX + ((usize)(hq0 + i) * NSMAX * HPT + sg) * (HD + 2) + 2 + d, tag, v);
+                }
+                if (nsg > 1 && threadIdx.x < NQ) {
+                    u64* P = PX + ((usize)(hq0 + threadIdx.x) * NSMAX * HPT + sg) * (HD + 2);
+                    float m = mx[0], z = sum[0];
+#pragma unroll
+                    for (int i = 1; i < NQ; i++)
+                        if (threadIdx.x == i) m = mx[i], z = sum[i];
+                    put_tagged(P, tag, m);
+                    put_tagged(P + 1, tag, z);
+                }
+#else
+                for (int d = threadIdx.x; d < HD; d += THREADS) {
+                    float v = 0.f;
+                    for (int w = 0; w < WARPS; w++) v += oacc[w * HD + d];
+                    ovec[d] = ns == 1 ? v / sum[0] : v;
+                }
+                if (b == 0) MARK(NMARK * l + 5);
+                if (ns > 1) {  // publish the partial; once all are in, every split merges them
+                    float* P = part + ((usize)h * NSMAX + s) * (HD + 2);
+                    for (int d = threadIdx.x; d < HD; d += THREADS) P[2 + d] = ovec[d];
+                    if (threadIdx.x == 0) {
+                        P[0] = mx[0];
+                        P[1] = sum[0];
+                    }
+                    signal(head_cnt + l * NH + h);
+                    wait_count(head_cnt + l * NH + h, ns);
+                    const float* P0 = part + (usize)h * NSMAX * (HD + 2);
+                    for (int i = threadIdx.x; i < ns * (HD + 2); i += THREADS) S[i] = __ldcg(P0 + i);
+                    __syncthreads();
+                    merge_partials(S, ns, oacc, ovec);
+                }
+#endif
+            };
+            if (grouped)
+                attend(IntC<HPT>{});
+            else
+                attend(IntC<1>{});
+#if XCHG
+            if (b == 0) MARK(NMARK * l + 5);
+            if (nsg > 1) {  // head h's nsg partials gathered into S (free after the values), merged
+                const u64* PH = PX + (usize)h * NSMAX * HPT * (HD + 2);
+                const int n = nsg * (HD + 2);
+                if (n <= THREADS) {
+                    if (threadIdx.x < n) {
+                        const u64* const w1[1] = {PH + threadIdx.x};
+                        float v1[1];
+                        get_tagged<1>(w1, tag, v1);
+                        S[threadIdx.x] = v1[0];
+                    }
+                } else {
+                    constexpr int K = (NSMAX * HPT * (HD + 2) + THREADS - 1) / THREADS;
+                    const u64* w[K];  // a thread's words, all loads in flight together
+#pragma unroll
+                    for (int k = 0; k < K; k++) w[k] = PH + min(threadIdx.x + k * THREADS, n - 1);
+                    float v[K];
+                    get_tagged<K>(w, tag, v);
+#pragma unroll
+                    for (int k = 0; k < K; k++)
+                        if (threadIdx.x + k * THREADS < n) S[threadIdx.x + k * THREADS] = v[k];
+                }
+                __syncthreads();
+                merge_partials(S, nsg, oacc, ovec);
             }
+#endif
             __syncthreads();
             if (b == 0) MARK(NMARK * l + 6);
             const int to = layer_type(T, W_O);

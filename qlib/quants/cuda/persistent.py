@@ -331,18 +331,24 @@ def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: i
     while qpb < hd // 2 and pairs > qpb * blocks:
         qpb *= 2
     warps = threads // 32
-    # S: a split's scores, flat_dots' scratch, the splits' partials (XCHG); a multiple of 4
-    # keeps what follows 16-aligned
-    smax_pos = max(split, -(-max_seq // ns_max), threads + 2 * max(qpb, CHUNK),
-                   ns_max * (hd + 2))  # fmt: skip
+    given = dict(given or {})
+    # KV_GROUP: an attention task scores the gqa query heads of its KV head (tagged partials
+    # only, XCHG), where their queries and sums fit in registers (gqa x hd <= 256 floats)
+    gqa = nh // c.head_count_kv
+    given.setdefault("KV_GROUP", int(gqa > 1 and gqa * hd <= 256 and given.get("XCHG", 1) != 0))
+    hpt = gqa if given["KV_GROUP"] else 1  # query heads an attention task scores
+    # S: a split's scores (hpt heads), flat_dots' scratch, the splits' partials; a multiple
+    # of 4 keeps what follows 16-aligned
+    smax_pos = max(split + hpt, -(-max_seq // ns_max) + hpt, threads + 2 * max(qpb, CHUNK),
+                   ns_max * hpt * (hd + 2))  # fmt: skip
     smax_pos = -(-smax_pos // 4) * 4
-    floats = 2 * dim + 5 * hd + smax_pos + warps * hd + 10 * CHUNK + warps + 7 * nl
+    floats = (2 * dim + (4 + hpt) * hd + smax_pos + warps * hpt * hd + 10 * CHUNK
+              + warps * hpt + 7 * nl)  # fmt: skip
     # two staging areas, beside the floats and the static addresses (WHERE_BYTES)
     wcap = (optin - 4 * floats - 256 - WHERE_BYTES) // 32 * 16
     shared = 2 * wcap + 4 * floats
     # the layers' Q8_0 matrices as T_X8 blocks, read by whole words (X8_WIDE, on by default):
     # 261 against 282 us a step on the Q8_0 variant (docs/gpu.md); alone, slower (312)
-    given = dict(given or {})
     given.setdefault("Q8_AS_X8", int(given.get("X8_WIDE", 1)))
     types = {1 << kernel_type(ly[n].dtype.name, bool(given["Q8_AS_X8"]))
              for ly in layers for n in MATRICES}  # fmt: skip
@@ -451,7 +457,8 @@ class PersistentDecoder:
         self.part = torch.empty(nh * ns_max * (hd + 2), device=device)
         self.q = torch.empty(nh * hd, device=device)
         # tagged words (XCHG): per layer q / new k, v, then per layer the splits' partials
-        xchg = nl * (nh + 2 * c.head_count_kv) * hd + nl * nh * ns_max * (hd + 2)
+        hpt = nh // c.head_count_kv if self.macros["KV_GROUP"] else 1
+        xchg = nl * (nh + 2 * c.head_count_kv) * hd + nl * nh * ns_max * hpt * (hd + 2)
         self.xchg = torch.zeros(xchg, dtype=torch.int64, device=device)
         # the layers' marks, the step's start and end, 6 a block, then the output layer's 3
         self._block_marks = N_MARKS * nl + 2
