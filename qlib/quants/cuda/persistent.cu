@@ -104,6 +104,9 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #ifndef GROUP_FROM
 #define GROUP_FROM 1024  // KV_GROUP: from this many positions (below, a task scores one head)
 #endif
+#ifndef KV_PREFETCH
+#define KV_PREFETCH 0  // a split's keys and values that do not fit in shared memory prefetched into L2
+#endif
 #ifndef MERGE_SERIAL
 #define MERGE_SERIAL 8  // up to this many splits a head, a thread a dim merges them all
 #endif
@@ -950,8 +953,8 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 
 // Copy pieces src[i] (bytes[i], multiples of 16, 16-aligned) into a staging area of `cap`
 // bytes in order with cp.async, as one commit group; where[i] is the piece's copy, or src[i]
-// itself (prefetched into L2) where it does not fit or is not 16-aligned.
-template <int N>
+// itself (prefetched into L2, pieces before NOPF) where it does not fit or is not 16-aligned.
+template <int N, int NOPF = N>
 __device__ __forceinline__ void stage(const u8* const (&src)[N], const int (&bytes)[N], u8* area,
                                       int cap, const u8** where) {
     int off = 0;
@@ -963,7 +966,8 @@ __device__ __forceinline__ void stage(const u8* const (&src)[N], const int (&byt
             off += bytes[i];
         } else {
             where[i] = src[i];
-            for (int j = threadIdx.x * 128; j < bytes[i]; j += THREADS * 128) prefetch_l2(src[i] + j);
+            if (i < NOPF)
+                for (int j = threadIdx.x * 128; j < bytes[i]; j += THREADS * 128) prefetch_l2(src[i] + j);
         }
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -1318,7 +1322,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         }
         bytes[P_KV] = bytes[P_KV + 1] = 0;
 #endif
-        stage<NP>(src, bytes, smem_raw + (l & 1) * WCAP, WCAP, where[l & 1]);
+        stage<NP, KV_PREFETCH ? NP : P_KV>(src, bytes, smem_raw + (l & 1) * WCAP, WCAP, where[l & 1]);
     };
 
 #if MLP_PAIR
