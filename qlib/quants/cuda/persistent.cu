@@ -1241,11 +1241,9 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     // s then merges head h's partials and adds its share of wo, as without (split sg = s of
     // head h alone)
     const bool grouped = HPT > 1 && L >= GROUP_FROM;
-    const int nq = grouped ? HPT : 1;  // query heads the task scores: hq0, hq0 + 1, ...
-    const int nsg = nq * ns, sg = grouped ? (h % GQA) * ns + s : s;
-    const int hq0 = grouped ? kvh * GQA : h;
+    const int nsg = grouped ? HPT * ns : ns;  // splits of the positions
     const int len = (L + nsg - 1) / nsg;
-    const int t0 = min(L, sg * len), t1 = min(L, t0 + len);
+    const int t0 = min(L, (grouped ? (h % GQA) * ns + s : s) * len), t1 = min(L, t0 + len);
     const int tc = max(t0, min(t1, pos));  // cached before the step: [t0, tc)
     // the split's rows of wo (every split of a head merges the head's partials, then adds its
     // own rows): multiples of 4 rows, so that a slab piece stays 16-byte aligned
@@ -1459,6 +1457,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             (void)PX;
             auto attend = [&](auto nq_c) {
                 constexpr int NQ = decltype(nq_c)::value;
+                const int hq0 = NQ > 1 ? kvh * GQA : h;            // the first of the NQ heads
+                const int sg = NQ > 1 ? (h % GQA) * ns + s : s;  // the task's split of nsg
                 // the heads' q, and the key and value rows at the position when it is in the
                 // split (written by this step's q/k/v tasks: read from L2); the rows before it
                 // are staged
