@@ -825,13 +825,13 @@ __device__ __forceinline__ u64 argmax_key(float v, int idx) {
 }
 
 
-// N block maxima (sums) at once, in place: red holds N x WARPS floats; the sums in
-// warps_total's order (as block_sum's)
-template <int N>
-__device__ void block_max_n(float (&v)[N], float* red) {
+// N block maxima (MAX) or sums at once, in place: red holds N x WARPS floats; the sums in
+// warps_total's order (block_sum's)
+template <int N, bool MAX>
+__device__ void block_reduce_n(float (&v)[N], float* red) {
     float w[N];
 #pragma unroll
-    for (int i = 0; i < N; i++) w[i] = warp_max(v[i]);
+    for (int i = 0; i < N; i++) w[i] = MAX ? warp_max(v[i]) : warp_sum(v[i]);
     __syncthreads();
     if ((threadIdx.x & 31) == 0)
 #pragma unroll
@@ -839,23 +839,13 @@ __device__ void block_max_n(float (&v)[N], float* red) {
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < N; i++) {
-        float m = NEG_INF;
-        for (int k = 0; k < WARPS; k++) m = fmaxf(m, red[i * WARPS + k]);
-        v[i] = m;
+        if (MAX) {
+            v[i] = NEG_INF;
+            for (int k = 0; k < WARPS; k++) v[i] = fmaxf(v[i], red[i * WARPS + k]);
+        } else {
+            v[i] = warps_total(red + i * WARPS);
+        }
     }
-}
-template <int N>
-__device__ void block_sum_n(float (&v)[N], float* red) {
-    float w[N];
-#pragma unroll
-    for (int i = 0; i < N; i++) w[i] = warp_sum(v[i]);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0)
-#pragma unroll
-        for (int i = 0; i < N; i++) red[i * WARPS + (threadIdx.x >> 5)] = w[i];
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < N; i++) v[i] = warps_total(red + i * WARPS);
 }
 
 // RmsNorm's factor 1 / rms from the sum of squares of DIM elements
@@ -1538,7 +1528,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                         }
                     }
                 }
-                block_max_n<NQ>(mx, red);
+                block_reduce_n<NQ, true>(mx, red);
                 float sum[NQ];
 #pragma unroll
                 for (int i = 0; i < NQ; i++) sum[i] = 0.f;
@@ -1550,7 +1540,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                         sum[i] += p;
                     }
                 }
-                block_sum_n<NQ>(sum, red);  // (its barriers also publish S)
+                block_reduce_n<NQ, false>(sum, red);  // (its barriers also publish S)
                 if (b == 0) MARK(NMARK * l + 4);
                 {  // the weighted values as the scores: eight lanes per position, HD / 8 dims each
                     const int sub = lane & 7;
