@@ -10,13 +10,13 @@
 //   attention task (blocks < NH x ns: head h, split s): with KV_GROUP (the default), from
 //       GROUP_FROM positions on, the GQA x ns blocks of one KV head's query heads split its
 //       positions GQA x ns ways, and each scores all GQA heads over its split, so that a key
-//       or value row is read once for the group, not once a head; the heads' q (and the KV head's new k and v, in the
-//       split that holds the position) once their words carry this step's tag, scores,
-//       softmax and weighted values over the split; with more than one split, each publishes
-//       its heads' partial softmaxes (tagged words), and head h's split s gathers head h's,
-//       then merges them (the same sums in the same order in every split, so the same
-//       output). Then the split's 1 / ns of the rows of wo times the head's output, added
-//       into the residual (XRES words; head 0 adds the residual itself).
+//       or value row is read once for the group, not once a head; the heads' q (and the KV
+//       head's new k and v, in the split that holds the position) once their words carry
+//       this step's tag, scores, softmax and weighted values over the split; with more than
+//       one split, each publishes its heads' partial softmaxes (tagged words), and head h's
+//       split s gathers head h's, then merges them (the same sums in the same order in every
+//       split, so the same output). Then the split's 1 / ns of the rows of wo times the
+//       head's output, added into the residual (XRES words; head 0 adds the residual itself).
 //   MLP task (the last MLP_BLOCKS blocks, apart from the attention blocks while the heads fit
 //       beside them: CHUNK hidden units each): wait until every head has added
 //       its share, RmsNorm, the units' gate and up rows, g = silu(gate) * up, and their CHUNK
@@ -1431,8 +1431,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         BLOCK_MARK(1)
         if (!att) stage_next();  // (it waits for the heads next)
 
-        // ---- attention: the task's HPT query heads (hq0 ...) over the split [t0, t1) of its
-        // KV head's positions; then head h's merged output and its share of wo
+        // ---- attention: the task's query heads (one, or the KV head's GQA) over the split
+        // [t0, t1) of its KV head's positions; then head h's merged output and its share of wo
         if (att) {
 #if !XCHG
             const float* kh = kc + (usize)kvh * MAXSEQ * HD;  // (XCHG: the new rows as tagged words)
