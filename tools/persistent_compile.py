@@ -2,7 +2,7 @@
 compiles, and its registers, stack frame and spills, for a model's macros and A/B variants.
 
     python tools/persistent_compile.py [--model F] [--variants V [V ...]] [--arch sm_90]
-        [--sms 132] [--optin 232448] [--max-seq 4096]
+        [--sms 132] [--optin 232448] [--max-seq N]
 
 The macros are ``persistent.kernel_macros``' for the model (default: the embedded one) on a GPU
 of ``--sms`` SMs and ``--optin`` bytes of shared memory a block (the H200's); a variant is a
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from qlib import models
 from qlib.gguf import Content
+from qlib.llama.checks import context_length
 from qlib.llama.config import LlamaConfig
 from qlib.quants.cuda import persistent
 
@@ -37,7 +38,8 @@ def model_macros(path: Path, args: argparse.Namespace) -> dict[str, object]:
     layers = [{n: infos[f"blk.{i}.{n}.weight"] for n in persistent.MATRICES}
               for i in range(config.block_count)]  # fmt: skip
     output = infos.get("output.weight", infos["token_embd.weight"])
-    macros, _ = persistent.kernel_macros(config, layers, output, args.max_seq, blocks=args.sms,
+    max_seq = args.max_seq or context_length(content.metadata)  # (the fast engine's default)
+    macros, _ = persistent.kernel_macros(config, layers, output, max_seq, blocks=args.sms,
                                          optin=args.optin, major=int(args.arch[3:-1]))  # fmt: skip
     return macros
 
@@ -69,7 +71,9 @@ def main() -> int:
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--optin", type=int, default=232448, help="shared memory a block, bytes")
-    ap.add_argument("--max-seq", type=int, default=4096)
+    ap.add_argument("--max-seq", type=int,
+                    help="positions of the KV cache (default: the file's llama.context_length, "
+                    "as the fast engine holds)")  # fmt: skip
     args = ap.parse_args()
     if not shutil.which("nvcc"):
         print("nvcc is not on PATH: nothing to build", file=sys.stderr)
