@@ -1641,7 +1641,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             if (nsg > 1) {  // head h's nsg partials gathered into S (free after the values), merged
                 const u64* PH = PX + (usize)h * NSMAX * HPT * (HD + 2);
                 const int n = nsg * (HD + 2);
-                if (n <= THREADS) {
+                if (n <= THREADS) {  // (a word a thread: as before KV_GROUP, measured equal)
                     if (threadIdx.x < n) {
                         const u64* const w1[1] = {PH + threadIdx.x};
                         float v1[1];

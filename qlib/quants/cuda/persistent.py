@@ -304,6 +304,12 @@ def _device_attribute(device: torch.device, attribute: int) -> int:
     return value.value
 
 
+def heads_per_task(config, macros: dict) -> int:
+    """``persistent.cu``'s ``HPT``: the query heads an attention task scores at most (a KV
+    head's, with ``KV_GROUP``; else one)."""
+    return config.head_count // config.head_count_kv if macros["KV_GROUP"] else 1
+
+
 def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: int, optin: int,
                   major: int, threads: int = THREADS, split: int = SPLIT,
                   min_split: int = MIN_SPLIT, kv_stage: bool = True, stage_times: bool = False,
@@ -336,7 +342,7 @@ def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: i
     # only, XCHG), where their queries and sums fit in registers (gqa x hd <= 256 floats)
     gqa = nh // c.head_count_kv
     given.setdefault("KV_GROUP", int(gqa > 1 and gqa * hd <= 256 and given.get("XCHG", 1) != 0))
-    hpt = gqa if given["KV_GROUP"] else 1  # query heads an attention task scores
+    hpt = heads_per_task(c, given)
     # S: a split's scores (hpt heads), flat_dots' scratch, the splits' partials; a multiple
     # of 4 keeps what follows 16-aligned
     smax_pos = max(split + hpt, -(-max_seq // ns_max) + hpt, threads + 2 * max(qpb, CHUNK),
@@ -457,7 +463,7 @@ class PersistentDecoder:
         self.part = torch.empty(nh * ns_max * (hd + 2), device=device)
         self.q = torch.empty(nh * hd, device=device)
         # tagged words (XCHG): per layer q / new k, v, then per layer the splits' partials
-        hpt = nh // c.head_count_kv if self.macros["KV_GROUP"] else 1
+        hpt = heads_per_task(c, self.macros)
         xchg = nl * (nh + 2 * c.head_count_kv) * hd + nl * nh * ns_max * hpt * (hd + 2)
         self.xchg = torch.zeros(xchg, dtype=torch.int64, device=device)
         # the layers' marks, the step's start and end, 6 a block, then the output layer's 3
