@@ -340,8 +340,6 @@ def test_index_pos_and_shape_errors(tmp_path):
             CudaFastModel.from_gguf(content, f, "cpu", prefill="int8")  # a CPU engine's mode
         with pytest.raises(ModelError, match="unknown kv_type 'int8'"):
             CudaFastModel.from_gguf(content, f, "cpu", kv_type="int8")
-        with pytest.raises(ModelError, match="persistent reads a float32 KV cache"):
-            CudaFastModel.from_gguf(content, f, "cpu", kv_type="f16", decode="persistent")
         half = CudaFastModel.from_gguf(content, f, "cpu", kv_type="f16", max_seq_len=16)
         assert half.kv_type == "f16" and half.cache.dtype == torch.float16
         fast = CudaFastModel.from_gguf(content, f, "cpu", max_seq_len=16)

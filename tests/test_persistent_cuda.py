@@ -72,7 +72,7 @@ def test_auto_decode_choice():
     assert auto_decode(legacy, c, "f32", (9, 0))[0] == "persistent"
     assert auto_decode(legacy, c, "f32", (10, 0))[0] == "fused"  # (not measured there)
     choice, why = auto_decode(legacy, c, "f16", (9, 0))
-    assert choice == "fused" and "float32 KV cache" in why
+    assert choice == "fused" and "float16 KV cache" in why
     choice, why = auto_decode(legacy, c, "f32", (8, 0))
     assert choice == "fused" and "Hopper" in why
     assert auto_decode(legacy | {"blk.0.ffn_down.weight": "Q6_K"}, c, "f32", (9, 0))[0] == (
@@ -106,7 +106,8 @@ def test_kernel_builds_without_spills(tmp_path, types):
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_K" if types == "Q4_K_M" else
                             types, n_embd=256, n_head=4, n_kv_head=2, n_ff=512,
                             weight_types=weight_types)  # fmt: skip
-    variants = {"Q4_1": ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0", "KV_GROUP=0"],
+    variants = {"Q4_1": ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0", "KV_GROUP=0",
+                         "KV_HALF=1"],
                 "Q4_K_M": ["default", "X8_WIDE=0"],
                 "Q8_0": ["default", "Q8_AS_X8=0,X8_WIDE=0"]}[types]  # fmt: skip
     tool = Path(__file__).parents[1] / "tools" / "persistent_compile.py"
@@ -389,6 +390,31 @@ def test_decode_from_position_zero_and_long_attention(tmp_path, split, heads):
     want = ref.forward(ids, 0, all_logits=True)[0]
     for pos in range(ids.shape[1]):
         close(fast.forward(ids[:, pos : pos + 1], pos)[0], want[pos], tol=1e-4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("group_from", [1024, 0])
+def test_half_cache_decodes_as_the_fused_kernels(tmp_path, group_from):
+    """A float16 KV cache (``KV_HALF``: keys and values rounded to half when written, the new
+    position's too, as torch's float16 cache holds them): decode steps from position 0 with
+    ``split=16`` (several splits a head), GQA 3:1 with the KV head's query heads scored
+    together from the first position (``GROUP_FROM=0``) or not, against the fused kernels on
+    the same half cache."""
+    from qlib.llama.fast_cuda import CudaFastModel
+
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=384, n_head=6,
+                            n_kv_head=2, n_ff=256,
+                            weight_types={"token_embd.weight": "Q8_0"})  # fmt: skip
+    options = {"split": 16, "macros": {"GROUP_FROM": group_from}}
+    with open(path, "rb") as f:
+        content = Content.read(f)
+        fused = CudaFastModel.from_gguf(content, f, "cuda", decode="fused", kv_type="f16")
+        fast = CudaFastModel.from_gguf(content, f, "cuda", decode="persistent", kv_type="f16",
+                                       decode_options=options)  # fmt: skip
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(2))
+    for pos in range(ids.shape[1]):
+        x = ids[:, pos : pos + 1]
+        close(fast.forward(x, pos)[0], fused.forward(x, pos)[0])
 
 
 @needs_cuda

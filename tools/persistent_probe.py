@@ -5,7 +5,8 @@ python tools/persistent_probe.py [--model PATH | --synthetic PATH [--synthetic-t
     [--json FILE]
 
 A variant is ``fused``, ``merged`` or ``persistent``, optionally with ``PersistentDecoder``
-options and (upper case) ``persistent.cu`` macros: ``persistent:kv_stage=0,OUT_PREFETCH=1``. Every
+options and (upper case) ``persistent.cu`` macros: ``persistent:kv_stage=0,OUT_PREFETCH=1``
+(``kv=16``: a float16 KV cache, ``kv_type="f16"``; any decode). Every
 variant is loaded once; then each round runs them one after the other (alternating): prefill
 the prompt, a greedy loop of ``--steps`` steps that reads every token back to the host (the
 benchmark protocol's decode, ms/token: forward + argmax, then ``qlib.generate.generate``, whose
@@ -120,10 +121,11 @@ def main() -> None:
     models = {}
     for spec in args.variants:
         decode, options = parse_variant(spec)
+        kv_type = "f16" if options.pop("kv", 32) == 16 else "f32"
         if args.stage_times and decode == "persistent":
             options["stage_times"] = 1
         t0 = time.perf_counter()
-        models[spec], _ = load(path, "cuda", engine="fast", decode=decode,
+        models[spec], _ = load(path, "cuda", engine="fast", decode=decode, kv_type=kv_type,
                                max_seq_len=max_seq_len, decode_options=options or None)  # fmt: skip
         print(f"{spec}: loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     gen = torch.Generator().manual_seed(0)

@@ -240,7 +240,7 @@ def auto_decode(types: dict[str, str], config: LlamaConfig, kv_type: str,
     if why:
         return "fused", why
     if kv_type != "f32":
-        return "fused", "the persistent kernel reads a float32 KV cache"
+        return "fused", "the persistent kernel with a float16 KV cache is not yet measured here"
     if capability[0] != 9:
         return "fused", "the persistent kernel is tuned and measured on Hopper (sm_90) only"
     if config.embedding_length > PERSISTENT_MAX_WIDTH:
@@ -395,8 +395,8 @@ class CudaFastModel(StaticKVState):
 
         ``prefill``: ``f32``, ``tf32``, ``bf16`` or ``packed`` (the module docstring);
         ``max_seq_len``: positions the KV cache holds (None: the file's ``llama.context_length``,
-        else 4096); ``kv_type``: ``f32`` (None: the default) or ``f16`` (the module docstring;
-        not with ``decode="persistent"``, whose kernel reads a float32 cache); ``decode``:
+        else 4096); ``kv_type``: ``f32`` (None: the default) or ``f16`` (the module
+        docstring); ``decode``:
         ``auto`` (the default: ``persistent`` where ``auto_decode`` says so, else ``fused``;
         ``decode_note`` says why), ``fused`` (six fused kernels per layer), ``merged`` (five:
         the attention's combine in the output projection's kernel, float atomics summing the
@@ -420,8 +420,6 @@ class CudaFastModel(StaticKVState):
         elif decode == "persistent":
             from ..quants.cuda import persistent
 
-            if kv_type != "f32":
-                raise ModelError("decode persistent reads a float32 KV cache: use kv_type f32")
             why = persistent.unsupported(mats, config.head_dim, config.rope_dim)
             if why:
                 raise ModelError(why)

@@ -97,6 +97,9 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #define XCHG 1  // q / new k, v and the splits' partials passed as tagged words, not after a counter
 #endif
 #define XQKV ((NH + 2 * NKV) * HD)        // tagged words a layer: q, the new k, the new v
+#ifndef KV_HALF
+#define KV_HALF 0  // the KV cache in IEEE half (torch's float16 cache), else float32
+#endif
 #ifndef KV_GROUP
 #define KV_GROUP 1  // an attention task reads its KV head's rows once for all GQA of its query heads
 #endif
@@ -224,6 +227,27 @@ __device__ __forceinline__ float h2f(u16 u) {
     return f;
 }
 __device__ __forceinline__ u16 ld16(const u8* p) { return *(const u16*)p; }  // p 2-aligned
+__device__ __forceinline__ u16 f2h(float f) {  // IEEE half, rounded to nearest even
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+// The KV cache's element: float32, or (KV_HALF) IEEE half's bits, as torch's float16 cache
+#if KV_HALF
+typedef u16 kv_t;
+__device__ __forceinline__ kv_t to_kv(float x) { return f2h(x); }
+__device__ __forceinline__ float from_kv(kv_t x) { return h2f(x); }
+typedef uint2 kv4_t;  // four elements of a row
+__device__ __forceinline__ float4 kv4(kv4_t u) {
+    return make_float4(h2f((u16)u.x), h2f((u16)(u.x >> 16)), h2f((u16)u.y), h2f((u16)(u.y >> 16)));
+}
+#else
+typedef float kv_t;
+__device__ __forceinline__ kv_t to_kv(float x) { return x; }
+__device__ __forceinline__ float from_kv(kv_t x) { return x; }
+typedef float4 kv4_t;
+__device__ __forceinline__ float4 kv4(kv4_t u) { return u; }
+#endif
 __device__ __forceinline__ float bf2f(u16 u) { return __int_as_float((int)u << 16); }
 __device__ __forceinline__ float ldf(const u8* p) {  // a float32 at a 2-aligned address
     return __int_as_float((int)((u32)ld16(p) | ((u32)ld16(p + 2) << 16)));
@@ -1150,7 +1174,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     const int* __restrict__ types,    // per layer the GGUF type of W_Q .. W_DOWN
     const u8* __restrict__ tok_embd, int emb_type, const u8* __restrict__ out_w, int out_type,
     const float* __restrict__ out_norm, const float* __restrict__ cos_t,
-    const float* __restrict__ sin_t, float* __restrict__ cache,
+    const float* __restrict__ sin_t, kv_t* __restrict__ cache,
     const long long* tok,  // (out_tok may be tok itself: written by the last block, after every read)
     int* pos_p, float* acc, u32* counters, u32* steps, u64* best, long long* out_tok, float* part,
     float* qbuf, float* __restrict__ logits, u64* stage_times, u64* xchg,
@@ -1163,15 +1187,17 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     float* ovec = qv + HPT * HD;                // HD: the head's output
     float* rope_c = ovec + HD;                  // HD / 2 each: RoPE at this position
     float* rope_s = rope_c + HD / 2;
-    float* knew = rope_s + HD / 2;              // HD each: the key and value rows at the position
-    float* vnew = knew + HD;
-    float* S = vnew + HD;                       // SMAXPOS: the split's scores, then weights
+    float* knew_f = rope_s + HD / 2;            // HD each: the key and value rows at the position
+    float* vnew_f = knew_f + HD;                //   (knew, vnew: as the cache holds them)
+    float* S = vnew_f + HD;                     // SMAXPOS: the split's scores, then weights
     float* oacc = S + SMAXPOS;                  // WARPS x HPT x HD: the warps' weighted value sums
     float* gsm = oacc + WARPS * HPT * HD;       // GSM_N: silu(gate) * up of an MLP task
     float* red = gsm + GSM_N;                   // WARPS x HPT: block reductions
     int* stypes = (int*)(red + WARPS * HPT);    // NL x 7: the matrices' types (off the global
                                                 // loads of the critical path)
 
+    kv_t* knew = (kv_t*)knew_f;
+    kv_t* vnew = (kv_t*)vnew_f;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int otype = ROWB_CONST ? only_type(OUT_TYPES) : out_type;  // (OUT_TYPES: one bit)
     (void)otype;  // (OUT_Q8X: not read)
@@ -1297,10 +1323,10 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         }
         // the split's keys and values cached before this step (rows [t0, tc)): staged last, so
         // into shared memory where they fit beside the weights (short splits), else into L2
-        const float* kc = cache + (usize)l * 2 * NKV * MAXSEQ * HD + ((usize)kvh * MAXSEQ + t0) * HD;
+        const kv_t* kc = cache + (usize)l * 2 * NKV * MAXSEQ * HD + ((usize)kvh * MAXSEQ + t0) * HD;
         src[P_KV] = (const u8*)kc;
         src[P_KV + 1] = (const u8*)(kc + (usize)NKV * MAXSEQ * HD);
-        bytes[P_KV] = bytes[P_KV + 1] = att ? (tc - t0) * HD * 4 : 0;
+        bytes[P_KV] = bytes[P_KV + 1] = att ? (tc - t0) * HD * (int)sizeof(kv_t) : 0;
 #if !KV_STAGE
         if (att) {
             for (int j = threadIdx.x * 128; j < bytes[P_KV]; j += THREADS * 128) {
@@ -1325,8 +1351,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #endif
     for (int l = 0; l < NL; l++) {
         const int* T = stypes + l * 7;
-        float* kc = cache + (usize)l * 2 * NKV * MAXSEQ * HD;  // [NKV][MAXSEQ][HD]
-        float* vc = kc + (usize)NKV * MAXSEQ * HD;
+        kv_t* kc = cache + (usize)l * 2 * NKV * MAXSEQ * HD;  // [NKV][MAXSEQ][HD]
+        kv_t* vc = kc + (usize)NKV * MAXSEQ * HD;
         const u8** wp = where[l & 1];
         // the other staging area is free (layer l - 1 is done with it): the next layer into it
         auto stage_next = [&]() {
@@ -1394,10 +1420,21 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                 put_tagged(X + r1, tag, x1);
                 if (which == W_Q) return;
 #endif
+#if KV_HALF  // (XCHG=0: q as floats; k, v as halves)
+                if (which == W_Q) {
+                    qbuf[head * HD + r0] = x0;
+                    qbuf[head * HD + r1] = x1;
+                    return;
+                }
+                kv_t* dst = (which == W_K ? kc : vc) + ((usize)head * MAXSEQ + pos) * HD;
+                dst[r0] = to_kv(x0);
+                dst[r1] = to_kv(x1);
+#else
                 float* dst = which == W_Q ? qbuf + head * HD
                                           : (which == W_K ? kc : vc) + ((usize)head * MAXSEQ + pos) * HD;
                 dst[r0] = x0;
                 dst[r1] = x1;
+#endif
             };
             const u8 *b0 = wp[P_QKV + 2 * k], *b1 = wp[P_QKV + 2 * k + 1];
 #if FLAT_DOTS && THREADS % (2 * QPB) == 0
@@ -1435,8 +1472,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         // [t0, t1) of its KV head's positions; then head h's merged output and its share of wo
         if (att) {
 #if !XCHG
-            const float* kh = kc + (usize)kvh * MAXSEQ * HD;  // (XCHG: the new rows as tagged words)
-            const float* vh = vc + (usize)kvh * MAXSEQ * HD;
+            const kv_t* kh = kc + (usize)kvh * MAXSEQ * HD;  // (XCHG: the new rows as tagged words)
+            const kv_t* vh = vc + (usize)kvh * MAXSEQ * HD;
             wait_count(qkv_cnt + l * NKV + kvh, PAIRS_G);
 #endif
             if (b == 0) MARK(NMARK * l + 3);
@@ -1478,18 +1515,18 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #else  // (NQ 1)
                     qd[0] = __ldcg(qbuf + h * HD + d);
                     if (tc < t1) {
-                        kd = __ldcg(kh + (usize)pos * HD + d);
-                        vd = __ldcg(vh + (usize)pos * HD + d);
+                        kd = from_kv(__ldcg(kh + (usize)pos * HD + d));
+                        vd = from_kv(__ldcg(vh + (usize)pos * HD + d));
                     }
 #endif
 #pragma unroll
                     for (int i = 0; i < NQ; i++) qv[i * HD + d] = qd[i] * scale;
-                    knew[d] = kd;
-                    vnew[d] = vd;
+                    knew[d] = to_kv(kd);  // (rounded as the cache holds them)
+                    vnew[d] = to_kv(vd);
                 }
                 __syncthreads();
-                const float* kst = (const float*)wp[P_KV];  // rows [t0, tc): shared memory, or the cache
-                const float* vst = (const float*)wp[P_KV + 1];
+                const kv_t* kst = (const kv_t*)wp[P_KV];  // rows [t0, tc): shared memory, or the cache
+                const kv_t* vst = (const kv_t*)wp[P_KV + 1];
                 // eight lanes per position, lane sub holding float4s sub, sub + 8, ... of the row: a
                 // warp's load reads four whole 128-byte runs of key rows (shared memory: no
                 // conflicts), each key row loaded once for the NQ heads; head i's scores at S + i len
@@ -1508,13 +1545,13 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                         const int t = tb + (lane >> 3);
                         const bool ok = t < t1;
                         const int tt = ok ? t : tb;
-                        const float4* k4 = (const float4*)(tt < tc ? kst + (usize)(tt - t0) * HD : knew) + sub;
+                        const kv4_t* k4 = (const kv4_t*)(tt < tc ? kst + (usize)(tt - t0) * HD : knew) + sub;
                         float sc[NQ];
 #pragma unroll
                         for (int i = 0; i < NQ; i++) sc[i] = 0.f;
 #pragma unroll
                         for (int j = 0; j < HD / 32; j++) {
-                            const float4 kk = k4[8 * j];
+                            const float4 kk = kv4(k4[8 * j]);
 #pragma unroll
                             for (int i = 0; i < NQ; i++)
                                 sc[i] += qr[i][j].x * kk.x + qr[i][j].y * kk.y + qr[i][j].z * kk.z + qr[i][j].w * kk.w;
@@ -1556,10 +1593,10 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #pragma unroll
                         for (int i = 0; i < NQ; i++) p[i] = t < t1 ? S[i * len + t - t0] : 0.f;
                         const int tt = t < t1 ? t : tb;
-                        const float4* v4 = (const float4*)(tt < tc ? vst + (usize)(tt - t0) * HD : vnew) + sub;
+                        const kv4_t* v4 = (const kv4_t*)(tt < tc ? vst + (usize)(tt - t0) * HD : vnew) + sub;
 #pragma unroll
                         for (int j = 0; j < HD / 32; j++) {
-                            const float4 vv = v4[8 * j];
+                            const float4 vv = kv4(v4[8 * j]);
 #pragma unroll
                             for (int i = 0; i < NQ; i++) {
                                 o[i][j].x += p[i] * vv.x;

@@ -313,12 +313,13 @@ def heads_per_task(config, macros: dict) -> int:
 def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: int, optin: int,
                   major: int, threads: int = THREADS, split: int = SPLIT,
                   min_split: int = MIN_SPLIT, kv_stage: bool = True, stage_times: bool = False,
-                  given: dict[str, int] | None = None,
+                  kv_half: bool = False, given: dict[str, int] | None = None,
                   ) -> tuple[dict[str, object], int]:  # fmt: skip
     """``persistent.cu``'s macros for a model on a GPU of ``blocks`` SMs, ``optin`` bytes of
     shared memory a block at most and compute capability ``major``, and the launch's shared
     memory bytes. ``layers`` and ``output`` need only ``shape`` and ``dtype.name`` (no GPU is
-    touched: ``tools/persistent_compile.py`` builds the kernel with nvcc from them); ``given``:
+    touched: ``tools/persistent_compile.py`` builds the kernel with nvcc from them);
+    ``kv_half``: the KV cache in IEEE half (a float16 tensor), else float32; ``given``:
     macros set by the caller (``$QLIB_PERSISTENT_MACROS``, experiments), which win."""
     c = config
     n_ff, dim = layers[0]["ffn_gate"].shape
@@ -363,7 +364,7 @@ def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: i
         VOCAB=vocab, MAXSEQ=max_seq, EPS=f"{c.rms_norm_eps!r}f", NEOX=int(c.rope_is_neox),
         GRID=blocks, MLP_BLOCKS=mlp_blocks, NSMAX=ns_max, SPLIT=split,
         MIN_SPLIT=min(min_split, split), QPB=qpb, SMAXPOS=smax_pos, WCAP=wcap,
-        KV_STAGE=int(kv_stage),
+        KV_STAGE=int(kv_stage), KV_HALF=int(kv_half),
         # counted fixed-point residual words hold at most 1023 addends a sum
         XRES=int(max(nh, n_ff // CHUNK) < 1024), WHERE_MAX=WHERE_MAX,
         LAYER_TYPES=sum(types), OUT_TYPES=1 << TYPE_IDS[output.dtype.name])  # fmt: skip
@@ -415,7 +416,7 @@ class PersistentDecoder:
         self.macros, shared = kernel_macros(
             config, layers, output, cache.shape[3], blocks=blocks, optin=optin, major=major,
             threads=threads, split=split, min_split=min_split, kv_stage=kv_stage,
-            stage_times=stage_times, given=given)  # fmt: skip
+            stage_times=stage_times, kv_half=cache.dtype == torch.float16, given=given)  # fmt: skip
         ns_max = self.macros["NSMAX"]
         pair_given = "MLP_PAIR" in given
         try:
