@@ -60,8 +60,8 @@ def test_unsupported_reasons():
 
 def test_auto_decode_choice():
     """``decode="auto"`` (the fast CUDA engine's default) picks the persistent kernel only where
-    it was measured faster: Hopper, a float32 cache, up to 768 wide (K-quant mixes included);
-    else the fused kernels, with the reason."""
+    it was measured faster: Hopper, a float32 or float16 cache, up to 768 wide (K-quant mixes
+    included); else the fused kernels, with the reason."""
     from qlib.llama.config import LlamaConfig
     from qlib.llama.fast_cuda import auto_decode
 
@@ -69,19 +69,15 @@ def test_auto_decode_choice():
                     rope_dim=64, rms_norm_eps=1e-5, rope_freq_base=1e4, architecture="llama",
                     rope_is_neox=False)  # fmt: skip
     legacy = {"blk.0.attn_q.weight": "Q4_1", "token_embd.weight": "Q8_0"}
-    assert auto_decode(legacy, c, "f32", (9, 0))[0] == "persistent"
-    assert auto_decode(legacy, c, "f32", (10, 0))[0] == "fused"  # (not measured there)
-    choice, why = auto_decode(legacy, c, "f16", (9, 0))
-    assert choice == "fused" and "float16 KV cache" in why
-    choice, why = auto_decode(legacy, c, "f32", (8, 0))
+    assert auto_decode(legacy, c, (9, 0))[0] == "persistent"
+    assert auto_decode(legacy, c, (10, 0))[0] == "fused"  # (not measured there)
+    choice, why = auto_decode(legacy, c, (8, 0))
     assert choice == "fused" and "Hopper" in why
-    assert auto_decode(legacy | {"blk.0.ffn_down.weight": "Q6_K"}, c, "f32", (9, 0))[0] == (
-        "persistent"
-    )
+    assert auto_decode(legacy | {"blk.0.ffn_down.weight": "Q6_K"}, c, (9, 0))[0] == "persistent"
     wide = dataclasses.replace(c, embedding_length=2048, head_count=32, head_count_kv=8)
-    choice, why = auto_decode(legacy, wide, "f32", (9, 0))
+    choice, why = auto_decode(legacy, wide, (9, 0))
     assert choice == "fused" and "2048" in why
-    choice, why = auto_decode(legacy | {"output.weight": "IQ4_NL"}, c, "f32", (9, 0))
+    choice, why = auto_decode(legacy | {"output.weight": "IQ4_NL"}, c, (9, 0))
     assert choice == "fused" and "no code for IQ4_NL" in why
 
 
@@ -213,7 +209,7 @@ def test_decode_steps_match_f32_form(tmp_path, type_name, graphs):
 def test_default_decode_is_the_auto_choice(tmp_path):
     """With no ``decode`` given the engine runs what ``auto_decode`` picks for this device and
     says why: on Hopper the persistent kernel for a Q4_1 file (its logits the same bits as
-    ``decode="persistent"``'s), the fused kernels with a float16 cache."""
+    ``decode="persistent"``'s), and the same choice with a float16 KV cache."""
     from qlib.llama.fast_cuda import CudaFastModel
 
     hopper = torch.cuda.get_device_capability()[0] == 9
@@ -232,8 +228,8 @@ def test_default_decode_is_the_auto_choice(tmp_path):
         if hopper:
             assert torch.equal(got, explicit.forward(x, pos))
     with open(path, "rb") as f:
-        fused = CudaFastModel.from_gguf(Content.read(f), f, "cuda", kv_type="f16")
-    assert fused.decode == "fused" and "float32" in fused.decode_note
+        half = CudaFastModel.from_gguf(Content.read(f), f, "cuda", kv_type="f16")
+    assert half.decode == default.decode, half.decode_note
 
 
 @needs_cuda

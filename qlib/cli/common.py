@@ -156,7 +156,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=("auto", "fused", "merged", "persistent"),
         default=None,
         help="--engine fast on CUDA: auto (default: persistent where it was measured faster, "
-        "i.e. a Hopper GPU, a float32 KV cache and a model up to 768 wide; else fused), six fused "
+        "i.e. a Hopper GPU and a model up to 768 wide; else fused), six fused "
         "kernels per layer, five (merged: the attention's combine in the output projection's "
         "kernel, the heads' shares summed with float atomics) or the whole decode step in one "
         "persistent kernel",

@@ -229,18 +229,17 @@ def embed(ids: torch.Tensor, w: Part, out: torch.Tensor) -> None:
     fused.embed(ids, w, out)
 
 
-def auto_decode(types: dict[str, str], config: LlamaConfig, kv_type: str,
+def auto_decode(types: dict[str, str], config: LlamaConfig,
                 capability: tuple[int, int]) -> tuple[str, str]:  # fmt: skip
     """What ``decode="auto"`` runs for a model (its matrices' GGUF types), and why: the
     persistent kernel where it was measured faster than the fused kernels (docs/gpu.md: a
-    Hopper GPU, a float32 cache, models up to ``PERSISTENT_MAX_WIDTH`` wide), else fused."""
+    Hopper GPU, a float32 or float16 cache, models up to ``PERSISTENT_MAX_WIDTH`` wide), else
+    fused."""
     from ..quants.cuda import persistent
 
     why = persistent.unsupported(types, config.head_dim, config.rope_dim)
     if why:
         return "fused", why
-    if kv_type != "f32":
-        return "fused", "the persistent kernel with a float16 KV cache is not yet measured here"
     if capability[0] != 9:
         return "fused", "the persistent kernel is tuned and measured on Hopper (sm_90) only"
     if config.embedding_length > PERSISTENT_MAX_WIDTH:
@@ -416,7 +415,7 @@ class CudaFastModel(StaticKVState):
         mats = {n: i.dtype.name for n, i in content.tensor_infos.items() if len(i.shape) == 2}
         if auto:
             cc = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
-            decode, note = auto_decode(mats, config, kv_type, cc)
+            decode, note = auto_decode(mats, config, cc)
         elif decode == "persistent":
             from ..quants.cuda import persistent
 
