@@ -29,10 +29,7 @@ from pathlib import Path
 import torch
 
 from qlib.llama.engine import load
-from qlib.quants.cuda.persistent import MARKS
-
-# block_times_ns's six points of the middle layer, in its order
-BLOCK_POINTS = ("residual in", "q/k/v done", "heads in", "MLP done", "staging issued", "count seen")
+from qlib.quants.cuda.persistent import BLOCK_POINTS, MARKS
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -173,6 +170,17 @@ def main() -> None:
                         "blocks):",
                         "; ".join(cols),
                     )
+                    macros = model._persistent.macros
+                    mlp_first = macros["GRID"] - macros["MLP_BLOCKS"]
+                    done = blocks[:, BLOCK_POINTS.index("values done")]
+                    parts = []
+                    for name, sel in (("attention only", done[:mlp_first]),
+                                      ("attention + MLP", done[mlp_first:])):  # fmt: skip
+                        sel = sel[sel != 0]
+                        if sel.numel():
+                            parts.append(f"{name} {sel.min():.1f} / {sel.median():.1f} / "
+                                         f"{sel.max():.1f} ({sel.numel()})")  # fmt: skip
+                    print("    values done, by block kind:", "; ".join(parts))
     print("\nvariant: forward + argmax ms/token, generate ms/token, graph us/step: min / median")
     for spec, res in results.items():
         print(f"{spec:40s}", "   ".join(

@@ -182,6 +182,7 @@ static_assert(!MLP_PAIR || (XRES && GRID % 2 == 0 && MLP_FIRST % 2 == 0 && MLP_B
 #define GSM_N (10 * CHUNK)
 
 #define NMARK 12  // stage-time marks per layer
+#define NBMARK 8  // BLOCK_MARK points a block (persistent.py's BLOCK_POINTS)
 
 // GGUF's type ids, and T_X8: the K-quants (Q2_K .. Q6_K) as persistent.py expands them, exactly
 // (every value is a * q + b as ggml computes it, a * q exact in float32): per 32 elements a0 b0
@@ -1148,21 +1149,21 @@ __device__ void merge_partials(const float* P, int n, float* scratch, float* out
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_)); \
         stage_times[i] = now_;                                   \
     }
-// BLOCK_MARK(i): every block's time at six points of the middle layer (NL / 2): its residual
+// BLOCK_MARK(i): every block's time at NBMARK points of the middle layer (NL / 2): its residual
 // in, its q/k/v task done, every head in, its MLP task done, the next layer's staging issued,
-// the residual's count seen.
+// the residual's count seen, its attention task's values done, its head's splits merged.
 #define BLOCK_MARK(i)                                                          \
     if (threadIdx.x == 0 && l == NL / 2) {                                     \
         u64 now_;                                                              \
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_));               \
-        stage_times[NMARK * NL + 2 + 6 * b + (i)] = now_;                      \
+        stage_times[NMARK * NL + 2 + NBMARK * b + (i)] = now_;                 \
     }
 #else
 #define MARK(i)
 #define BLOCK_MARK(i)
 #endif
 // block 0's marks in the output layer: residual in, normalized, its rows done
-#define OUT_MARK(k) MARK(NMARK * NL + 2 + 6 * GRID + (k))
+#define OUT_MARK(k) MARK(NMARK * NL + 2 + NBMARK * GRID + (k))
 
 #if MLP_PAIR
 #define QLIB_CLUSTER __cluster_dims__(2, 1, 1)
@@ -1675,6 +1676,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                 attend(IntC<1>{});
 #if XCHG
             if (b == 0) MARK(NMARK * l + 5);
+            BLOCK_MARK(6)
             if (nsg > 1) {  // head h's nsg partials gathered into S (free after the values), merged
                 const u64* PH = PX + (usize)h * NSMAX * HPT * (HD + 2);
                 const int n = nsg * (HD + 2);
@@ -1702,6 +1704,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #endif
             __syncthreads();
             if (b == 0) MARK(NMARK * l + 6);
+            BLOCK_MARK(7)
             const int to = layer_type(T, W_O);
             slab_rows_add<HD>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
                               A + (usize)(2 * l + 1) * DIM, wo_r0, wo_r1);

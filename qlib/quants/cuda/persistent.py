@@ -65,6 +65,9 @@ MARKS = (
     "mlp: down+signal",
 )
 N_MARKS = len(MARKS)
+# block_times_ns's points of the middle layer, in persistent.cu's BLOCK_MARK order (NBMARK)
+BLOCK_POINTS = ("residual in", "q/k/v done", "heads in", "MLP done", "staging issued",
+                "count seen", "values done", "splits merged")  # fmt: skip
 WHERE_MAX = 32  # staged pieces a layer at most (persistent.cu's `where`, passed as a macro)
 WHERE_BYTES = 2 * WHERE_MAX * 8  # that static array of 2 x WHERE_MAX pointers: not for staging
 _SHARED_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -467,9 +470,9 @@ class PersistentDecoder:
         hpt = heads_per_task(c, self.macros)
         xchg = nl * (nh + 2 * c.head_count_kv) * hd + nl * nh * ns_max * hpt * (hd + 2)
         self.xchg = torch.zeros(xchg, dtype=torch.int64, device=device)
-        # the layers' marks, the step's start and end, 6 a block, then the output layer's 3
+        # the layers' marks, the step's start and end, NBMARK a block, then the output layer's 3
         self._block_marks = N_MARKS * nl + 2
-        self._out_marks = self._block_marks + 6 * blocks
+        self._out_marks = self._block_marks + len(BLOCK_POINTS) * blocks
         self.stage_times = torch.zeros(self._out_marks + 3, dtype=torch.int64, device=device)
         self.n_layers = nl
         self.out_norm, self.cos, self.sin, self.cache = out_norm, cos, sin, cache
@@ -534,11 +537,10 @@ class PersistentDecoder:
         return torch.cat([(m[:, 0] - prev).view(-1, 1), m[:, 1:] - m[:, :-1]], 1)
 
     def block_times_ns(self) -> torch.Tensor:
-        """With ``stage_times=True``: per block, the ns at six points of the last step's middle
-        layer (residual in, q/k/v task done, every head in, MLP task done, the next layer's
-        staging issued, the residual's count seen; 0 where a block has no such point), from
-        block 0's first point."""
-        t = self.stage_times[self._block_marks : self._out_marks].view(-1, 6).cpu()
+        """With ``stage_times=True``: per block, the ns at the ``BLOCK_POINTS`` of the last
+        step's middle layer (0 where a block has no such point), from block 0's first point."""
+        t = self.stage_times[self._block_marks : self._out_marks].view(-1, len(BLOCK_POINTS))
+        t = t.cpu()
         return torch.where(t > 0, t - t[0, 0], torch.zeros_like(t))
 
     def next_token(self) -> torch.Tensor:
