@@ -103,7 +103,7 @@ def test_kernel_builds_without_spills(tmp_path, types):
                             types, n_embd=256, n_head=4, n_kv_head=2, n_ff=512,
                             weight_types=weight_types)  # fmt: skip
     variants = {"Q4_1": ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0", "KV_GROUP=0",
-                         "KV_HALF=1"],
+                         "ATT_SPREAD=0", "KV_HALF=1"],
                 "Q4_K_M": ["default", "X8_WIDE=0"],
                 "Q8_0": ["default", "Q8_AS_X8=0,X8_WIDE=0"]}[types]  # fmt: skip
     tool = Path(__file__).parents[1] / "tools" / "persistent_compile.py"
@@ -383,6 +383,23 @@ def test_decode_from_position_zero_and_long_attention(tmp_path, split, heads):
     ref, fast = load(path, decode_options=options)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (1, 100), generator=gen)
+    want = ref.forward(ids, 0, all_logits=True)[0]
+    for pos in range(ids.shape[1]):
+        close(fast.forward(ids[:, pos : pos + 1], pos)[0], want[pos], tol=1e-4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("spread", [6, 8, 0])
+def test_longer_splits_on_blocks_without_mlp_tasks(tmp_path, spread):
+    """``ATT_SPREAD``: once the attention splits run on MLP blocks too (here from ~305
+    positions: ``split=16``, 6 query heads, 16 MLP blocks), the KV heads' groups are dealt the
+    blocks in turn and the blocks without an MLP task take ``spread / 4`` times longer splits
+    (0: equal splits); every position decoded one token at a time against the f32 form."""
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q8_0", n_embd=384, n_head=6,
+                            n_kv_head=2, n_ff=256)  # fmt: skip
+    options = {"split": 16, "macros": {"GROUP_FROM": 0, "ATT_SPREAD": spread}}
+    ref, fast = load(path, decode_options=options)
+    ids = torch.randint(0, 256, (1, 340), generator=torch.Generator().manual_seed(3))
     want = ref.forward(ids, 0, all_logits=True)[0]
     for pos in range(ids.shape[1]):
         close(fast.forward(ids[:, pos : pos + 1], pos)[0], want[pos], tol=1e-4)

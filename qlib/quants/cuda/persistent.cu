@@ -107,6 +107,9 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #ifndef GROUP_FROM
 #define GROUP_FROM 1024  // KV_GROUP: from this many positions (below, a task scores one head)
 #endif
+#ifndef ATT_SPREAD
+#define ATT_SPREAD 6  // KV_GROUP with MLP blocks attending: blocks without MLP tasks take ATT_SPREAD / 4 longer splits
+#endif
 #ifndef KV_PREFETCH
 #define KV_PREFETCH 0  // a split's keys and values that do not fit in shared memory prefetched into L2
 #endif
@@ -1252,15 +1255,34 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     // MLP_BLOCKS blocks; q/k/v tasks b, b + grid, ... on every block
     const bool att = b < NH * ns, mlp = b >= MLP_FIRST && b < MLP_FIRST + MLP_BLOCKS;
     const int mb = b - MLP_FIRST;  // the MLP block's index
-    const int h = att ? b / ns : 0, s = att ? b % ns : 0, kvh = h / GQA;
     // KV_GROUP, from GROUP_FROM positions: the GQA x ns blocks of a KV head's query heads
     // split its positions GQA x ns ways, each scoring all GQA heads (split sg); head h's split
     // s then merges head h's partials and adds its share of wo, as without (split sg = s of
     // head h alone)
     const bool grouped = HPT > 1 && L >= GROUP_FROM;
     const int nsg = grouped ? HPT * ns : ns;  // splits of the positions
-    const int len = (L + nsg - 1) / nsg;
-    const int t0 = min(L, (grouped ? (h % GQA) * ns + s : s) * len), t1 = min(L, t0 + len);
+    // ATT_SPREAD, grouped, when MLP blocks attend too: the attention blocks dealt to the KV
+    // heads in turn (block b: KV head b % NKV, its split b / NKV), so that every KV head gets
+    // its share of the blocks without an MLP task, whose splits are ATT_SPREAD / 4 times longer
+    // (they stage the next layer before the MLP, the others after it)
+    const bool spread = ATT_SPREAD && grouped && NH * ns > MLP_FIRST &&
+                        (L * ATT_SPREAD / (4 * nsg) + 2) * HPT <= SMAXPOS;
+    const int member = spread ? b / NKV : 0;
+    const int h = !att ? 0 : spread ? (b % NKV) * GQA + member / ns : b / ns;
+    const int s = !att ? 0 : spread ? member % ns : b % ns, kvh = h / GQA;
+    int t0, t1;
+    if (spread) {
+        const int nf = min(nsg, max(0, MLP_FIRST - kvh + NKV - 1) / NKV);  // the KV head's fast splits
+        const long long u = nf * ATT_SPREAD + (nsg - nf) * 4;
+        auto at = [&](int j) { return (int)(L * (long long)(min(j, nf) * ATT_SPREAD + max(0, j - nf) * 4) / u); };
+        t0 = at(member);
+        t1 = at(member + 1);
+    } else {
+        const int each = (L + nsg - 1) / nsg;
+        t0 = min(L, (grouped ? (h % GQA) * ns + s : s) * each);
+        t1 = min(L, t0 + each);
+    }
+    const int len = spread ? t1 - t0 : (L + nsg - 1) / nsg;  // (the stride of a head's scores in S)
     const int tc = max(t0, min(t1, pos));  // cached before the step: [t0, tc)
     // the split's rows of wo (every split of a head merges the head's partials, then adds its
     // own rows): multiples of 4 rows, so that a slab piece stays 16-byte aligned
