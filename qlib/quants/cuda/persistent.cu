@@ -10,7 +10,9 @@
 //   attention task (blocks < NH x ns: head h, split s): with KV_GROUP (the default), from
 //       GROUP_FROM positions on, the GQA x ns blocks of one KV head's query heads split its
 //       positions GQA x ns ways, and each scores all GQA heads over its split, so that a key
-//       or value row is read once for the group, not once a head; the heads' q (and the KV
+//       or value row is read once for the group, not once a head (once the splits run on MLP
+//       blocks too, ATT_SPREAD deals the blocks to the KV heads in turn and gives those
+//       without an MLP task longer splits: they are ready sooner); the heads' q (and the KV
 //       head's new k and v, in the split that holds the position) once their words carry
 //       this step's tag, scores, softmax and weighted values over the split; with more than
 //       one split, each publishes its heads' partial softmaxes (tagged words), and head h's
