@@ -49,6 +49,17 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> None:
     assert diff <= tol * scale, f"max |diff| {diff:.3g} > {tol} x {scale:.3g}"
 
 
+def steps_match_f32(path, options: dict, steps: int, seed: int) -> None:
+    """Every position of ``steps`` random ids decoded one token at a time by the persistent
+    kernel (``decode_options=options``) equals the f32 form's teacher-forced logits (1e-4 of
+    the scale)."""
+    ref, fast = load(path, decode_options=options)
+    ids = torch.randint(0, 256, (1, steps), generator=torch.Generator().manual_seed(seed))
+    want = ref.forward(ids, 0, all_logits=True)[0]
+    for pos in range(steps):
+        close(fast.forward(ids[:, pos : pos + 1], pos)[0], want[pos], tol=1e-4)
+
+
 def test_unsupported_reasons():
     assert persistent.unsupported({"w": "Q4_1"}, 64, 64) is None
     assert persistent.unsupported({"w": "Q4_K", "v": "Q6_K", "o": "BF16"}, 64, 64) is None
@@ -358,12 +369,7 @@ def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=n_embd,
                             n_head=n_head, n_kv_head=n_kv, n_ff=256,
                             weight_types={"token_embd.weight": "Q8_0"})  # fmt: skip
-    options = {"macros": macros, **({"split": split} if split else {})}
-    ref, fast = load(path, decode_options=options)
-    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
-    want = ref.forward(ids, 0, all_logits=True)[0]
-    for pos in range(ids.shape[1]):
-        close(fast.forward(ids[:, pos : pos + 1], pos)[0], want[pos], tol=1e-4)
+    steps_match_f32(path, {"macros": macros, **({"split": split} if split else {})}, 40, seed=1)
 
 
 @needs_cuda
@@ -379,13 +385,7 @@ def test_decode_from_position_zero_and_long_attention(tmp_path, split, heads):
     n_head, n_kv, group_from = heads
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q8_0", n_embd=64 * n_head,
                             n_head=n_head, n_kv_head=n_kv, n_ff=256)  # fmt: skip
-    options = {"split": split, "macros": {"GROUP_FROM": group_from}}
-    ref, fast = load(path, decode_options=options)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 256, (1, 100), generator=gen)
-    want = ref.forward(ids, 0, all_logits=True)[0]
-    for pos in range(ids.shape[1]):
-        close(fast.forward(ids[:, pos : pos + 1], pos)[0], want[pos], tol=1e-4)
+    steps_match_f32(path, {"split": split, "macros": {"GROUP_FROM": group_from}}, 100, seed=0)
 
 
 @needs_cuda
@@ -397,12 +397,8 @@ def test_longer_splits_on_blocks_without_mlp_tasks(tmp_path, spread):
     (0: equal splits); every position decoded one token at a time against the f32 form."""
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q8_0", n_embd=384, n_head=6,
                             n_kv_head=2, n_ff=256)  # fmt: skip
-    options = {"split": 16, "macros": {"GROUP_FROM": 0, "ATT_SPREAD": spread}}
-    ref, fast = load(path, decode_options=options)
-    ids = torch.randint(0, 256, (1, 340), generator=torch.Generator().manual_seed(3))
-    want = ref.forward(ids, 0, all_logits=True)[0]
-    for pos in range(ids.shape[1]):
-        close(fast.forward(ids[:, pos : pos + 1], pos)[0], want[pos], tol=1e-4)
+    steps_match_f32(path, {"split": 16, "macros": {"GROUP_FROM": 0, "ATT_SPREAD": spread}}, 340,
+                    seed=3)  # fmt: skip
 
 
 @needs_cuda
