@@ -394,10 +394,10 @@ class CudaFastModel(StaticKVState):
 
         ``prefill``: ``f32``, ``tf32``, ``bf16`` or ``packed`` (the module docstring);
         ``max_seq_len``: positions the KV cache holds (None: the file's ``llama.context_length``,
-        else 4096); ``kv_type``: ``f32`` (None: the default) or ``f16`` (the module
-        docstring); ``decode``:
-        ``auto`` (the default: ``persistent`` where ``auto_decode`` says so, else ``fused``;
-        ``decode_note`` says why), ``fused`` (six fused kernels per layer), ``merged`` (five:
+        else 4096); ``kv_type``: ``f32`` (None: the default) or ``f16`` (the module docstring;
+        every decode reads either); ``decode``: ``auto`` (the default: ``persistent`` where
+        ``auto_decode`` says so, else ``fused``; ``decode_note`` says why), ``fused`` (six fused
+        kernels per layer), ``merged`` (five:
         the attention's combine in the output projection's kernel, float atomics summing the
         heads' shares, so the last bits vary run to run) or ``persistent`` (the whole step in
         one kernel, ``qlib.quants.cuda.persistent``: a device copy of the GGUF blocks as well,
