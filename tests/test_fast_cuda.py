@@ -340,6 +340,8 @@ def test_index_pos_and_shape_errors(tmp_path):
             CudaFastModel.from_gguf(content, f, "cpu", prefill="int8")  # a CPU engine's mode
         with pytest.raises(ModelError, match="unknown kv_type 'int8'"):
             CudaFastModel.from_gguf(content, f, "cpu", kv_type="int8")
+        with pytest.raises(ModelError, match="persistent runs on a CUDA device, not cpu"):
+            CudaFastModel.from_gguf(content, f, "cpu", decode="persistent")
         half = CudaFastModel.from_gguf(content, f, "cpu", kv_type="f16", max_seq_len=16)
         assert half.kv_type == "f16" and half.cache.dtype == torch.float16
         fast = CudaFastModel.from_gguf(content, f, "cpu", max_seq_len=16)

@@ -419,6 +419,8 @@ class CudaFastModel(StaticKVState):
         elif decode == "persistent":
             from ..quants.cuda import persistent
 
+            if dev.type != "cuda":
+                raise ModelError(f"decode persistent runs on a CUDA device, not {dev.type}")
             why = persistent.unsupported(mats, config.head_dim, config.rope_dim)
             if why:
                 raise ModelError(why)
