@@ -190,7 +190,9 @@ static_assert(!MLP_PAIR || (XRES && GRID % 2 == 0 && MLP_FIRST % 2 == 0 && MLP_B
 #define GSM_N (10 * CHUNK)
 
 #define NMARK 12  // stage-time marks per layer
-#define NBMARK 8  // BLOCK_MARK points a block (persistent.py's BLOCK_POINTS)
+#ifndef NBMARK
+#define NBMARK 8  // BLOCK_MARK points a block (persistent.py passes len(BLOCK_POINTS))
+#endif
 
 // GGUF's type ids, and T_X8: the K-quants (Q2_K .. Q6_K) as persistent.py expands them, exactly
 // (every value is a * q + b as ggml computes it, a * q exact in float32): per 32 elements a0 b0
@@ -1314,6 +1316,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     const int member = spread ? b / NKV : 0;
     const int h = !att ? 0 : spread ? (b % NKV) * GQA + member / ns : b / ns;
     const int s = !att ? 0 : spread ? member % ns : b % ns, kvh = h / GQA;
+    const int each = (L + nsg - 1) / nsg;  // positions a split, equal splits
     int t0, t1;
     if (spread) {
         const int nf = min(nsg, max(0, MLP_FIRST - kvh + NKV - 1) / NKV);  // the KV head's fast splits
@@ -1322,11 +1325,10 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         t0 = at(member);
         t1 = at(member + 1);
     } else {
-        const int each = (L + nsg - 1) / nsg;
         t0 = min(L, (grouped ? (h % GQA) * ns + s : s) * each);
         t1 = min(L, t0 + each);
     }
-    const int len = spread ? t1 - t0 : (L + nsg - 1) / nsg;  // (the stride of a head's scores in S)
+    const int len = spread ? t1 - t0 : each;  // (the stride of a head's scores in S)
     const int tc = max(t0, min(t1, pos));  // cached before the step: [t0, tc)
     // the split's rows of wo (every split of a head merges the head's partials, then adds its
     // own rows): multiples of 4 rows, so that a slab piece stays 16-byte aligned

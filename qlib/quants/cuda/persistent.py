@@ -369,7 +369,7 @@ def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: i
         MIN_SPLIT=min(min_split, split), QPB=qpb, SMAXPOS=smax_pos, WCAP=wcap,
         KV_STAGE=int(kv_stage), KV_HALF=int(kv_half),
         # counted fixed-point residual words hold at most 1023 addends a sum
-        XRES=int(max(nh, n_ff // CHUNK) < 1024), WHERE_MAX=WHERE_MAX,
+        XRES=int(max(nh, n_ff // CHUNK) < 1024), WHERE_MAX=WHERE_MAX, NBMARK=len(BLOCK_POINTS),
         LAYER_TYPES=sum(types), OUT_TYPES=1 << TYPE_IDS[output.dtype.name])  # fmt: skip
     if stage_times:  # block 0 notes the time at every mark (``stage_times_ns``)
         m["QLIB_STAGE_TIMES"] = 1
