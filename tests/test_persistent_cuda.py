@@ -22,7 +22,7 @@ import torch
 from synthetic import greedy, write_tiny_llama
 
 from qlib import models
-from qlib.gguf import Content
+from qlib.gguf import Content, GGUFValueType, Typed
 from qlib.llama.faithful import ModelWeights
 from qlib.quants.cuda import persistent
 from qlib.quants.qtensor import QTensor
@@ -397,8 +397,9 @@ def test_longer_splits_on_blocks_without_mlp_tasks(tmp_path, spread):
     positions: ``split=16``, 6 query heads, 16 MLP blocks), the KV heads' groups are dealt the
     blocks in turn and the blocks without an MLP task take ``spread / 4`` times longer splits
     (0: equal splits); every position decoded one token at a time against the f32 form."""
+    context = {"llama.context_length": Typed(GGUFValueType.UINT32, 512)}
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q8_0", n_embd=384, n_head=6,
-                            n_kv_head=2, n_ff=256)  # fmt: skip
+                            n_kv_head=2, n_ff=256, extra_metadata=context)  # fmt: skip
     steps_match_f32(path, {"split": 16, "macros": {"GROUP_FROM": 0, "ATT_SPREAD": spread}}, 340,
                     seed=3)  # fmt: skip
 
