@@ -112,9 +112,6 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #ifndef ATT_SPREAD
 #define ATT_SPREAD 6  // KV_GROUP with MLP blocks attending: blocks without MLP tasks take ATT_SPREAD / 4 longer splits
 #endif
-#ifndef WO_SPLIT
-#define WO_SPLIT 0  // several splits of one head each (not KV_GROUP): each adds its own share of wo over all rows
-#endif
 #ifndef KV_PREFETCH
 #define KV_PREFETCH 0  // a split's keys and values that do not fit in shared memory prefetched into L2
 #endif
@@ -306,10 +303,7 @@ __device__ __forceinline__ void read_sum(const float* r, float* dst) {
 // Addends are saturated to |v| < 2^16 (the fraction keeps 2^-(RES_FRAC + 1) of each; at most
 // 1023 addends a sum).
 __host__ __device__ constexpr int ceil_log2(int n) { return n <= 1 ? 0 : 1 + ceil_log2((n + 1) / 2); }
-// the most a sum gets: a head's rows of wo from NH blocks (WO_SPLIT: from all NH x NSMAX), or
-// the MLP tasks' down columns
-constexpr int RES_HEAD_ADDENDS = WO_SPLIT ? NH * NSMAX : NH;
-constexpr int RES_ADDENDS = (RES_HEAD_ADDENDS > NFF / CHUNK ? RES_HEAD_ADDENDS : NFF / CHUNK);
+constexpr int RES_ADDENDS = (NH > NFF / CHUNK ? NH : NFF / CHUNK);  // the most a sum gets
 constexpr int RES_BIAS = 53 - ceil_log2(RES_ADDENDS);
 constexpr int RES_FRAC = RES_BIAS - 16;
 static_assert(!XRES || RES_ADDENDS < 1024, "XRES: at most 1023 addends a residual sum");
@@ -1153,42 +1147,6 @@ __device__ void merge_partials(const float* P, int n, float* scratch, float* out
     }
 }
 
-// WO_SPLIT: split s of a head's ns adds (its share of the softmax) x (all rows of wo . o), o
-// its unnormalized output (HD, in shared memory); the rows' dots are taken before the splits'
-// maxima and sums (tagged words at P + j (HD + 2), j < ns) are read, so that their travel
-// overlaps the dots; S: 2 ns floats of scratch; base (or nullptr) added with the share.
-__device__ __forceinline__ void wo_split_add(int t, const u8* slab, const float* o, const u64* P, int ns, int s,
-                             u32 tag, float* S, const float* base, u64* dst) {
-    constexpr int N = (DIM + THREADS - 1) / THREADS;
-    float y[N];
-    const usize sb = row_bytes(t, HD);
-    QLIB_DISPATCH(LAYER_TYPES, t, {
-#pragma unroll
-        for (int k = 0; k < N; k++) {
-            const int i = threadIdx.x + k * THREADS;
-            y[k] = i < DIM ? slab_dot_t<HD, T_>(slab + sb * i, 0, o) : 0.f;
-        }
-    })
-    if (threadIdx.x < ns) {
-        const u64* const w[2] = {P + (usize)threadIdx.x * (HD + 2), P + (usize)threadIdx.x * (HD + 2) + 1};
-        float v[2];
-        get_tagged<2>(w, tag, v);
-        S[2 * threadIdx.x] = v[0];
-        S[2 * threadIdx.x + 1] = v[1];
-    }
-    __syncthreads();
-    float M = NEG_INF;
-    for (int j = 0; j < ns; j++) M = fmaxf(M, S[2 * j]);
-    float den = 0.f;
-    for (int j = 0; j < ns; j++) den += expf(S[2 * j] - M) * S[2 * j + 1];
-    const float c = expf(S[2 * s] - M) / den;
-#pragma unroll
-    for (int k = 0; k < N; k++) {
-        const int i = threadIdx.x + k * THREADS;
-        if (i < DIM) res_add(dst + i, c * y[k] + (base ? base[i] : 0.f));
-    }
-}
-
 // QLIB_STAGE_TIMES: block 0 (a q/k/v and an attention task each layer) and the first MLP block
 // (marks 8-11) record %globaltimer (ns) at NMARK marks a layer, and at the step's start and end.
 #ifdef QLIB_STAGE_TIMES
@@ -1332,12 +1290,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     const int tc = max(t0, min(t1, pos));  // cached before the step: [t0, tc)
     // the split's rows of wo (every split of a head merges the head's partials, then adds its
     // own rows): multiples of 4 rows, so that a slab piece stays 16-byte aligned
-    // WO_SPLIT (XCHG, XRES, several splits of one head): no merge; each split multiplies its
-    // unnormalized output by all the rows of wo while the splits' maxima and sums travel, then
-    // adds it weighted by its share of the softmax (NH x ns addends a residual sum)
-    const bool wo_split = WO_SPLIT && XCHG && XRES && !grouped && ns > 1;
-    const int wo_rows = wo_split ? DIM : ((DIM + ns - 1) / ns + 3) / 4 * 4;
-    const int wo_r0 = wo_split ? 0 : min(DIM, s * wo_rows), wo_r1 = min(DIM, wo_r0 + wo_rows);
+    const int wo_rows = ((DIM + ns - 1) / ns + 3) / 4 * 4;
+    const int wo_r0 = min(DIM, s * wo_rows), wo_r1 = min(DIM, wo_r0 + wo_rows);
 
     // this block's rows of the output layer, prefetched into L2 during the last layers
     constexpr int OUT_RB = (VOCAB + GRID - 1) / GRID;
@@ -1749,16 +1703,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #if XCHG
             if (b == 0) MARK(NMARK * l + 5);
             BLOCK_MARK(6)
-            if (wo_split) {  // (NQ 1; its values were published too, unread)
-                for (int d = threadIdx.x; d < HD; d += THREADS) {
-                    float v = 0.f;
-                    for (int w = 0; w < WARPS; w++) v += oacc[w * HD + d];
-                    ovec[d] = v;  // unnormalized: weighted after wo
-                }
-                __syncthreads();
-                wo_split_add(layer_type(T, W_O), wp[P_WO], ovec, PX + (usize)h * NSMAX * HPT * (HD + 2), ns,
-                             s, tag, S, h == 0 && s == 0 ? res_in : nullptr, A + (usize)(2 * l + 1) * DIM);
-            } else if (nsg > 1) {  // head h's nsg partials gathered into S (free after the values), merged
+            if (nsg > 1) {  // head h's nsg partials gathered into S (free after the values), merged
                 const u64* PH = PX + (usize)h * NSMAX * HPT * (HD + 2);
                 const int n = nsg * (HD + 2);
                 if (n <= THREADS) {  // (a word a thread: as before KV_GROUP, measured equal)
@@ -1786,11 +1731,9 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             __syncthreads();
             if (b == 0) MARK(NMARK * l + 6);
             BLOCK_MARK(7)
-            if (!wo_split) {
-                const int to = layer_type(T, W_O);
-                slab_rows_add<HD>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
-                                  A + (usize)(2 * l + 1) * DIM, wo_r0, wo_r1);
-            }
+            const int to = layer_type(T, W_O);
+            slab_rows_add<HD>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
+                              A + (usize)(2 * l + 1) * DIM, wo_r0, wo_r1);
 #if XRES
             __syncthreads();
 #else
@@ -1803,7 +1746,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         // ---- MLP tasks: RmsNorm, gate and up of CHUNK units, SwiGLU, their share of down
         if (mlp) {
 #if XRES
-            read_res(A + (usize)(2 * l + 1) * DIM, wo_split ? NH * ns : NH, res_in);
+            read_res(A + (usize)(2 * l + 1) * DIM, NH, res_in);
             if (b == MLP_FIRST) MARK(NMARK * l + 8);
             BLOCK_MARK(2)
 #else
