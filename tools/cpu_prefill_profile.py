@@ -1,12 +1,14 @@
 """Where the CPU fast prefill's time goes (docs/performance.md, "Where the remaining time goes").
 
-    python tools/cpu_prefill_profile.py [--model F] [--tokens 203] [--threads 2] [--int8]
+    python tools/cpu_prefill_profile.py [--model F] [--tokens 203] [--threads 2]
+        [--int8 | --int8-attn]
 
 ``--int8`` (the default where the CPU has no AMX): the int8 prefill's parts, each over the
 30 layers' real weights and buffers as ``FastModel._prefill_int8`` runs them (each GEMM's C
 call, the RmsNorms, the attention with its RoPE + KV write, SwiGLU, the embedding rows, the
 output GEMV of the last row), min of 5, and the whole prefill; the GEMMs' GOP/s are
-2 x m x k x n x layers integer ops.
+2 x m x k x n x layers integer ops. ``--int8-attn``: the same with the attention's products in
+int8 (``prefill="int8-attn"``).
 
 1. The AMX layer kernel's parts alone, over the model's real weights: each GEMM
    (``cpu.amx_gemm``'s C entry on the weights of all layers, as the model holds them:
@@ -86,7 +88,7 @@ def parts(m, t: int) -> None:
     print(f"  whole prefill: {best_ms(prefill):.2f} ms")
 
 
-def int8_parts(m, t: int, reps: int = 5) -> None:
+def int8_parts(m, t: int, reps: int = 5, int8_attention: bool = False) -> None:
     c, layers = m.config, m.layers
     k, l0 = c.embedding_length, layers[0]
     n_ff, nd = l0.w13.out_features // 2, c.head_count * c.head_dim
@@ -124,11 +126,12 @@ def int8_parts(m, t: int, reps: int = 5) -> None:
     def attention():
         for i in range(len(layers)):
             cpu.attn_prefill(qkv, m.cache[i, 0], m.cache[i, 1], 0, c.head_count, c.head_count_kv,
-                             m.cos, m.sin, c.rope_is_neox, out=y)  # fmt: skip
+                             m.cos, m.sin, c.rope_is_neox, out=y, int8=int8_attention)  # fmt: skip
 
     ms = best_ms(attention, reps)
     flops = 4 * c.head_count * c.head_dim * t * t / 2 * len(layers)
-    rows.append(("RoPE + KV + attention", ms, f"{flops / ms / 1e6:.0f} GFLOP/s (causal)"))
+    name = "RoPE + KV + attention" + (" (int8)" if int8_attention else "")
+    rows.append((name, ms, f"{flops / ms / 1e6:.0f} GFLOP/s (causal)"))
     gu, gg = torch.randn(t, 2 * n_ff, generator=g), torch.empty(t, n_ff)
     rows.append(("SwiGLU", best_ms(lambda: [cpu.swiglu(gu, out=gg) for _ in layers], reps), ""))
     ids = torch.randint(0, m.tok_embd.shape[0], (1, t), generator=g)
@@ -174,14 +177,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=203)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--int8", action="store_true", help="the int8 prefill's parts (no AMX)")
+    ap.add_argument("--int8-attn", action="store_true", help="the int8-attn prefill's parts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = args.model or str(models.path())
-    if args.int8 or not cpu.amx_available():
-        m = engines.load(path, "cpu", engine="fast", prefill="int8")[0]
-        print(f"{path}, {args.tokens} tokens, {args.threads} threads, int8 prefill")
+    if args.int8 or args.int8_attn or not cpu.amx_available():
+        prefill = "int8-attn" if args.int8_attn else "int8"
+        m = engines.load(path, "cpu", engine="fast", prefill=prefill)[0]
+        print(f"{path}, {args.tokens} tokens, {args.threads} threads, {prefill} prefill")
         with torch.inference_mode():
-            int8_parts(m, args.tokens, 5 if args.tokens < 1000 else 2)
+            int8_parts(m, args.tokens, 5 if args.tokens < 1000 else 2, args.int8_attn)
         return
     if not cpu.amx_available():
         raise SystemExit(f"AMX unavailable: {cpu.amx_unavailable_reason()}")
