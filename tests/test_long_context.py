@@ -110,6 +110,20 @@ def test_chunked_prefill_equals_whole(long_file):
     assert torch.allclose(model.cache[:, :, :, :300], cache_whole, rtol=1e-5, atol=1e-5)
 
 
+def test_ffn_row_chunks_equal_whole(long_file):
+    """The int8 prefill runs the FFN over ``mlp_rows`` rows at a time: rows are independent in
+    every part of it, so any chunking gives the same logits and cache, bit for bit."""
+    model, _ = load(long_file, engine="fast", prefill="int8")
+    ids = _ids(300)
+    runs = []
+    for rows in (100_000, 64, 37):  # one chunk; equal chunks and a short last one
+        model.mlp_rows = rows
+        model.clear_kv_cache()
+        runs.append((model.forward(ids, 0, all_logits=True), model.cache[:, :, :, :300].clone()))
+    for logits, cache in runs[1:]:
+        assert torch.equal(logits, runs[0][0]) and torch.equal(cache, runs[0][1])
+
+
 def test_positions_past_4096(long_file):
     model, _ = load(long_file, engine="fast", prefill="int8")
     assert model.max_seq_len == 8192  # the file's llama.context_length

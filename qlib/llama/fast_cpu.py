@@ -435,6 +435,11 @@ class FastLayer:
 class FastModel(StaticKVState):
     """A llama GGUF on CPU with fused packed weights, a static KV cache and fast kernels."""
 
+    # rows of a prompt whose FFN the int8 prefill runs at a time (its gate/up output stays in
+    # the cache instead of going to memory and back): docs/performance.md, "The FFN by row
+    # chunks"
+    mlp_rows = 512
+
     def __init__(
         self,
         config: LlamaConfig,
@@ -662,7 +667,8 @@ class FastModel(StaticKVState):
         a = torch.empty(t, c.embedding_length)
         qkv = torch.empty(t, l0.wqkv.out_features)
         y = torch.empty(t, c.head_count * c.head_dim)
-        gu, g = torch.empty(t, 2 * n_ff), torch.empty(t, n_ff)
+        chunk = min(t, self.mlp_rows)
+        gu, g = torch.empty(chunk, 2 * n_ff), torch.empty(chunk, n_ff)
         eps, heads = c.rms_norm_eps, (c.head_count, c.head_count_kv)
         r0, last = 0, len(self.layers) - 1
         int8_attention = self.prefill == "int8-attn"
@@ -676,10 +682,12 @@ class FastModel(StaticKVState):
                              self.sin, c.rope_is_neox, out=y[:m], q_from=r0,
                              int8=int8_attention)  # fmt: skip
             ly.wo.quantized_into(y[:m], h[r0:], accumulate=True)
-            cpu.add_rmsnorm(h[r0:], None, ly.ffn_norm, eps, a[:m])
-            ly.w13.quantized_into(a[:m], gu[:m])
-            cpu.swiglu(gu[:m], out=g[:m])
-            ly.w2.quantized_into(g[:m], h[r0:], accumulate=True)
+            for s0 in range(r0, t, chunk):  # the FFN by row chunks: gate/up stay in cache
+                rows, n = h[s0 : s0 + chunk], min(chunk, t - s0)
+                cpu.add_rmsnorm(rows, None, ly.ffn_norm, eps, a[:n])
+                ly.w13.quantized_into(a[:n], gu[:n])
+                cpu.swiglu(gu[:n], out=g[:n])
+                ly.w2.quantized_into(g[:n], rows, accumulate=True)
         return self._logits(h, r0)
 
     def _prefill_amx(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
