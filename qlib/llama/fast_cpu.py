@@ -657,7 +657,8 @@ class FastModel(StaticKVState):
         (float32) -> int8 qkv GEMM -> RoPE, KV write and the tiled float32 attention
         (``cpu.attn_prefill``; int8 products with ``prefill="int8-attn"``) -> int8 wo GEMM
         added into ``h`` -> RmsNorm -> int8 gate/up
-        GEMM -> SwiGLU -> int8 down GEMM added into ``h``; all buffers allocated once.
+        GEMM -> SwiGLU -> int8 down GEMM added into ``h``, this FFN over ``mlp_rows`` rows at
+        a time; all buffers allocated once.
         Unless ``all_logits``, the last layer computes attention, wo and the FFN for the
         last row only."""
         c, t = self.config, ids.numel()
