@@ -6,9 +6,9 @@
 ``--int8`` (the default where the CPU has no AMX): the int8 prefill's parts, each over the
 30 layers' real weights and buffers as ``FastModel._prefill_int8`` runs them (each GEMM's C
 call, the RmsNorms, the attention with its RoPE + KV write, SwiGLU, the embedding rows, the
-output GEMV of the last row), min of 5, and the whole prefill; the GEMMs' GOP/s are
-2 x m x k x n x layers integer ops. ``--int8-attn``: the same with the attention's products in
-int8 (``prefill="int8-attn"``).
+output GEMV of the last row; the FFN's GEMMs over ``mlp_rows`` rows at a time), min of 5, and
+the whole prefill; the GEMMs' GOP/s are 2 x m x k x n x layers integer ops. ``--int8-attn``:
+the same with the attention's products in int8 (``prefill="int8-attn"``).
 
 1. The AMX layer kernel's parts alone, over the model's real weights: each GEMM
    (``cpu.amx_gemm``'s C entry on the weights of all layers, as the model holds them:
@@ -95,18 +95,23 @@ def int8_parts(m, t: int, reps: int = 5, int8_attention: bool = False) -> None:
     g = torch.Generator().manual_seed(0)
     h = torch.randn(t, k, generator=g)
     a = torch.empty(t, k)
+    chunk = min(t, m.mlp_rows)  # the FFN's GEMMs run over chunks of rows (their outputs too)
     bufs = {"wqkv": (torch.randn(t, k, generator=g), torch.empty(t, l0.wqkv.out_features)),
             "wo": (torch.randn(t, nd, generator=g), torch.zeros(t, k)),
-            "w13": (torch.randn(t, k, generator=g), torch.empty(t, 2 * n_ff)),
+            "w13": (torch.randn(t, k, generator=g), torch.empty(chunk, 2 * n_ff)),
             "w2": (torch.randn(t, n_ff, generator=g), torch.zeros(t, k))}  # fmt: skip
     rows: list[tuple[str, float, str]] = []
     for name, (x, out) in bufs.items():
         lins = [getattr(ly, name) for ly in layers]
         acc = name in ("wo", "w2")
+        step = chunk if name in ("w13", "w2") else t
 
-        def run(x=x, out=out, lins=lins, acc=acc):
+        def run(x=x, out=out, lins=lins, acc=acc, step=step):
             for lin in lins:
-                lin.quantized_into(x, out, accumulate=acc)
+                for s0 in range(0, t, step):
+                    n = min(step, t - s0)
+                    dst = out[:n] if out.shape[0] < t else out[s0 : s0 + n]
+                    lin.quantized_into(x[s0 : s0 + n], dst, accumulate=acc)
 
         ms = best_ms(run, reps)
         ops = 2 * t * lins[0].in_features * lins[0].out_features * len(layers)
