@@ -48,6 +48,7 @@ CASES = [  # argv (with {d} for the folder of bad files), words the message must
     (["generate", "-p", "hi", "-n", "5000"], "position limit"),
     (["generate", "-p", "hi", "--engine", "fast", "--form", "f32"], "keeps the weights quantized"),
     (["logits", "--text-file", "{d}/missing.txt", "--out", "{d}/x.npy"], "no such file"),
+    (["logits", "--text-file", "", "--out", "{d}/x.npy"], "must not be empty"),
     (["quantize", "--in", "{d}/good.gguf", "--out", "{d}/q.gguf", "--type", "Q9"], "'Q9'"),
     (["convert", "--in", "{d}/missing", "--out", "{d}/o"], "no such file"),
     (["bench", "-m", "{d}/text.gguf"], "not a GGUF file"),

@@ -67,6 +67,8 @@ def non_empty(text: str) -> str:
 
 
 def existing_file(text: str) -> Path:
+    if not text.strip():  # (Path("") is ".", a directory)
+        raise argparse.ArgumentTypeError("must not be empty")
     path = Path(text)
     if not path.exists():
         raise argparse.ArgumentTypeError(f"{text}: no such file")
