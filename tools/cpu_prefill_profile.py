@@ -95,7 +95,7 @@ def int8_parts(m, t: int, reps: int = 5, int8_attention: bool = False) -> None:
     g = torch.Generator().manual_seed(0)
     h = torch.randn(t, k, generator=g)
     a = torch.empty(t, k)
-    chunk = min(t, m.mlp_rows)  # the FFN's GEMMs run over chunks of rows (their outputs too)
+    chunk = min(t, max(1, m.mlp_rows))  # the FFN's GEMMs run over chunks of rows
     bufs = {"wqkv": (torch.randn(t, k, generator=g), torch.empty(t, l0.wqkv.out_features)),
             "wo": (torch.randn(t, nd, generator=g), torch.zeros(t, k)),
             "w13": (torch.randn(t, k, generator=g), torch.empty(chunk, 2 * n_ff)),

@@ -668,7 +668,7 @@ class FastModel(StaticKVState):
         a = torch.empty(t, c.embedding_length)
         qkv = torch.empty(t, l0.wqkv.out_features)
         y = torch.empty(t, c.head_count * c.head_dim)
-        chunk = min(t, self.mlp_rows)
+        chunk = min(t, max(1, self.mlp_rows))
         gu, g = torch.empty(chunk, 2 * n_ff), torch.empty(chunk, n_ff)
         eps, heads = c.rms_norm_eps, (c.head_count, c.head_count_kv)
         r0, last = 0, len(self.layers) - 1
