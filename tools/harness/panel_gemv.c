@@ -6,7 +6,8 @@
  * conversion and one FMA with the 16 rows' scales, instead of 16 x (unpack, vpdpbusd,
  * convert, permute, FMA). SmolLM2's gate/up shape (3072 x 576), random codes and scales; the
  * outputs are compared, then timed alternating over NM matrices (64: ~71 MB, streamed from
- * DRAM; 8: ~9 MB, in the L3). PF: bytes ahead that the panel kernel prefetches (0: none).
+ * DRAM; 8: ~9 MB, in the L3), on 2 MB and on 4 KB pages, beside a plain read of the same bytes.
+ * PF: bytes ahead that the panel kernel prefetches (0: none).
  * docs/performance.md ("Where the decode GEMVs stand against their own compute") has figures.
  *
  *   gcc -O3 -march=native -fopenmp -DPF=2048 -Iqlib/quants/cpu -o /tmp/panel \
@@ -19,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #ifndef PF
 #define PF 0
@@ -159,30 +161,68 @@ static void gemv_panels(const uint8_t *pc, const uint16_t *pd, const uint16_t *p
     }
 }
 
+/* An arena for NM matrices, planes then panels, 2 MB-aligned: on 2 MB pages (huge) or held
+ * to 4 KB pages. (Separate allocations of one matrix, ~1.1 MB each, are below a 2 MB page:
+ * the harness measured 4 KB pages only until the twenty-eighth session.) */
+typedef struct {
+    uint8_t *codes[256], *pc[256];
+    uint16_t *dw[256], *mw[256], *pd[256], *pm[256];
+    char *base;
+    size_t bytes;
+} matrices;
+static void make(matrices *s, int NM, int n, int k, int huge) {
+    const size_t cb = (size_t)n * k / 2, pb = (size_t)n * (k / 32) * 2, al = 2u << 20;
+    s->bytes = 2 * (cb + 2 * pb) * NM;
+    char *p = mmap(NULL, s->bytes + al, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    s->base = p = (char *)(((uintptr_t)p + al - 1) & ~(uintptr_t)(al - 1));
+    madvise(p, s->bytes, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+    for (int i = 0; i < NM; i++) {
+        s->codes[i] = (uint8_t *)p; s->dw[i] = (uint16_t *)(p + cb); s->mw[i] = (uint16_t *)(p + cb + pb);
+        p += cb + 2 * pb;
+    }
+    for (int i = 0; i < NM; i++) {
+        s->pc[i] = (uint8_t *)p; s->pd[i] = (uint16_t *)(p + cb); s->pm[i] = (uint16_t *)(p + cb + pb);
+        p += cb + 2 * pb;
+    }
+    for (int i = 0; i < NM; i++) {
+        for (size_t j = 0; j < cb; j++) s->codes[i][j] = rand();
+        for (size_t j = 0; j < pb / 2; j++) { s->dw[i][j] = 0x2000 + rand() % 0x400; s->mw[i][j] = 0xA000 + rand() % 0x400; }
+        to_panels(s->codes[i], s->dw[i], s->mw[i], n, k, s->pc[i], s->pd[i], s->pm[i]);
+    }
+}
+
+/* A plain read of [p, p + n): two 64-byte loads a step, the reference rate */
+static __m512i read_range(const char *p, size_t n) {
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    for (size_t o = 0; o + 128 <= n; o += 128) {
+        a = _mm512_add_epi32(a, _mm512_load_si512(p + o));
+        b = _mm512_add_epi32(b, _mm512_load_si512(p + o + 64));
+    }
+    return _mm512_add_epi32(a, b);
+}
+
 int main(int argc, char **argv) {
     const int n = 3072, k = 576, G = k / 32, NM = argc > 1 ? atoi(argv[1]) : 64;
     const size_t cb = (size_t)n * k / 2, pb = (size_t)n * G;
-    uint8_t **codes = malloc(NM * sizeof(void *)), **pc = malloc(NM * sizeof(void *));
-    uint16_t **dw = malloc(NM * sizeof(void *)), **mw = malloc(NM * sizeof(void *));
-    uint16_t **pd = malloc(NM * sizeof(void *)), **pm = malloc(NM * sizeof(void *));
+    if (NM < 1 || NM > 256) return 1;
+    static matrices S[2];
     srand(1);
-    for (int i = 0; i < NM; i++) {
-        codes[i] = aligned_alloc(64, cb); pc[i] = aligned_alloc(64, cb);
-        dw[i] = aligned_alloc(64, pb * 2); mw[i] = aligned_alloc(64, pb * 2);
-        pd[i] = aligned_alloc(64, pb * 2); pm[i] = aligned_alloc(64, pb * 2);
-        for (size_t j = 0; j < cb; j++) codes[i][j] = rand();
-        for (size_t j = 0; j < pb; j++) { dw[i][j] = 0x2000 + rand() % 0x400; mw[i][j] = 0xA000 + rand() % 0x400; }
-        to_panels(codes[i], dw[i], mw[i], n, k, pc[i], pd[i], pm[i]);
-    }
+    make(&S[0], NM, n, k, 0);
+    make(&S[1], NM, n, k, 1);
+    FILE *f = fopen("/proc/self/smaps_rollup", "r");
+    for (char line[256]; f && fgets(line, sizeof line, f);)
+        if (!strncmp(line, "AnonHugePages", 13)) fputs(line, stdout);
+    if (f) fclose(f);
     int8_t *aq = aligned_alloc(64, k); float *ad = malloc(4 * G), *as = malloc(4 * G);
     for (int j = 0; j < k; j++) aq[j] = rand() % 255 - 127;
     for (int g = 0; g < G; g++) { ad[g] = 0.01f * (1 + g % 5); as[g] = 0.3f * (g % 7 - 3); }
     float *y1 = malloc(4 * n), *y2 = malloc(4 * n), *y3 = malloc(4 * n);
+    matrices *s = &S[1];
 #pragma omp parallel
     {
-        gemv_planes(codes[0], dw[0], mw[0], n, k, aq, ad, as, y1, 0);
-        gemv_panels(pc[0], pd[0], pm[0], n, k, aq, ad, as, y2);
-        gemv_planes(codes[0], dw[0], mw[0], n, k, aq, ad, as, y3, 1);
+        gemv_planes(s->codes[0], s->dw[0], s->mw[0], n, k, aq, ad, as, y1, 0);
+        gemv_panels(s->pc[0], s->pd[0], s->pm[0], n, k, aq, ad, as, y2);
+        gemv_planes(s->codes[0], s->dw[0], s->mw[0], n, k, aq, ad, as, y3, 1);
     }
     double err = 0, err3 = 0, mx = 0;
     for (int i = 0; i < n; i++) {
@@ -195,25 +235,35 @@ int main(int argc, char **argv) {
     }
     printf("max |diff| panels %.3g, 128-element steps %.3g (max %.3g)\n", err, err3, mx);
     const double bytes = (double)(cb + 2 * pb * 2) * NM;
-    for (int round = 0; round < 5; round++) {
-        double tA = 1e9, tB = 1e9, tC = 1e9;
-        for (int rep = 0; rep < 5; rep++) {
-            double t0 = now();
+    volatile int sink = 0;
+    for (int round = 0; round < 5; round++)
+        for (int h = 0; h < 2; h++) {
+            s = &S[h];
+            double t[4] = {1e9, 1e9, 1e9, 1e9};
+            for (int rep = 0; rep < 5; rep++) {
+                double t0 = now();
 #pragma omp parallel
-            for (int i = 0; i < NM; i++) gemv_planes(codes[i], dw[i], mw[i], n, k, aq, ad, as, y1, 0);
-            double t1 = now();
+                { /* the planes' bytes, split over the threads */
+                    const int T = omp_get_num_threads();
+                    const size_t part = (s->bytes / 2 / T) & ~(size_t)127;
+                    if (_mm512_reduce_add_epi32(read_range(s->base + omp_get_thread_num() * part, part)) == 1)
+                        sink++;
+                }
+                double t1 = now();
 #pragma omp parallel
-            for (int i = 0; i < NM; i++) gemv_panels(pc[i], pd[i], pm[i], n, k, aq, ad, as, y2);
-            double t2 = now();
+                for (int i = 0; i < NM; i++) gemv_planes(s->codes[i], s->dw[i], s->mw[i], n, k, aq, ad, as, y1, 0);
+                double t2 = now();
 #pragma omp parallel
-            for (int i = 0; i < NM; i++) gemv_planes(codes[i], dw[i], mw[i], n, k, aq, ad, as, y3, 1);
-            double t3 = now();
-            if (t1 - t0 < tA) tA = t1 - t0;
-            if (t2 - t1 < tB) tB = t2 - t1;
-            if (t3 - t2 < tC) tC = t3 - t2;
+                for (int i = 0; i < NM; i++) gemv_planes(s->codes[i], s->dw[i], s->mw[i], n, k, aq, ad, as, y3, 1);
+                double t3 = now();
+#pragma omp parallel
+                for (int i = 0; i < NM; i++) gemv_panels(s->pc[i], s->pd[i], s->pm[i], n, k, aq, ad, as, y2);
+                double t4 = now(), d[4] = {t1 - t0, t2 - t1, t3 - t2, t4 - t3};
+                for (int j = 0; j < 4; j++) t[j] = d[j] < t[j] ? d[j] : t[j];
+            }
+            printf("round %d, %s pages: read %.1f GB/s; planes, 64 a step %.1f, 128 a step %.1f; panels %.1f "
+                   "(%d matrices, %.0f MB)\n", round, h ? "2 MB" : "4 KB", bytes / t[0] / 1e9,
+                   bytes / t[1] / 1e9, bytes / t[2] / 1e9, bytes / t[3] / 1e9, NM, bytes / 1e6);
         }
-        printf("round %d: planes, 64 a step %.1f GB/s, 128 a step %.1f GB/s; panels %.1f GB/s (%d matrices, %.0f MB)\n",
-               round, bytes / tA / 1e9, bytes / tC / 1e9, bytes / tB / 1e9, NM, bytes / 1e6);
-    }
     return 0;
 }
