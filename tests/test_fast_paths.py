@@ -26,6 +26,9 @@ bf16 prefill is compared with the f32 form by teacher-forced argmax agreement.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -555,6 +558,82 @@ def test_collapse_hugepages_keeps_data():
     before = x.clone()
     done = cpu.collapse_hugepages()
     assert done >= 0 and torch.equal(x, before)
+
+
+def _mapping_at(address: int) -> dict | None:
+    """This process's mapping that holds ``address`` (Linux ``/proc/self/smaps``): its
+    ``name`` ("" anonymous, "[heap]", a path), ``flags`` (VmFlags: "hg" is
+    ``MADV_HUGEPAGE``) and ``huge_kb`` (AnonHugePages), or None."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
+            if found is not None:
+                break
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                found = {"name": fields[5] if len(fields) > 5 else "", "flags": [], "huge_kb": 0}
+        elif found is not None and fields[0] == "AnonHugePages:":
+            found["huge_kb"] = int(fields[1])
+        elif found is not None and fields[0] == "VmFlags:":
+            found["flags"] = fields[1:]
+    return found
+
+
+def _thp_available() -> bool:
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
+def test_weights_arena_gives_aligned_tensors_on_2mb_pages():
+    """Inside ``hugepage_weights``, ``weights_empty`` carves 64-byte-aligned tensors one after
+    the other from mappings advised before their first write (2 MB pages where the kernel
+    has transparent huge pages); a request larger than a chunk gets a mapping of its own;
+    outside, it is ``torch.empty``. Values written are read back, tensors do not overlap."""
+    with cpu.hugepage_weights(chunk_bytes=8 << 20):
+        a = cpu.weights_empty((3, 5), torch.int16)
+        b = cpu.weights_empty((1000, 1000), torch.float32)  # 4 MB: the same chunk
+        c = cpu.weights_empty((3 << 20,), torch.float32)  # 12 MB > the chunk: its own
+        d = cpu.weights_copy(torch.arange(10.0).view(2, 5).t())
+    plain = cpu.weights_empty((4,), torch.float32)
+    assert all(t.data_ptr() % 64 == 0 for t in (a, b, c, d))
+    assert a.data_ptr() + a.numel() * 2 <= b.data_ptr() and d.is_contiguous()
+    assert torch.equal(d, torch.arange(10.0).view(2, 5).t())
+    for t, v in ((a, 7), (b, 1.5), (c, -2.0)):
+        t.fill_(v)
+    assert (a == 7).all() and (b == 1.5).all() and (c == -2.0).all()
+    assert plain.shape == (4,) and plain.dtype == torch.float32
+    if _thp_available() and sys.platform == "linux":
+        for t, kb in ((b, 2048), (c, 10 * 1024)):  # b's 4 MB span a whole 2 MB page
+            where = _mapping_at(t.data_ptr())
+            assert where["name"] == "" and "hg" in where["flags"] and where["huge_kb"] >= kb
+
+
+@pytest.mark.skipif(not cpu.available(), reason=cpu.unavailable_reason() or "no C kernels")
+def test_fast_model_packs_its_weights_on_2mb_pages(tmp_path, monkeypatch):
+    """``FastModel.from_gguf`` packs inside ``hugepage_weights``: the planes of a weight of
+    several MB are written into a mapping of their own advised ``MADV_HUGEPAGE``, on 2 MB pages
+    before (here: without) ``collapse_hugepages`` (not the heap, which numpy advises in parts
+    for its own large arrays); ``hugepages=False`` gives the same logits."""
+    monkeypatch.setattr(cpu, "collapse_hugepages", lambda *a, **k: 0)
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q8_0", n_embd=512, n_head=8,
+                            n_kv_head=8, n_ff=4096, n_layer=1)  # fmt: skip
+    with_pages = _build(path, fast.FastModel)
+    codes = with_pages.layers[0].w13.packed.codes  # 8192 x 512: 4 MB
+    assert codes.numel() >= 4 << 20
+    if _thp_available() and sys.platform == "linux":
+        where = _mapping_at(codes.data_ptr())
+        assert where["name"] == "" and "hg" in where["flags"] and where["huge_kb"] >= 2048
+    without = _build(path, fast.FastModel, hugepages=False)
+    x = torch.randint(0, 256, (1, 5))
+    assert torch.equal(with_pages.forward(x, 0), without.forward(x, 0))
 
 
 def test_unsupported_shapes_are_refused():

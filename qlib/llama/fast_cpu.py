@@ -49,9 +49,10 @@ none of candle's sharp edges. What differs from the faithful path:
   ``"python"``: one ctypes call per step; ``$QLIB_DECODE_MODE`` sets the default). All three
   are bit-identical. A layer with a torch part (a type without a kernel) keeps the Python
   loop for the whole step; torch logits (an F16 output) follow the chain;
-* **huge pages**: after load, the large resident anonymous mappings (the
-  weights) are advised and collapsed onto 2 MB pages (``hugepages=False`` to
-  skip; ``cpu.collapse_hugepages``);
+* **huge pages**: the packed weights are written on 2 MB pages from the start
+  (``cpu.hugepage_weights``); after load, what else is large and resident is moved onto
+  them (``cpu.collapse_hugepages``: fast where they already are); ``hugepages=False``
+  skips both;
 * **static KV cache**: one ``[layers, 2, n_kv, max_seq_len, d]`` buffer, float32 or
   (``kv_type="f16"``) IEEE half, no cat. ``max_seq_len`` defaults to the file's
   ``llama.context_length`` (8192 for SmolLM2; the faithful engine keeps candle's 4096).
@@ -75,10 +76,8 @@ raises ``IndexPosError``.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
-import mmap
 import os
 from collections.abc import Callable
 from typing import BinaryIO
@@ -93,6 +92,7 @@ from ..quants import cpu
 from ..quants.api import dequantize_torch
 from ..quants.cpu import build
 from ..quants.cpu.matmul import PreparedWeight, prepare, qmatmul_prepared
+from ..quants.cpu.memory import reserve, resident_bytes
 from ..quants.qtensor import QTensor
 from ..spans import span
 from .checks import (
@@ -109,7 +109,6 @@ from .faithful import rope_neox
 from .fused import FUSED_STACKS
 
 PREFILL_MODES = ("bf16", "int8", "int8-attn")
-_MAP_NORESERVE = 0x4000  # Linux; not in Python's mmap module
 # The CPU feature that makes the bf16 prefill the faster default: AMX tiles. With AVX512-BF16
 # alone (AMD Zen 4) oneDNN's bf16 matmuls were slower than the int8 C GEMMs and held a bf16
 # copy of the weights (docs/performance.md, "A Zen 4 VM").
@@ -155,37 +154,6 @@ def default_prefill(copy_bytes: int | None = None) -> str:
 
 
 PREPACK_BATCH = 256  # oneDNN's row-count hint for the prepacked bf16 weights
-
-
-def reserve(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized tensor on reserved address space: an anonymous private ``mmap``
-    (``MAP_NORESERVE``), so memory is taken page by page as it is first written. The
-    tensor keeps the mapping alive (``torch.frombuffer`` holds a reference to it)."""
-    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if n == 0:
-        return torch.empty(shape, dtype=dtype)
-    try:
-        buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)
-    except (OSError, ValueError):  # not Linux: an ordinary (lazily mapped) allocation
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
-
-
-def resident_bytes(t: torch.Tensor) -> int | None:
-    """Bytes of ``t``'s storage backed by memory now (``mincore``, Linux), or None."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        page = mmap.PAGESIZE
-        start = t.untyped_storage().data_ptr()
-        lo, hi = start & ~(page - 1), start + t.untyped_storage().nbytes()
-        pages = (hi - lo + page - 1) // page
-        vec = (ctypes.c_ubyte * pages)()
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        if libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) != 0:
-            return None
-        return sum(b & 1 for b in vec) * page
-    except (OSError, AttributeError):
-        return None
 
 
 def _amx_layer_shapes_ok(c: LlamaConfig, n_ff: int) -> bool:
@@ -320,7 +288,7 @@ class FastLinear:
             else:
                 prepacked = _prepack_bf16(w)
                 self.bf16_prepacked = prepacked is not None
-                self.bf16 = prepacked if prepacked is not None else w
+                self.bf16 = prepacked if prepacked is not None else cpu.weights_copy(w)
 
     @property
     def has_bf16(self) -> bool:
@@ -498,8 +466,8 @@ class FastModel(StaticKVState):
         self.decode_mode = os.environ.get("QLIB_DECODE_MODE") or DEFAULT_DECODE_MODE
         self._fused_prefill = self._fused_prefill_ok()
         self._c_int8_prefill = self._int8_prefill_ok()
-        if hugepages:  # the weights on 2 MB pages: fewer TLB misses when they stream
-            cpu.collapse_hugepages()
+        if hugepages:  # what is not yet on 2 MB pages (from_gguf packs onto them): fewer TLB
+            cpu.collapse_hugepages()  # misses when the weights stream
 
     def _decode_plan(self) -> list[tuple[cpu.KernelCall, ...]] | None:
         """The fused C decode step, prepared once: per layer 5 calls (qkv GEMV of the RmsNorm
@@ -779,14 +747,17 @@ class FastModel(StaticKVState):
         # held once, as packed weights or as mapped pages, never both (but a few MB)
         release = functools.partial(release_pages, f)
         layers = []
-        for i in progress.layers(range(config.block_count), config.block_count):
-            layers.append(FastLayer(get, f"blk.{i}", config.rms_norm_eps, bf16, amx_layers,
-                                    amx_packed, release))  # fmt: skip
-            release_pages(f)  # repacked: the layer's mapped pages are not needed any more
-        tok_embd = get("token_embd.weight")  # a view of the mapped file: rows read on lookup
-        tied = "output.weight" not in content.tensor_infos
-        out_w = tok_embd if tied else get("output.weight")
-        output = FastLinear([out_w], bf16=False, release=release)  # prefill: the last row only
+        # the packed weights written on 2 MB pages from the start (``hugepages``): decode
+        # streams them every token; moved onto them after the load instead, 1.2 GB took 2 s
+        with cpu.hugepage_weights(hugepages):
+            for i in progress.layers(range(config.block_count), config.block_count):
+                layers.append(FastLayer(get, f"blk.{i}", config.rms_norm_eps, bf16, amx_layers,
+                                        amx_packed, release))  # fmt: skip
+                release_pages(f)  # repacked: the layer's mapped pages are not needed any more
+            tok_embd = get("token_embd.weight")  # a view of the mapped file: rows read on lookup
+            tied = "output.weight" not in content.tensor_infos
+            out_w = tok_embd if tied else get("output.weight")
+            output = FastLinear([out_w], bf16=False, release=release)  # prefill: the last row
         norm = _owned(get("output_norm.weight"))
         release_pages(f)
         freqs = "rope_freqs.weight" in content.tensor_infos  # Llama 3.1+ RoPE scaling

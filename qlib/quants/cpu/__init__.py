@@ -22,7 +22,9 @@ Modules, each importing only those above it:
   decode step (``qgemm_plan``, ``attn_decode_plan``) and their one-call chain
   (``DecodeChain``), ``amx_available()``;
 * ``packing``: QTensors -> ``PackedWeight`` (``pack``, ``supports``), weights -> AMX tiles;
-* ``memory``: ``collapse_hugepages`` (2 MB pages for the weights);
+* ``memory``: ``reserve`` (memory taken as written: the KV cache), ``resident_bytes``, 2 MB
+  pages for the weights (``hugepage_weights`` with ``weights_empty`` / ``weights_copy`` while
+  they are packed, ``collapse_hugepages`` after a load);
 * ``matmul``: the quantized matmul with ggml semantics in torch, using the C kernels
   when they take the weight (not imported here).
 
@@ -35,7 +37,14 @@ off) for the prefill kernels. This package re-exports the public names of its mo
 
 from .build import available, cache_dir, unavailable_reason
 from .layout import TYPE_CODES, AmxWeight, AmxWeightC, PackedWeight
-from .memory import collapse_hugepages
+from .memory import (
+    collapse_hugepages,
+    hugepage_weights,
+    reserve,
+    resident_bytes,
+    weights_copy,
+    weights_empty,
+)
 from .ops import (
     DECODE_MODES,
     AmxLayer,
@@ -83,6 +92,11 @@ __all__ = [
     "AmxWeightC",
     "PackedWeight",
     "collapse_hugepages",
+    "hugepage_weights",
+    "reserve",
+    "resident_bytes",
+    "weights_copy",
+    "weights_empty",
     "DECODE_MODES",
     "AmxLayer",
     "DecodeChain",

@@ -30,6 +30,7 @@ from .layout import (
     AmxWeight,
     PackedWeight,
 )
+from .memory import weights_copy, weights_empty
 
 
 def supports(type_name: str, k: int) -> bool:
@@ -68,7 +69,7 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> P
             raise ValueError(f"pack: no C kernel for {name} with k={k} (k % {ROW_MULTIPLE[name]})")
         n = sum(rows for rows, _ in weights)
         row_bytes = k // elements * nbytes
-        codes = torch.empty(n, row_bytes, dtype=torch.uint8)
+        codes = weights_empty((n, row_bytes), torch.uint8)
         j = 0
         for rows, data in weights:
             data = data.reshape(rows, row_bytes)
@@ -82,9 +83,9 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> P
         raise ValueError(f"pack: no C kernel for {name} with k={k} (needs k % 64 == 0)")
     n = sum(rows for rows, _ in weights)
     G = k // 32
-    codes = torch.empty(n, k if name == "Q8_0" else k // 2, dtype=torch.uint8)
-    d = torch.empty(n, G, dtype=torch.int16)
-    m = torch.empty(n, G * M_WORDS[name], dtype=torch.int16) if name in M_WORDS else None
+    codes = weights_empty((n, k if name == "Q8_0" else k // 2), torch.uint8)
+    d = weights_empty((n, G), torch.int16)
+    m = weights_empty((n, G * M_WORDS[name]), torch.int16) if name in M_WORDS else None
     if build.available():
         j = 0
         for rows, data in weights:  # each weight into its rows of the planes, piece by piece
@@ -184,7 +185,7 @@ def pack_amx(w: torch.Tensor, interleave: bool = False) -> torch.Tensor:
     rows = _tile_rows(n, interleave)
     if rows is not None:
         w = w[rows]
-    return w.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return weights_copy(w.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4))
 
 
 def pack_amx_bf16(w: torch.Tensor, interleave: bool = False) -> AmxWeight:
@@ -249,10 +250,10 @@ def _amx_code_tiles(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor
     q = q.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
     if kind.startswith("q4"):
         q = q.view(torch.uint8)
-        tiles = (q[..., 0] | (q[..., 1] << 4)).contiguous()
+        tiles = weights_copy(q[..., 0] | (q[..., 1] << 4))
     else:
-        tiles = q.contiguous()
-    scales = lambda x: x.reshape(n // 16, 16, groups).permute(0, 2, 1).contiguous()  # noqa: E731
+        tiles = weights_copy(q)
+    scales = lambda x: weights_copy(x.reshape(n // 16, 16, groups).permute(0, 2, 1))  # noqa: E731
     return AmxWeight(kind, n, k, tiles, scales(d), scales(m) if m is not None else None)
 
 
