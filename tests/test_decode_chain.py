@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -119,6 +120,36 @@ def test_next_step_prefetch_changes_nothing(tmp_path, name):
     for logits, cache in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0][0], logits, strict=True))
         assert torch.equal(runs[0][1], cache)
+
+
+@needs_kernels
+def test_step_seconds_time_the_same_step(tmp_path):
+    """``DecodeChain.step_seconds`` (the region's own clock after each step's barrier, for
+    tools/cpu_decode_profile.py) runs the same step: the logits of ``_decode_c`` at a position,
+    then of the timed chain at the same position again, are equal bit for bit; one time per
+    step, each >= 0, their sum within the wall time of the call; ``owners`` names each step's
+    call (5 a layer, then the logits'); a chain of another mode is refused."""
+    path = write_tiny_llama(tmp_path / "m.gguf", **SIZES, **FILES["Q4_K_M mix"][0])
+    model = _build(path, max_seq_len=256)
+    model.decode_mode = "region"
+    chain = model._chains["region"]
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
+    model.forward(ids, 0)
+    tok = ids[:, -1]
+    want = model._decode_c(tok, 12).clone()
+    model._h.copy_(model.embed(tok))
+    model._pos.at(12)
+    t0 = time.perf_counter()
+    logits, seconds = chain.step_seconds()
+    wall = time.perf_counter() - t0
+    assert torch.equal(logits, want)
+    assert len(seconds) == len(chain) == len(chain.owners)
+    assert all(s >= 0 for s in seconds) and 0 < sum(seconds) <= wall
+    calls = 5 * len(model.layers)
+    assert sorted(set(chain.owners)) == list(range(calls + 1))  # every call, then the logits
+    assert chain.owners == sorted(chain.owners)
+    with pytest.raises(ValueError, match="region"):
+        cpu.DecodeChain(chain.keep[0], "c").step_seconds()
 
 
 @needs_kernels

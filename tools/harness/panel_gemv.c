@@ -202,7 +202,8 @@ static __m512i read_range(const char *p, size_t n) {
 }
 
 int main(int argc, char **argv) {
-    const int n = 3072, k = 576, G = k / 32, NM = argc > 1 ? atoi(argv[1]) : 64;
+    const int NM = argc > 1 ? atoi(argv[1]) : 64, n = argc > 2 ? atoi(argv[2]) : 3072,
+              k = argc > 3 ? atoi(argv[3]) : 576, G = k / 32;
     const size_t cb = (size_t)n * k / 2, pb = (size_t)n * G;
     if (NM < 1 || NM > 256) return 1;
     static matrices S[2];

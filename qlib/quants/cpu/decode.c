@@ -68,6 +68,12 @@ void qlib_attn_decode_region(float *qkv, void *kc, void *vc, int pos, int n_head
 
 size_t qlib_kgemv_row_bytes(int type, int k);
 
+/* Where a region run's time goes (tools/cpu_decode_profile.py; NULL, the default: nothing
+ * kept): thread 0 adds each step's seconds into qlib_decode_times[i], read after the step's
+ * closing barrier (the next step's prefetch of its first groups included). */
+static double *qlib_decode_times;
+void qlib_decode_set_times(double *times) { qlib_decode_times = times; }
+
 /* Groups of 4 rows of the next GEMV that each thread prefetches before a step (an A/B hook,
  * qlib_decode_set_prefetch; 0: none). */
 int qlib_decode_prefetch_groups = 8;
@@ -160,11 +166,13 @@ int qlib_decode_run(const qlib_step *steps, int count, int mode) {
     uint8_t *scratch = aligned_alloc(64, per_thread * nth + shared);
     if (!scratch) return -1;
     float *buf = (float *)(scratch + per_thread * nth);
+    double *const times = qlib_decode_times;
 #pragma omp parallel num_threads(nth)
     {
         /* a team smaller than asked (OMP_DYNAMIC) only shares the same loops out differently */
         const int t = omp_get_thread_num(), team = omp_get_num_threads();
         uint8_t *mine = scratch + per_thread * t;
+        double last = times && t == 0 ? omp_get_wtime() : 0.0;
         for (int i = 0; i < count; i++) {
             const qlib_step *s = &steps[i];
             if (i + 1 < count) prefetch_share(&steps[i + 1], t, team);
@@ -183,6 +191,11 @@ int qlib_decode_run(const qlib_step *steps, int count, int mode) {
                                         *s->sin_row, s->neox, s->y, s->kv_f16, s->split, nth,
                                         buf);
                 break;
+            }
+            if (times && t == 0) {
+                const double now = omp_get_wtime();
+                times[i] += now - last;
+                last = now;
             }
         }
     }

@@ -72,6 +72,7 @@ _SIGNATURES = {
     "qlib_exp": ([_p, _i, _p], None),
     "qlib_exp_diff": ([_p, _i, _f, _p], None),
     "qlib_decode_run": ([_p, _i, _i], _i),
+    "qlib_decode_set_times": ([_p], None),
     "qlib_amx_init": ([], _i),
     "qlib_amx_gemm": ([_p, _i, _i, _i, _p, _p, _p, _i, _i, _p, _i], _i),
     "qlib_prefill_layer": ([_p, _i, _i, _p, _p, _f, _p, _i, _i, _p, _p, _p, _p, _p, _p, _i,
@@ -272,6 +273,9 @@ class DecodeChain:
                  for s in chain_steps(c)]  # fmt: skip
         self.mode = mode
         self.keep = (tuple(calls), output)
+        # which call each step belongs to (len(calls): the output's)
+        self.owners = [i for i, c in enumerate([*calls, *([output] if output is not None else [])])
+                       for _ in chain_steps(c)]  # fmt: skip
         self._array = (DecodeStepC * len(steps))(*steps)
         self._shape = output.shape if output is not None else None
         self._last = self._array[len(steps) - 1] if steps else None  # a view into _array
@@ -288,6 +292,21 @@ class DecodeChain:
         if self._call():
             raise MemoryError("the C decode step: out of memory")
         return y
+
+    def step_seconds(self) -> tuple[torch.Tensor | None, list[float]]:
+        """Run once (``mode="region"``): the output as calling it gives, and each step's
+        seconds, thread 0's clock after each step's closing barrier (``owners[i]``: the call
+        of step i)."""
+        if self.mode != "region":
+            raise ValueError("step_seconds: a region chain (mode='region')")
+        times = (ctypes.c_double * len(self._array))()
+        lib = _lib()
+        lib.qlib_decode_set_times(times)
+        try:
+            y = self()
+        finally:
+            lib.qlib_decode_set_times(None)
+        return y, list(times)
 
 
 def chain_steps(call: KernelCall) -> tuple[DecodeStepC, ...]:
