@@ -1,8 +1,8 @@
 """The engine's memory (Linux, with fallbacks): ``reserve`` (address space taken page by page as
 written: the KV cache), ``resident_bytes``, and transparent huge pages for the weights:
 ``hugepage_weights`` with ``weights_empty`` / ``weights_copy`` (weights written on 2 MB pages
-from the start),
-``collapse_hugepages`` (what else is large and resident, moved onto them after a load)."""
+from the start), ``collapse_hugepages`` (what else is large and resident, moved onto them
+after a load)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ class _Arena:
         self.chunk_bytes = chunk_bytes
         self._chunk: torch.Tensor | None = None  # uint8, from a 2 MB boundary
         self._used = 0
+        self._failed = False  # no mapping could be advised: ordinary memory from then on
 
     def _new_chunk(self, need: int) -> bool:
         size = max(self.chunk_bytes, -(-need // _HUGE) * _HUGE)
@@ -72,6 +73,7 @@ class _Arena:
             start = -whole.data_ptr() % _HUGE
             mm.madvise(mmap.MADV_HUGEPAGE, start, size)
         except (AttributeError, OSError, ValueError):  # not Linux, or no THP: ordinary memory
+            self._failed = True
             return False
         self._chunk, self._used = whole[start : start + size], 0
         return True
@@ -81,7 +83,7 @@ class _Arena:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         at = -(-self._used // _ALIGN) * _ALIGN
         if self._chunk is None or at + nbytes > self._chunk.numel():
-            if not self._new_chunk(nbytes):
+            if self._failed or not self._new_chunk(nbytes):
                 return None
             at = 0
         self._used = at + nbytes

@@ -269,13 +269,12 @@ class DecodeChain:
                  output: Callable[[], torch.Tensor] | None = None):  # fmt: skip
         if mode not in DECODE_MODES:
             raise ValueError(f"DecodeChain: mode {mode!r} ({', '.join(DECODE_MODES)})")
-        steps = [s for c in [*calls, *([output] if output is not None else [])]
+        owned = [(i, s) for i, c in enumerate([*calls, *([output] if output is not None else [])])
                  for s in chain_steps(c)]  # fmt: skip
+        steps = [s for _, s in owned]
+        self.owners = [i for i, _ in owned]  # the call of each step (len(calls): the output's)
         self.mode = mode
         self.keep = (tuple(calls), output)
-        # which call each step belongs to (len(calls): the output's)
-        self.owners = [i for i, c in enumerate([*calls, *([output] if output is not None else [])])
-                       for _ in chain_steps(c)]  # fmt: skip
         self._array = (DecodeStepC * len(steps))(*steps)
         self._shape = output.shape if output is not None else None
         self._last = self._array[len(steps) - 1] if steps else None  # a view into _array
