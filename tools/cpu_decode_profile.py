@@ -10,8 +10,9 @@ one C call, one parallel region), then its chain with the steps' times kept by t
 itself (``DecodeChain.step_seconds``), the steps of one kind summed over the layers: the
 RmsNorm + qkv GEMV, the RoPE + KV write + attention, wo, RmsNorm + gate/up, SwiGLU + down, and
 the output layer. Min over the rounds. Beside each kind the bytes it reads (packed
-weights; the KV cache over N positions) and their GB/s, and a read-only pass over 512 MiB on 2 MB
-pages (the weights' pages) as this minute's memory rate, so the step's floor is of this run.
+weights; the KV cache over N positions) and their GB/s, and notebook 03's read-only pass
+(``copy_bandwidth``: 512 MiB on 2 MB pages, the weights' pages) as this minute's memory rate,
+so the step's floor is of this run.
 """
 
 from __future__ import annotations
@@ -23,25 +24,11 @@ import torch
 
 from qlib import models
 from qlib.llama import engine as engines
-from qlib.quants import cpu
+from qlib.suite.experiments.common import copy_bandwidth
 from qlib.suite.experiments.throughput import passage_ids
 from qlib.tokenizer import Tokenizer
 
 KINDS = ("qkv", "attention", "wo", "gate/up", "down")
-
-
-def read_rate(threads: int, mib: int = 512, reps: int = 5) -> float:
-    """Bytes/s of a read-only pass (``sum``) over ``mib`` MiB on 2 MB pages, best of ``reps``."""
-    with cpu.hugepage_weights():
-        a = cpu.weights_empty((mib << 18,), torch.float32)
-    a.fill_(1.0)
-    torch.set_num_threads(threads)
-    best = float("inf")
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t0)
-    return a.numel() * 4 / best
 
 
 def step_bytes(m, n: int) -> dict[str, float]:
@@ -100,7 +87,7 @@ def main() -> None:
         raise SystemExit("this model has no C decode step (no kernels for its shapes)")
     tokenizer = Tokenizer.from_metadata(content.metadata)
 
-    rate = read_rate(args.threads)
+    rate = copy_bandwidth("cpu", threads=args.threads)
     print(f"{path}, {args.threads} threads, {args.kv_type} KV; read pass {rate / 1e9:.1f} GB/s")
     for n in args.context:
         ids = torch.tensor([passage_ids(tokenizer, n)])
