@@ -123,31 +123,28 @@ def test_next_step_prefetch_changes_nothing(tmp_path, name):
 
 
 @needs_kernels
-def test_step_seconds_time_the_same_step(tmp_path):
-    """``DecodeChain.step_seconds`` (the region's own clock after each step's barrier, for
-    tools/cpu_decode_profile.py) runs the same step: the logits of ``_decode_c`` at a position,
-    then of the timed chain at the same position again, are equal bit for bit; one time per
-    step, each >= 0, their sum within the wall time of the call; ``owners`` names each step's
-    call (5 a layer, then the logits'); a chain of another mode is refused."""
+def test_step_times_time_the_same_step(tmp_path):
+    """``FastModel.decode_step_times`` (``DecodeChain.step_seconds``: the region's own clock
+    after each step's barrier, for tools/cpu_decode_profile.py) runs the same step: the logits
+    of a decode step at a position, then of the timed step at the same position again, are
+    equal bit for bit; one time per step, each >= 0, their sum within the wall time of the
+    call; each step names its call (5 a layer, then the logits'); a chain of another mode is
+    refused."""
     path = write_tiny_llama(tmp_path / "m.gguf", **SIZES, **FILES["Q4_K_M mix"][0])
     model = _build(path, max_seq_len=256)
     model.decode_mode = "region"
-    chain = model._chains["region"]
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
     model.forward(ids, 0)
-    tok = ids[:, -1]
-    want = model._decode_c(tok, 12).clone()
-    model._h.copy_(model.embed(tok))
-    model._pos.at(12)
+    want = model.forward(ids[:, -1:], 12)[0]
     t0 = time.perf_counter()
-    logits, seconds = chain.step_seconds()
+    logits, steps = model.decode_step_times(ids[:, -1:], 12)
     wall = time.perf_counter() - t0
-    assert torch.equal(logits, want)
-    assert len(seconds) == len(chain) == len(chain.owners)
-    assert all(s >= 0 for s in seconds) and 0 < sum(seconds) <= wall
-    calls = 5 * len(model.layers)
-    assert sorted(set(chain.owners)) == list(range(calls + 1))  # every call, then the logits
-    assert chain.owners == sorted(chain.owners)
+    assert torch.equal(logits[0], want)
+    chain = model._chains["region"]
+    assert len(steps) == len(chain) and all(s >= 0 for _, s in steps)
+    assert 0 < sum(s for _, s in steps) <= wall
+    calls = [c for c, _ in steps]
+    assert sorted(set(calls)) == list(range(5 * len(model.layers) + 1)) and calls == sorted(calls)
     with pytest.raises(ValueError, match="region"):
         cpu.DecodeChain(chain.keep[0], "c").step_seconds()
 

@@ -7,7 +7,7 @@ step by its calls").
 At each context N (the passage's tokens repeated to N, prefilled once), ``--rounds`` decode
 steps at position N, each twice: as the engine runs it (``forward``: ``decode_mode`` "region",
 one C call, one parallel region), then its chain with the steps' times kept by the region
-itself (``DecodeChain.step_seconds``), the steps of one kind summed over the layers: the
+itself (``FastModel.decode_step_times``), the steps of one kind summed over the layers: the
 RmsNorm + qkv GEMV, the RoPE + KV write + attention, wo, RmsNorm + gate/up, SwiGLU + down, and
 the output layer. Min over the rounds. Beside each kind the bytes it reads (packed
 weights; the KV cache over N positions) and their GB/s, and notebook 03's read-only pass
@@ -49,11 +49,10 @@ def step_bytes(m, n: int) -> dict[str, float]:
 def profile(m, ids: torch.Tensor, rounds: int) -> tuple[float, dict[str, float]]:
     """Min over ``rounds`` decode steps at position ``n`` (after one prefill of ``ids``, each
     step writes the same cache row again) of the step as ``forward`` runs it (ms), and of each
-    kind's time in the same step run with its region's clock (``DecodeChain.step_seconds``)."""
+    kind's time in the same step run with its region's clock (``decode_step_times``)."""
     n = ids.shape[1]
     tok = ids[:, -1:]
     m.decode_mode = "region"
-    chain = m._chains["region"]
     kinds = [*KINDS, "output"]
     whole, parts = float("inf"), dict.fromkeys(kinds, float("inf"))
     m.forward(ids, 0)
@@ -62,11 +61,9 @@ def profile(m, ids: torch.Tensor, rounds: int) -> tuple[float, dict[str, float]]
         t0 = time.perf_counter()
         m.forward(tok, n)
         whole = min(whole, (time.perf_counter() - t0) * 1e3)
-        m._h.copy_(m.embed(tok.reshape(-1)))  # as _decode_c does before its chain
-        m._pos.at(n)
         sums = dict.fromkeys(kinds, 0.0)
-        for owner, seconds in zip(chain.owners, chain.step_seconds()[1], strict=True):
-            kind = "output" if owner >= len(KINDS) * len(m._plan) else KINDS[owner % len(KINDS)]
+        for call, seconds in m.decode_step_times(tok, n)[1]:
+            kind = "output" if call >= len(KINDS) * len(m.layers) else KINDS[call % len(KINDS)]
             sums[kind] += seconds * 1e3
         parts = {k: min(parts[k], sums[k]) for k in kinds}
     return whole, parts
@@ -83,8 +80,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = args.model or models.path()
     m, content = engines.load(path, "cpu", engine="fast", kv_type=args.kv_type)
-    if m._plan is None:
-        raise SystemExit("this model has no C decode step (no kernels for its shapes)")
+    if not hasattr(m, "decode_step_times") or m._plan is None:
+        raise SystemExit("this model has no C decode step (the fast CPU engine's kernels)")
     tokenizer = Tokenizer.from_metadata(content.metadata)
 
     rate = copy_bandwidth("cpu", threads=args.threads)

@@ -680,8 +680,7 @@ class FastModel(StaticKVState):
     def _decode_c(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         """One token through the fused C kernels: 5 prepared calls per layer and the logits,
         no torch ops; in one C call (``decode_mode``) or one ctypes call each."""
-        self._h.copy_(self.embed(token))
-        self._pos.at(pos)  # the position and RoPE rows every attention call reads
+        self._decode_inputs(token, pos)
         chain = self._chains.get(self._decode_mode)
         if chain is not None:  # the whole step in one C call
             logits = chain()
@@ -690,6 +689,25 @@ class FastModel(StaticKVState):
             if qkv() or attn() or wo() or w13() or w2():
                 raise MemoryError("the C decode step: out of memory")
         return self._logits_plan()
+
+    def _decode_inputs(self, token: torch.Tensor, pos: int) -> None:
+        """The C decode step's inputs: the token's embedding row, the position and the RoPE
+        rows every attention call reads."""
+        self._h.copy_(self.embed(token))
+        self._pos.at(pos)
+
+    def decode_step_times(self, token: torch.Tensor, pos: int) -> tuple[torch.Tensor, list]:
+        """One decode step of ``token`` (one id) at ``pos`` through the one-region C chain,
+        timed by the region itself: the logits (as ``forward`` gives them) and, per step of
+        the chain, ``(call, seconds)`` with ``call`` the index of its prepared call (5 a
+        layer: qkv, attention, wo, gate/up, down; then the logits'). The KV cache's length is
+        left as it was (the row at ``pos`` is written). For tools/cpu_decode_profile.py."""
+        chain = self._chains.get("region")
+        if chain is None:
+            raise ModelError("decode_step_times: this model has no one-region C decode step")
+        self._decode_inputs(token.reshape(-1), pos)
+        logits, seconds = chain.step_seconds()
+        return logits, list(zip(chain.owners, seconds, strict=True))
 
     @classmethod
     def from_gguf(
