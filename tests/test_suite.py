@@ -274,6 +274,39 @@ def test_smoke_notebook(tmp_path):
     assert "tensors are Q4_1" in (out / "REPORT.md").read_text()
 
 
+def test_kernel_that_did_not_start_is_started_again(tmp_path, monkeypatch):
+    """A kernel that ends before replying to kernel_info (a port another kernel took between
+    jupyter_client choosing it and the kernel binding it) never ran a cell: ``run_notebook``
+    starts it again, up to ``KERNEL_START_TRIES`` in all; any other failure is recorded at
+    once. papermill is a stand-in here that fails the first ``fails`` calls."""
+    import papermill
+
+    from qlib.suite import runner
+
+    nb = tmp_path / "01_x.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell("x = 1")]), nb)
+    calls = []
+
+    def stand_in(fails: int, error: str):
+        def execute_notebook(src, dst, **kw):
+            calls.append(dst)
+            if len(calls) <= fails:
+                raise RuntimeError(error)
+            shutil.copy(src, dst)
+
+        return execute_notebook
+
+    started = "Kernel died before replying to kernel_info"
+    for fails, error, ok, tries in ((2, started, True, 3), (5, started, False, 3),
+                                    (1, "an error in cell 1", False, 1)):  # fmt: skip
+        calls.clear()
+        monkeypatch.setattr(papermill, "execute_notebook", stand_in(fails, error))
+        result = runner.run_notebook(nb, tmp_path / f"out{fails}", {}, progress=False)
+        assert (result.ok, len(calls)) == (ok, tries), (fails, error)
+        if not ok:
+            assert error in result.error and result.state == runner.ERROR
+
+
 def test_stale_results_marked():
     status = {"run_id": "B", "started": "2026-01-02T00:00:00+00:00", "ok": False}
     earlier = {"run_id": "A", "started": "2026-01-01T00:00:00+00:00"}

@@ -287,6 +287,40 @@ def _last_started_cell(nb_path: Path) -> int | None:
     return last
 
 
+# A kernel that ends before it replies to kernel_info never ran a cell: jupyter_client picks
+# free ports and the kernel binds them later, so kernels started side by side (a sweep's
+# workers) can collide ("ZMQError: Address already in use"). Such a start is tried again.
+KERNEL_START_TRIES = 3
+
+
+def _kernel_did_not_start(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and "before replying to kernel_info" in str(exc)
+
+
+def _execute(path: Path, partial: Path, parameters: dict[str, Any], timeout: float | None,
+             progress: bool) -> None:  # fmt: skip
+    """papermill's run of ``path`` into ``partial``, a kernel that did not start started again
+    (up to ``KERNEL_START_TRIES`` in all)."""
+    import papermill
+
+    for attempt in range(1, KERNEL_START_TRIES + 1):
+        try:
+            papermill.execute_notebook(
+                str(path),
+                str(partial),
+                parameters=parameters,
+                kernel_name=KERNEL_NAME,
+                progress_bar=progress,
+                cwd=str(path.parent),
+                execution_timeout=timeout,
+                **_engine_config(),
+            )
+            return
+        except RuntimeError as exc:
+            if attempt == KERNEL_START_TRIES or not _kernel_did_not_start(exc):
+                raise
+
+
 def run_notebook(
     path: Path,
     output_dir: Path,
@@ -304,8 +338,6 @@ def run_notebook(
     where it runs (``executor``, ``host``, ``worker``, ``machine``, ``point``,
     ``waited_s``: fields of ``NotebookResult``), recorded in the status.
     """
-    import papermill
-
     path, output_dir = Path(path), Path(output_dir)
     device = device_tag(parameters.get("device", "cpu"))
     final = output_dir / output_name(path.stem, device)
@@ -337,16 +369,7 @@ def run_notebook(
     t0 = time.perf_counter()
     try:
         with _environ(**env):
-            papermill.execute_notebook(
-                str(path),
-                str(partial),
-                parameters=parameters,
-                kernel_name=KERNEL_NAME,
-                progress_bar=progress,
-                cwd=str(path.parent),
-                execution_timeout=timeout,
-                **_engine_config(),
-            )
+            _execute(path, partial, parameters, timeout, progress)
         result.ok, result.state, result.error = True, OK, None
     except Exception as exc:  # the notebook failed: record it, keep going
         result.error, result.cell = _error_of(exc)
