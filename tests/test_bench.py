@@ -77,6 +77,40 @@ def test_several_contexts_run_in_one_process():
     assert f"d16 / d8 x{ratio:.3f}" in markdown([r])
 
 
+def test_decode_against_its_bytes_floor():
+    """qlib's result carries its decode's bytes floor: the file's matmul weights and the f32 KV
+    cache at the timed steps' mean position (here 8 prompt tokens + 4 / 2), over the memory
+    rate measured after the runs (after the peak RSS was read: the read pass's buffer is not
+    counted); the table's notes give the ratio; ``--no-floor`` leaves it out; rounds keep the
+    most demanding floor."""
+    from qlib import models
+    from qlib.cli.bench import markdown
+    from qlib.gguf import Content
+    from qlib.suite.bench import merge_rounds
+
+    r = run_in_subprocess(["--steps", "4", "--reps", "1", "--prompt-tokens", "8", "-t", "1"])
+    assert "error" not in r, r
+    with open(models.path(), "rb") as f:
+        content = Content.read(f)
+    infos, md = content.tensor_infos, content.metadata
+    weights = sum(i.nbytes for n, i in infos.items() if n.startswith("blk.") and len(i.shape) == 2)
+    weights += infos.get("output.weight", infos["token_embd.weight"]).nbytes
+    head_dim = md["llama.embedding_length"] // md["llama.attention.head_count"]
+    kv = 2 * md["llama.block_count"] * md["llama.attention.head_count_kv"] * head_dim * 4 * 10
+    f = r["floor"]
+    assert f["bytes"] == weights + kv and f["read_gbs"] > 0
+    assert f["ms"] == pytest.approx(f["bytes"] / (f["read_gbs"] * 1e9) * 1e3)
+    ratio = r["decode_ms_per_token"]["median"] / f["ms"]
+    assert f"qlib decode: {ratio:.2f}x its bytes floor" in markdown([r])
+    assert r["peak_rss_mb"] - r["rss_before_load_mb"] < 256 + 100  # not the 256 MiB pass
+    faster = {**r, "floor": {**f, "ms": f["ms"] / 2}}
+    assert merge_rounds([r, faster])["floor"]["ms"] == f["ms"] / 2
+    plain = run_in_subprocess(["--steps", "2", "--reps", "1", "--prompt-tokens", "8", "-t", "1",
+                               "--no-floor"])  # fmt: skip
+    assert "error" not in plain and "floor" not in plain
+    assert "bytes floor" not in markdown([plain])
+
+
 def _result(prefill: list[float], decode: list[float], rss: float, load: float) -> dict:
     pairs = zip(prefill, decode, strict=True)
     runs = [{"prefill_ms": p, "decode_ms_per_token": d} for p, d in pairs]

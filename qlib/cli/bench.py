@@ -143,6 +143,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "round beside the pooled one: ratios that a machine's drift between processes moves "
         "less (default: %(default)s)",
     )
+    p.add_argument(
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        help="skip the note of qlib's decode against its bytes floor (the weights and KV cache "
+        "a step reads, at the memory's rate measured after the runs: ~1 s more)",
+    )
     p.set_defaults(func=main)
 
 
@@ -282,6 +289,19 @@ def decode_notes(results: list[dict]) -> list[str]:
             if r.get("decode_note") not in (None, "as asked")]  # fmt: skip
 
 
+def floor_notes(results: list[dict]) -> list[str]:
+    """Each decode against its bytes floor (``bench.decode_floor``), where one was measured."""
+    notes = []
+    for r in results:
+        f = r.get("floor")
+        if f and "error" not in r:
+            ms = r["decode_ms_per_token"]["median"]
+            notes.append(f"{r['runtime']} decode: {ms / f['ms']:.2f}x its bytes floor ("
+                         f"{f['bytes'] / 1e6:.1f} MB a step at {f['read_gbs']:.1f} GB/s, the "
+                         f"memory's rate measured after the runs: {f['ms']:.2f} ms)")  # fmt: skip
+    return notes
+
+
 def markdown(results: list[dict], ratios: dict | None = None) -> str:
     table = [rw for rw in rows(results) if "error" not in rw]
     lines = ["| " + " | ".join(COLUMNS) + " |",
@@ -303,6 +323,7 @@ def markdown(results: list[dict], ratios: dict | None = None) -> str:
     if added:  # the runtime's own imports (torch: ~220 MB) apart
         notes.append(f"peak RSS above the RSS before loading the model: {', '.join(added)}")
     notes += decode_notes(results)
+    notes += floor_notes(results)
     notes += [f"{rw['runtime']}: FAILED {rw['error']}" for rw in rows(results) if "error" in rw]
     notes += [line for r in results if "error" not in r for line in curve_ratios(r)]
     for peer, r in (ratios or {}).items():

@@ -64,7 +64,8 @@ def speed(v: Variant, runtime: str, *, engine: str | None = None, device: str = 
           reps: int = 1) -> dict[str, Any]:  # fmt: skip
     """One benchmark configuration on ``v`` in its own process; one flat row."""
     argv = ["--model", str(v.path), "--runtime", runtime, "--device", device, "--prompt-tokens",
-            str(prompt_tokens), "--steps", str(steps), "--reps", str(reps)]  # fmt: skip
+            str(prompt_tokens), "--steps", str(steps), "--reps", str(reps),
+            "--no-floor"]  # fmt: skip
     if engine:
         argv += ["--engine", engine]
     if threads:

@@ -103,6 +103,7 @@ def run_matrix(
         str(steps),
         "--reps",
         str(reps),
+        "--no-floor",
     ]
     rows = []
     for config in tqdm(configs, desc="configurations", disable=not progress):

@@ -264,7 +264,7 @@ def long_context_curve(model: str, contexts: tuple[int, ...] | list[int], *, ste
     for requested, label, argv in tqdm(points, desc="context points", disable=not progress):
         context = min(requested, limit)
         common = ["--model", str(model), "--context", str(context), "--steps", str(steps),
-                  "--reps", str(reps)]  # fmt: skip
+                  "--reps", str(reps), "--no-floor"]  # fmt: skip
         common += ["--threads", str(threads)] if threads else []
         r = run_in_subprocess(common + argv)
         kv_type = argv[argv.index("--kv-type") + 1] if "--kv-type" in argv else "f16"  # llama.cpp
