@@ -207,7 +207,7 @@ def decode_floor(args: argparse.Namespace, kv_type: str) -> dict | None:
         need = bytes_per_step(content, n + args.steps // 2, 2 if kv_type == "f16" else 4)
     except (KeyError, TypeError, ZeroDivisionError):
         return None
-    rate = copy_bandwidth(args.device, mib=256, reps=3)  # ~0.3 s on the development VM
+    rate = copy_bandwidth(args.device, mib=256, reps=3)  # ~1 s here, imports included
     total = need["weight_bytes"] + need["kv_bytes"]
     return {"bytes": total, "read_gbs": rate / 1e9, "ms": total / rate * 1e3}
 
