@@ -102,13 +102,14 @@ def test_decode_against_its_bytes_floor():
     assert f["ms"] == pytest.approx(f["bytes"] / (f["read_gbs"] * 1e9) * 1e3)
     ratio = r["decode_ms_per_token"]["median"] / f["ms"]
     assert f"qlib decode: {ratio:.2f}x its bytes floor" in markdown([r])
-    assert r["peak_rss_mb"] - r["rss_before_load_mb"] < 256 + 100  # not the 256 MiB pass
     faster = {**r, "floor": {**f, "ms": f["ms"] / 2}}
     assert merge_rounds([r, faster])["floor"]["ms"] == f["ms"] / 2
-    plain = run_in_subprocess(["--steps", "2", "--reps", "1", "--prompt-tokens", "8", "-t", "1",
+    plain = run_in_subprocess(["--steps", "4", "--reps", "1", "--prompt-tokens", "8", "-t", "1",
                                "--no-floor"])  # fmt: skip
     assert "error" not in plain and "floor" not in plain
     assert "bytes floor" not in markdown([plain])
+    # the read pass's 256 MiB are not in the peak (read before it): the same as without
+    assert abs(r["peak_rss_mb"] - plain["peak_rss_mb"]) < 128, (r["peak_rss_mb"], plain)
 
 
 def _result(prefill: list[float], decode: list[float], rss: float, load: float) -> dict:
