@@ -109,3 +109,57 @@ def test_gemv_rows_in_sequence_are_the_same(t, k):
         ops.set_gemv_sequential()
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run, strict=True))
+
+
+def _both_layouts(type_name: str, rows: list[int], k: int, seed: int):
+    """One stacked weight (parts of ``rows``) packed as planes and as 16-row panels."""
+    g = torch.Generator().manual_seed(seed)
+    qs = [QTensor.quantize(torch.randn(r, k, generator=g), type_name) for r in rows]
+    return packing.pack(qs), packing.pack(qs, panels=True)
+
+
+@pytest.mark.parametrize("t", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows,k", [([16], 64), ([48, 16, 16], 576), ([64], 1536), ([96], 2048)])
+def test_panels_equal_planes(t, rows, k, paths):
+    """Q4_0 / Q4_1 as 16-row panels (the fast engine's layers): the GEMV over them equals the
+    planes' GEMV to float rounding (one integer block dot of 16 rows per lane, then one
+    float term per block, where the planes sum 8 partial lanes), for 1..3 rows, with the fused
+    RmsNorm / SwiGLU input and accumulate; the tiled path reads the same tiles from either
+    layout, so its outputs are equal bit for bit (n = 16 or 80: a tile of 48 rows cut short)."""
+    gemv, gemm = paths
+    planes, panels = _both_layouts(t, rows, k, seed=k + len(rows))
+    assert panels.panels and not planes.panels and panels.nbytes() == planes.nbytes()
+    n = sum(rows)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(40, k, generator=g)
+    for m in (1, 2, 3):
+        _close(gemv(x[:m], panels), gemv(x[:m], planes))
+    for m in (1, 4, 5, 40):
+        assert torch.equal(gemm(x[:m], panels), gemm(x[:m], planes))
+    norm = torch.rand(k, generator=g) + 0.5
+    _close(gemv(x[:1], panels, norm=norm, eps=1e-5), gemv(x[:1], planes, norm=norm, eps=1e-5))
+    gu = torch.randn(2, 2 * k, generator=g) * 3
+    _close(gemv(gu, panels, swiglu=True), gemv(gu, planes, swiglu=True))
+    base = torch.randn(1, n, generator=g)
+    a, b = base.clone(), base.clone()
+    gemv(x[:1], panels, a, accumulate=True), gemv(x[:1], planes, b, accumulate=True)
+    _close(a, b)
+
+
+def test_panels_only_where_they_fit(monkeypatch):
+    """``pack(panels=True)``: panels for Q4_0 / Q4_1 stacks whose every part has a multiple
+    of 16 rows, written piece by piece (``PACK_CHUNK``, 16 rows at a time) to the same bytes
+    as in one piece; planes for other types and row counts; panels refuse the readers of
+    planes (``dequantize_rows``, ``dequantize_bf16``, AMX tiles)."""
+    g = torch.Generator().manual_seed(5)
+    q = QTensor.quantize(torch.randn(160, 576, generator=g), "Q4_1")
+    whole = packing.pack(q, panels=True)
+    monkeypatch.setattr(packing, "PACK_CHUNK", 3000)  # pieces of 16 rows (9 of 320 bytes)
+    assert torch.equal(packing.pack(q, panels=True).codes, whole.codes)
+    for t, rows in (("Q8_0", [32]), ("Q5_1", [32]), ("Q4_0", [24]), ("Q4_1", [16, 8])):
+        qs = [QTensor.quantize(torch.randn(r, 64, generator=g), t) for r in rows]
+        assert not packing.pack(qs, panels=True).panels
+    for read in (cpu.dequantize_bf16, packing.pack_amx_quantized,
+                 lambda w: cpu.dequantize_rows(w, torch.tensor([0]))):  # fmt: skip
+        with pytest.raises(ValueError, match="panels"):
+            read(whole)

@@ -67,6 +67,7 @@ void qlib_attn_decode_region(float *qkv, void *kc, void *vc, int pos, int n_head
                              float *out, int kv_f16, int split, int max_threads, float *buf);
 
 size_t qlib_kgemv_row_bytes(int type, int k);
+size_t qlib_panel_bytes(int type, int k);
 
 /* Where a region run's time goes (tools/cpu_decode_profile.py; NULL, the default: nothing
  * kept): thread 0 adds each step's seconds into qlib_decode_times[i], read after the step's
@@ -80,17 +81,23 @@ int qlib_decode_prefetch_groups = 8;
 void qlib_decode_set_prefetch(int groups) { qlib_decode_prefetch_groups = groups; }
 
 /* The first qlib_decode_prefetch_groups groups of thread t's share of GEMV s into L2: the
- * static schedule's contiguous ranges (the first nblk % nth threads one group more), the codes
- * and, for the planes, their scales and minimums. A hint only: nothing depends on it. */
+ * static schedule's contiguous ranges (the first items % nth threads one item more), the codes
+ * and, for the planes, their scales and minimums; for panels (type & 64) as many rows' panels.
+ * A hint only: nothing depends on it. */
 static void prefetch_share(const qlib_step *s, int t, int nth) {
     const int groups = qlib_decode_prefetch_groups;
     if (groups <= 0 || (s->kind != STEP_QGEMV && s->kind != STEP_KGEMV)) return;
-    const int nblk = (s->n + 3) / 4, q = nblk / nth, r = nblk % nth;
+    const int panels = s->kind == STEP_QGEMV && (s->type & 64);
+    const int rows_per = panels ? 16 : 4, items = (s->n + rows_per - 1) / rows_per;
+    const int q = items / nth, r = items % nth;
     const int first = t * q + (t < r ? t : r), count = q + (t < r);
-    const int rows = 4 * (count < groups ? count : groups), j = 4 * first;
+    const int want = (4 * groups + rows_per - 1) / rows_per;
+    const int rows = rows_per * (count < want ? count : want), j = rows_per * first;
     if (rows <= 0) return;
     size_t row_bytes;
-    if (s->kind == STEP_QGEMV) {
+    if (panels) {
+        row_bytes = qlib_panel_bytes(s->type, s->k) / 16; /* codes, d and m of a row */
+    } else if (s->kind == STEP_QGEMV) {
         row_bytes = s->type == 8 ? (size_t)s->k : (size_t)s->k / 2; /* Q8_0 : Q4_*, Q5_* */
         const size_t planes = sizeof(uint16_t) * (size_t)(s->k / 32);
         const size_t mplanes = qlib_qgemv_m_row_bytes(s->type, s->k); /* minimums, qh words */
@@ -110,9 +117,10 @@ static void prefetch_share(const qlib_step *s, int t, int nth) {
 /* the checks of the kernels' entry points (ops checked the shapes at plan time) */
 static int step_ok(const qlib_step *s) {
     switch (s->kind) {
-    case STEP_QGEMV:
+    case STEP_QGEMV: /* planes, or Q4_0 / Q4_1 panels (type | 64) of n % 16 == 0 */
         return s->k % 64 == 0 && (s->type == 2 || s->type == 3 || s->type == 6 || s->type == 7 ||
-                                  s->type == 8);
+                                  s->type == 8 ||
+                                  ((s->type == 66 || s->type == 67) && s->n % 16 == 0));
     case STEP_KGEMV:
         return qlib_float_type(s->type) ? s->k % 64 == 0
                                         : s->type >= 10 && s->type <= 14 && s->k % 256 == 0;

@@ -15,6 +15,8 @@
  *          i: element i), k/32 uint32 per row; Q5_1: its minimums, then its qh words.
  * The unsigned offset (8, 16 or 128) is removed exactly by starting each block's
  * integer accumulator at -offset * (sum of 4 activation codes) per lane.
+ * Q4_0 / Q4_1 weights whose rows come in multiples of 16 may instead be 16-row panels (type
+ * | QLIB_PANELS; below, "panels"): what the fast engine's layers use for the decode GEMV.
  * Rows are split over OpenMP threads; each output element is computed by one
  * thread in a fixed order, so a row's result never depends on the other rows.
  * Requires k % 64 == 0.
@@ -33,6 +35,19 @@
 #include "simd.h"
 
 enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8 };
+
+/* -- panels: Q4_0 / Q4_1 weights as 16-row panels (type | QLIB_PANELS) --------------------
+ * Per 16 weight rows (a panel) and block b of 32 elements, one record of panel_rec bytes:
+ * 4 vectors of 64 bytes (vector j, lane r = row 16p + r: bytes 4j .. 4j + 3 of the row's GGUF
+ * block's qs, i.e. the codes of elements 4j .. 4j + 3 in the low nibbles and of 4j + 16 ..
+ * in the high ones), then the 16 rows' d (f16), then (Q4_1) their m (f16). A block of 16 rows
+ * is then 8 vpdpbusd with broadcast activation codes, one conversion and one FMA (lane =
+ * weight row), where the planes take 16 x (unpack, vpdpbusd, conversion, permute, FMA); a
+ * thread's rows are one sequential stream; the tiled GEMM's tiles are the same vectors. */
+enum { QLIB_PANELS = 64 };
+static inline int is_panels(int type) { return (type & QLIB_PANELS) != 0; }
+static inline int base_type(int type) { return type & ~QLIB_PANELS; }
+static inline size_t panel_rec(int type) { return base_type(type) == QLIB_Q4_1 ? 320 : 288; }
 
 /* Whether a weight type's blocks have minimums (the m_w s_a term; no code offset). */
 static inline int has_min(int type) { return type == QLIB_Q4_1 || type == QLIB_Q5_1; }
@@ -132,9 +147,38 @@ void qlib_qgemm_set_min_rows(int rows) { qlib_gemm_min_rows = rows; }
 /* The tile's codes as unsigned bytes in steps of 4 elements: wt[(s * GT + r) * 4 + t] = code
  * of element 4s + t of tile row r (rows past n repeat the last row); dt / mt: float d / m.
  * Q5_0 / Q5_1: the m plane holds their high bits (qh words). */
+static void panel_tile(int type, const uint8_t *panels, int j0, int n, int k, uint8_t *wt,
+                       float *dt, float *mt) {
+    const int G = k / 32, np = n / 16;
+    const size_t rec = panel_rec(type);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int v = 0; v < GT / 16; v++) {
+        const int p = j0 / 16 + v < np ? j0 / 16 + v : np - 1; /* past n: the last panel again */
+        const uint8_t *c = panels + (size_t)p * G * rec;
+        for (int b = 0; b < G; b++, c += rec) {
+            for (int j = 0; j < 4; j++) {
+                const __m512i x = _mm512_loadu_si512(c + 64 * j);
+                _mm512_store_si512(wt + ((size_t)(8 * b + j) * GT + v * 16) * 4,
+                                   _mm512_and_si512(x, m4));
+                _mm512_store_si512(wt + ((size_t)(8 * b + 4 + j) * GT + v * 16) * 4,
+                                   _mm512_and_si512(_mm512_srli_epi16(x, 4), m4));
+            }
+            _mm512_store_ps(dt + (size_t)b * GT + v * 16,
+                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c + 256))));
+            if (mt)
+                _mm512_store_ps(mt + (size_t)b * GT + v * 16,
+                                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c + 288))));
+        }
+    }
+}
+
 static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const uint16_t *dw,
                       const uint16_t *mw, int j0, int n, int k, uint8_t *wt, float *dt,
                       float *mt) {
+    if (is_panels(type)) { /* the panels' vectors are the tile's, unpacked */
+        panel_tile(type, codes, j0, n, k, wt, dt, mt);
+        return;
+    }
     const int G = k / 32, last = n - 1 - j0;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int v = 0; v < GT / 16; v++) {
@@ -262,10 +306,10 @@ static __thread size_t gemm_scratch_bytes;
 /* The tiled path of qlib_qgemm_ex (m >= qlib_gemm_min_rows): one parallel region that
  * quantizes the m rows of f(x) (split over the threads) and then multiplies them with the
  * weight tiles. Returns 0 or -1 (memory). */
-static int qgemm_tiled(int type, const uint8_t *codes, size_t row_bytes, const uint16_t *dw,
+static int qgemm_tiled(int layout, const uint8_t *codes, size_t row_bytes, const uint16_t *dw,
                        const uint16_t *mw, int n, int k, const float *x, int m, float *y,
                        const float *norm_w, float eps, int swiglu, int accumulate) {
-    const int G = k / 32, ntiles = (n + GT - 1) / GT;
+    const int type = base_type(layout), G = k / 32, ntiles = (n + GT - 1) / GT;
     const size_t aq_bytes = ((size_t)m * k + 63) / 64 * 64, g_bytes = sizeof(float) * m * G;
     char *buf = scratch_grow(&gemm_scratch, &gemm_scratch_bytes,
                              aq_bytes + 3 * ((g_bytes + 63) / 64 * 64));
@@ -297,7 +341,7 @@ static int qgemm_tiled(int type, const uint8_t *codes, size_t row_bytes, const u
             for (int tj = 0; tj < ntiles; tj++) {
                 const int j0 = tj * GT, cols = n - j0 < GT ? n - j0 : GT;
                 float *mt = has_min(type) ? dt + GT * (size_t)G : NULL;
-                gemm_tile(type, codes, row_bytes, dw, mw, j0, n, k, wt, dt, mt);
+                gemm_tile(layout, codes, row_bytes, dw, mw, j0, n, k, wt, dt, mt);
                 int i = r0;
                 for (; i + GEMM_MR <= r1; i += GEMM_MR)
                     gemm_rows(GEMM_MR, type, wt, dt, mt, k, aq + (size_t)i * k, ad + (size_t)i * G,
@@ -395,19 +439,83 @@ static inline __attribute__((always_inline)) void gemv_group(
     }
 }
 
+/* The panels' GEMV reads each thread's stream qlib_panel_prefetch bytes ahead into L1 (an A/B
+ * hook, qlib_gemv_set_panel_prefetch; 0: none). */
+int qlib_panel_prefetch = 2048;
+void qlib_gemv_set_panel_prefetch(int bytes) { qlib_panel_prefetch = bytes; }
+
+/* Q4_0's exact offset term per block, -8 * (the sum of its 32 activation codes), from act_row's
+ * per-4-code corrections. */
+static inline void block_corrections(const int32_t *corr, int G, int32_t *cb) {
+    for (int b = 0; b < G; b++) {
+        const __m256i c = _mm256_loadu_si256((const __m256i *)(corr + 8 * b));
+        const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+        const __m128i s2 = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+        cb[b] = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+    }
+}
+
+/* The 16 outputs of one panel (c: its first record) with one quantized activation row: per
+ * block the exact integer dots of the 16 rows in the lanes (Q4_0: started at the block's
+ * -8 * sum), times d_w d_a, plus (Q4_1) m_w s_a, summed over the blocks in order. */
+static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *aq,
+                               const float *ad, const float *as, const int32_t *cb, int pf) {
+    const size_t rec = panel_rec(type);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 facc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
+    for (int b = 0; b < G; b++, c += rec) {
+        int32_t a4[8];
+        memcpy(a4, aq + 32 * b, 32);
+        if (pf)
+            for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)c + pf + o, _MM_HINT_T0);
+        __m512i lo = type == QLIB_Q4_0 ? _mm512_set1_epi32(cb[b]) : _mm512_setzero_si512();
+        __m512i hi = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_loadu_si512(c + 64 * j);
+            lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, m4), _mm512_set1_epi32(a4[j]));
+            hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
+                                     _mm512_set1_epi32(a4[j + 4]));
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c + 256)));
+        facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)),
+                               _mm512_mul_ps(dw, _mm512_set1_ps(ad[b])), facc);
+        if (type == QLIB_Q4_1)
+            macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c + 288))),
+                                   _mm512_set1_ps(as[b]), macc);
+    }
+    return _mm512_add_ps(facc, macc);
+}
+
+/* Panel p times the m quantized activation rows (cb: their block corrections, stride G). */
+static inline void panel_rows(int type, const uint8_t *panels, int p, int n, int k,
+                              const int8_t *aq, const float *ad, const float *as,
+                              const int32_t *cb, int m, float *y, int accumulate) {
+    const int G = k / 32;
+    const uint8_t *c = panels + (size_t)p * G * panel_rec(type);
+    for (int i = 0; i < m; i++) {
+        const __m512 r = panel_dot(type, c, G, aq + (size_t)i * k, ad + (size_t)i * G,
+                                   as + (size_t)i * G, cb + (size_t)i * G,
+                                   i ? 0 : qlib_panel_prefetch);
+        float *yp = y + (size_t)i * n + 16 * (size_t)p;
+        _mm512_storeu_ps(yp, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yp), r) : r);
+    }
+}
+
 /* y[m, n] (+)= f(x)[m, k] @ W[n, k].T, where f is RmsNorm with weight norm_w (when not
  * NULL) or, with swiglu, silu(x[:, :k]) * x[:, k:] (x rows then hold 2k floats);
  * accumulate adds into y (a residual). Returns 0, or -1 (k % 64 != 0, out of memory). */
-int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint16_t *mw,
+int qlib_qgemm_ex(int layout, const uint8_t *codes, const uint16_t *dw, const uint16_t *mw,
                   int n, int k, const float *x, int m, float *y, const float *norm_w,
                   float eps, int swiglu, int accumulate) {
+    const int type = base_type(layout);
     if (k % 64 || (type != QLIB_Q4_0 && type != QLIB_Q4_1 && type != QLIB_Q5_0 &&
                    type != QLIB_Q5_1 && type != QLIB_Q8_0))
         return -1;
+    if (is_panels(layout) && (n % 16 || (type != QLIB_Q4_0 && type != QLIB_Q4_1))) return -1;
     const int G = k / 32;
     const size_t row_bytes = type == QLIB_Q8_0 ? (size_t)k : (size_t)k / 2;
     if (m >= qlib_gemm_min_rows) /* many rows: the tiled path, on exact block corrections */
-        return qgemm_tiled(type, codes, row_bytes, dw, mw, n, k, x, m, y, norm_w, eps, swiglu,
+        return qgemm_tiled(layout, codes, row_bytes, dw, mw, n, k, x, m, y, norm_w, eps, swiglu,
                            accumulate);
     int8_t *aq = malloc((size_t)m * k);
     float *ad = malloc(sizeof(float) * (size_t)m * G);
@@ -419,6 +527,21 @@ int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint
         return -1;
     }
     for (int i = 0; i < m; i++) act_row(type, x, k, i, norm_w, eps, swiglu, row, aq, ad, as, corr);
+    if (is_panels(layout)) {
+        int32_t *cb = (int32_t *)row; /* the rows' block sums: m G <= k floats (m < 4 <= 32) */
+        if (m > 32) cb = realloc(row, sizeof(int32_t) * (size_t)m * G), row = (float *)cb;
+        if (!cb) {
+            free(aq), free(ad), free(as), free(corr);
+            return -1;
+        }
+        for (int i = 0; i < m; i++)
+            block_corrections(corr + (size_t)i * (k / 4), G, cb + (size_t)i * G);
+#pragma omp parallel for schedule(static)
+        for (int p = 0; p < n / 16; p++)
+            panel_rows(type, codes, p, n, k, aq, ad, as, cb, m, y, accumulate);
+        free(aq), free(ad), free(as), free(corr), free(row);
+        return 0;
+    }
     const int nblk = (n + 3) / 4; /* groups of 4 weight rows */
 #pragma omp parallel for schedule(static)
     for (int jb = 0; jb < nblk; jb++)
@@ -431,6 +554,9 @@ int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint
 /* -- the decode step in one parallel region (decode.c) ------------------------------------ */
 
 static inline size_t up64(size_t b) { return (b + 63) / 64 * 64; }
+
+/* Bytes of a panel of 16 rows of k (decode.c's prefetch). */
+size_t qlib_panel_bytes(int type, int k) { return (size_t)(k / 32) * panel_rec(type); }
 
 /* Bytes of a row of k in the m plane of type (0: none; decode.c's prefetch). */
 size_t qlib_qgemv_m_row_bytes(int type, int k) {
@@ -450,10 +576,10 @@ size_t qlib_qgemv_scratch(int k) {
  * of 4 weight rows are shared out by the same static schedule; ends with the loop's barrier.
  * Same arguments as qlib_qgemm_ex (already checked); scratch: qlib_qgemv_scratch(k) bytes
  * of this thread, 64-byte aligned. */
-void qlib_qgemv_region(int type, const uint8_t *codes, const uint16_t *dw, const uint16_t *mw,
+void qlib_qgemv_region(int layout, const uint8_t *codes, const uint16_t *dw, const uint16_t *mw,
                        int n, int k, const float *x, float *y, const float *norm_w, float eps,
                        int swiglu, int accumulate, uint8_t *scratch, float *shared) {
-    const int G = k / 32;
+    const int type = base_type(layout), G = k / 32;
     const size_t row_bytes = type == QLIB_Q8_0 ? (size_t)k : (size_t)k / 2;
     int8_t *aq = (int8_t *)scratch;
     float *ad = (float *)(scratch + up64((size_t)k));
@@ -465,6 +591,14 @@ void qlib_qgemv_region(int type, const uint8_t *codes, const uint16_t *dw, const
         x = shared;
     }
     act_row(type, x, k, 0, norm_w, eps, 0, row, aq, ad, as, corr);
+    if (is_panels(layout)) {
+        int32_t *cb = (int32_t *)row; /* the input row is quantized: its scratch holds them */
+        if (type == QLIB_Q4_0) block_corrections(corr, G, cb);
+#pragma omp for schedule(static)
+        for (int p = 0; p < n / 16; p++)
+            panel_rows(type, codes, p, n, k, aq, ad, as, cb, 1, y, accumulate);
+        return;
+    }
     const int nblk = (n + 3) / 4;
 #pragma omp for schedule(static)
     for (int jb = 0; jb < nblk; jb++)
@@ -478,6 +612,22 @@ void qlib_qgemv_region(int type, const uint8_t *codes, const uint16_t *dw, const
 void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, uint16_t *d,
                  uint16_t *m) {
     const int G = k / 32;
+    if (is_panels(type)) { /* Q4_0 / Q4_1 blocks -> panels (n % 16 == 0): codes holds them */
+        const int q4_1 = base_type(type) == QLIB_Q4_1, bsize = q4_1 ? 20 : 18, dm = q4_1 ? 4 : 2;
+        const size_t rec = panel_rec(type);
+#pragma omp parallel for schedule(static)
+        for (int p = 0; p < n / 16; p++)
+            for (int b = 0; b < G; b++) {
+                uint8_t *dst = codes + ((size_t)p * G + b) * rec;
+                for (int r = 0; r < 16; r++) {
+                    const uint8_t *blk = blocks + (((size_t)16 * p + r) * G + b) * bsize;
+                    for (int j = 0; j < 4; j++) memcpy(dst + 64 * j + 4 * r, blk + dm + 4 * j, 4);
+                    memcpy(dst + 256 + 2 * r, blk, 2);
+                    if (q4_1) memcpy(dst + 288 + 2 * r, blk + 2, 2);
+                }
+            }
+        return;
+    }
     const int bsize = type == QLIB_Q8_0   ? 34
                       : type == QLIB_Q5_1 ? 24
                       : type == QLIB_Q5_0 ? 22

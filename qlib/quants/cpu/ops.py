@@ -33,6 +33,7 @@ from . import build
 from .layout import (
     BLOCKS,
     M_WORDS,
+    PANEL_RECORD,
     ROW_MULTIPLE,
     TYPE_CODES,
     AmxWeight,
@@ -56,6 +57,7 @@ _SIGNATURES = {
     "qlib_gemv_set_prefetch": ([_i, _i], None),
     "qlib_decode_set_prefetch": ([_i], None),
     "qlib_gemv_set_seq_k": ([_i], None),
+    "qlib_gemv_set_panel_prefetch": ([_i], None),
     "qlib_attn_set_two_pass": ([_i], None),
     "qlib_attn_set_prefetch": ([_i], None),
     "qlib_attn_decode": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p], _i),
@@ -135,6 +137,12 @@ def set_gemv_sequential(max_k: int = 1 << 30) -> None:
     _lib().qlib_gemv_set_seq_k(int(max_k))
 
 
+def set_panel_prefetch(distance: int = 2048) -> None:
+    """Bytes ahead of a thread's stream that the GEMV over panels prefetches into L1 (an A/B
+    hook; results are the same; 0: none)."""
+    _lib().qlib_gemv_set_panel_prefetch(int(distance))
+
+
 def set_attn_two_pass(on: int = -1) -> None:
     """Whether the decode attention over a float32 cache reads a piece's keys, then its values
     (1), or both side by side in one pass (0); -1 (the default): by the CPU's vendor, AMD 1
@@ -205,6 +213,15 @@ def _check_packed(w: PackedWeight) -> None:
         return
     if w.type_name not in TYPE_CODES or w.k % 64:
         raise ValueError(f"no C kernel for {w.type_name} with k={w.k} (needs k % 64 == 0)")
+    if w.panels:
+        if w.type_name not in PANEL_RECORD or w.n % 16:
+            raise ValueError(f"PackedWeight: panels are Q4_0 / Q4_1 of n % 16 == 0, not "
+                             f"{w.type_name} of n={w.n}")  # fmt: skip
+        _check(w.codes, torch.uint8, "codes")
+        size = w.n // 16 * (w.k // 32) * PANEL_RECORD[w.type_name]
+        if w.codes.numel() != size or w.d is not None or w.m is not None:
+            raise ValueError("PackedWeight: panels do not match n, k (and have no d, m)")
+        return
     row = w.k if w.type_name == "Q8_0" else w.k // 2
     _check(w.codes, torch.uint8, "codes")
     _check(w.d, torch.int16, "d")
@@ -325,28 +342,31 @@ def has_steps(call: KernelCall) -> bool:
 # -- kernels.c: repacking, the quantized GEMM/GEMV, decode attention -----------------------
 
 
-def repack(type_name: str, blocks: torch.Tensor, k: int, codes: torch.Tensor, d: torch.Tensor,
-           m: torch.Tensor | None) -> None:  # fmt: skip
+def repack(type_name: str, blocks: torch.Tensor, k: int, codes: torch.Tensor,
+           d: torch.Tensor | None, m: torch.Tensor | None,
+           panels: bool = False) -> None:  # fmt: skip
     """GGUF blocks (``blocks``: the uint8 bytes of ``[n, k/32]`` blocks) -> the planes of a
-    ``PackedWeight`` of ``n = codes.shape[0]`` rows, written into ``codes``, ``d``, ``m``."""
+    ``PackedWeight`` of ``n = codes.shape[0]`` rows, written into ``codes``, ``d``, ``m``;
+    with ``panels`` (Q4_0 / Q4_1) its panels, ``n = 16 codes.shape[0]``, into ``codes``."""
     lib = _lib()
-    n = codes.shape[0]
+    n = codes.shape[0] * (16 if panels else 1)
     _check(blocks, torch.uint8, "blocks")
     if type_name not in TYPE_CODES or k % 64:
         raise ValueError(f"repack: no C kernel for {type_name} with k={k} (k % 64 == 0)")
     if blocks.numel() != n * (k // 32) * _BLOCK_BYTES[type_name]:
         raise ValueError(f"repack: {n} rows of {type_name} blocks, k={k} (k % 64 == 0)")
-    _check_packed(PackedWeight(type_name, n, k, codes, d, m))
-    lib.qlib_repack(TYPE_CODES[type_name], blocks.data_ptr(), n, k, codes.data_ptr(),
-                    d.data_ptr(), _ptr(m))  # fmt: skip
+    w = PackedWeight(type_name, n, k, codes, d, m, panels)
+    _check_packed(w)
+    lib.qlib_repack(w.type_code, blocks.data_ptr(), n, k, codes.data_ptr(), _ptr(d), _ptr(m))
 
 
 def dequantize_bf16(w: PackedWeight) -> torch.Tensor:
     """``[n, k]`` bfloat16: ggml's dequantized float32 values, rounded to nearest even."""
     lib = _lib()
     _check_packed(w)
-    if w.blocks:
-        raise ValueError(f"dequantize_bf16: {w.type_name} is GGUF blocks (QTensor.dequantize)")
+    if w.blocks or w.panels:
+        what = "panels" if w.panels else "GGUF blocks"
+        raise ValueError(f"dequantize_bf16: {w.type_name} is {what} (QTensor.dequantize)")
     out = torch.empty(w.n, w.k, dtype=torch.bfloat16)
     lib.qlib_dequant_bf16(w.type_code, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.m), w.n, w.k,
                           out.data_ptr())  # fmt: skip
@@ -376,8 +396,7 @@ def _qgemm_args(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None,
     if w.blocks:
         fn, head = lib.qlib_kgemm, (w.type_code, w.codes.data_ptr(), w.n, w.k, x.data_ptr(), m)
     else:
-        head = (w.type_code, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.m), w.n, w.k,
-                x.data_ptr(), m)  # fmt: skip
+        head = (w.type_code, w.codes.data_ptr(), _ptr(w.d), _ptr(w.m), w.n, w.k, x.data_ptr(), m)
         fn = lib.qlib_qgemm_ex
     return m, (fn, head, (_ptr(norm), float(eps), int(swiglu), int(accumulate)))
 

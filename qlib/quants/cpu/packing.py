@@ -25,6 +25,7 @@ from .layout import (
     BLOCK_CODES,
     BLOCKS,
     M_WORDS,
+    PANEL_RECORD,
     ROW_MULTIPLE,
     TYPE_CODES,
     AmxWeight,
@@ -44,14 +45,20 @@ def supports(type_name: str, k: int) -> bool:
 PACK_CHUNK = 4 << 20  # bytes of GGUF blocks ``pack`` reads between two ``release`` calls
 
 
-def _chunks(rows: int, row_bytes: int) -> list[slice]:
-    """Rows ``0 .. rows`` in pieces of about ``PACK_CHUNK`` bytes of blocks."""
-    step = max(1, PACK_CHUNK // max(row_bytes, 1))
+def _chunks(rows: int, row_bytes: int, multiple: int = 1) -> list[slice]:
+    """Rows ``0 .. rows`` in pieces of about ``PACK_CHUNK`` bytes of blocks (each a multiple
+    of ``multiple`` rows)."""
+    step = max(1, PACK_CHUNK // max(row_bytes, 1) // multiple) * multiple
     return [slice(r, min(rows, r + step)) for r in range(0, rows, step)]
 
 
-def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> PackedWeight:
+def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
+         panels: bool = False) -> PackedWeight:  # fmt: skip
     """Repack one 2-D QTensor, or several with the same type and k stacked by rows.
+
+    ``panels``: Q4_0 / Q4_1 weights whose every part has a multiple of 16 rows become 16-row
+    panels (``PackedWeight.panels``: the decode GEMV's faster layout; no ``dequantize_rows``
+    or AMX tiles from them); other weights are packed as without it.
 
     ``release``, if given, is called with each piece of the blocks once it is packed (about
     ``PACK_CHUNK`` bytes: ``gguf.release_pages`` drops a mapped file's pages of it), so a
@@ -83,6 +90,19 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None) -> P
         raise ValueError(f"pack: no C kernel for {name} with k={k} (needs k % 64 == 0)")
     n = sum(rows for rows, _ in weights)
     G = k // 32
+    panels = panels and name in PANEL_RECORD and all(r % 16 == 0 for r, _ in weights)
+    if panels and build.available():
+        codes = weights_empty((n // 16, G * PANEL_RECORD[name]), torch.uint8)
+        j = 0
+        for rows, data in weights:  # each weight into its panels, 16 rows at a time
+            data = data.reshape(rows, -1)
+            for part in _chunks(rows, data.shape[1], multiple=16):
+                dst = slice((j + part.start) // 16, (j + part.stop) // 16)
+                ops.repack(name, data[part], k, codes[dst], None, None, panels=True)
+                if release is not None:
+                    release(data[part])
+            j += rows
+        return PackedWeight(name, n, k, codes, None, None, panels=True)
     codes = weights_empty((n, k if name == "Q8_0" else k // 2), torch.uint8)
     d = weights_empty((n, G), torch.int16)
     m = weights_empty((n, G * M_WORDS[name]), torch.int16) if name in M_WORDS else None
@@ -153,6 +173,8 @@ def dequantize_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     products; GGUF blocks are dequantized as they are)."""
     ids = ids.reshape(-1)
     t, k = ids.numel(), pw.k
+    if pw.panels:
+        raise ValueError("dequantize_rows: a weight packed as panels (pack it without)")
     if pw.blocks:
         return dequantize_torch(pw.codes[ids].reshape(-1), pw.type_name, (t, k))
     q = _plane_codes(pw.codes[ids], pw.type_name, _qh(pw, ids))
@@ -263,8 +285,10 @@ def pack_amx_quantized(pw: PackedWeight, interleave: bool = False) -> AmxWeight:
     1.25) bytes per weight instead of bf16's 2; the GEMM expands them to exactly the bf16
     values ``dequantize_bf16`` gives."""
     n, k = pw.n, pw.k
-    if n % 32 or k % 64:
-        raise ValueError(f"pack_amx_quantized: n % 32 and k % 64 == 0 needed, got {n}x{k}")
+    if n % 32 or k % 64 or pw.panels:
+        raise ValueError(
+            f"pack_amx_quantized: planes (not panels) of n % 32 and k % 64 == 0, got {n}x{k}"
+        )
     d = pw.d.view(torch.float16).float()
     q = _plane_codes(pw.codes, pw.type_name, _qh(pw, slice(None))).to(torch.int8)
     if pw.type_name in ("Q8_0", "Q5_0"):
