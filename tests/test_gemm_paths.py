@@ -118,14 +118,15 @@ def _both_layouts(type_name: str, rows: list[int], k: int, seed: int):
     return packing.pack(qs), packing.pack(qs, panels=True)
 
 
-@pytest.mark.parametrize("t", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("t", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows,k", [([16], 64), ([48, 16, 16], 576), ([64], 1536), ([96], 2048)])
 def test_panels_equal_planes(t, rows, k, paths):
-    """Q4_0 / Q4_1 as 16-row panels (the fast engine's layers): the GEMV over them equals the
+    """Q4_0 / Q4_1 / Q8_0 as 16-row panels (the fast engine's): the GEMV over them equals the
     planes' GEMV to float rounding (one integer block dot of 16 rows per lane, then one
     float term per block, where the planes sum 8 partial lanes), for 1..3 rows, with the fused
     RmsNorm / SwiGLU input and accumulate; the tiled path reads the same tiles from either
-    layout, so its outputs are equal bit for bit (n = 16 or 80: a tile of 48 rows cut short)."""
+    layout, so its outputs are equal bit for bit (n = 16 or 80: a tile of 48 rows cut short);
+    rows looked up (a tied embedding) are the same values."""
     gemv, gemm = paths
     planes, panels = _both_layouts(t, rows, k, seed=k + len(rows))
     assert panels.panels and not planes.panels and panels.nbytes() == planes.nbytes()
@@ -144,22 +145,23 @@ def test_panels_equal_planes(t, rows, k, paths):
     a, b = base.clone(), base.clone()
     gemv(x[:1], panels, a, accumulate=True), gemv(x[:1], planes, b, accumulate=True)
     _close(a, b)
+    ids = torch.tensor([0, n - 1, 17 % n, 5, 5])
+    assert torch.equal(cpu.dequantize_rows(panels, ids), cpu.dequantize_rows(planes, ids))
 
 
 def test_panels_only_where_they_fit(monkeypatch):
-    """``pack(panels=True)``: panels for Q4_0 / Q4_1 stacks whose every part has a multiple
-    of 16 rows, written piece by piece (``PACK_CHUNK``, 16 rows at a time) to the same bytes
-    as in one piece; planes for other types and row counts; panels refuse the readers of
-    planes (``dequantize_rows``, ``dequantize_bf16``, AMX tiles)."""
+    """``pack(panels=True)``: panels for Q4_0 / Q4_1 / Q8_0 stacks whose every part has a
+    multiple of 16 rows, written piece by piece (``PACK_CHUNK``, 16 rows at a time) to the same
+    bytes as in one piece; planes for other types and row counts; the readers of planes alone
+    (``dequantize_bf16``, AMX tiles) refuse panels."""
     g = torch.Generator().manual_seed(5)
     q = QTensor.quantize(torch.randn(160, 576, generator=g), "Q4_1")
     whole = packing.pack(q, panels=True)
     monkeypatch.setattr(packing, "PACK_CHUNK", 3000)  # pieces of 16 rows (9 of 320 bytes)
     assert torch.equal(packing.pack(q, panels=True).codes, whole.codes)
-    for t, rows in (("Q8_0", [32]), ("Q5_1", [32]), ("Q4_0", [24]), ("Q4_1", [16, 8])):
+    for t, rows in (("Q5_0", [32]), ("Q5_1", [32]), ("Q4_0", [24]), ("Q4_1", [16, 8])):
         qs = [QTensor.quantize(torch.randn(r, 64, generator=g), t) for r in rows]
         assert not packing.pack(qs, panels=True).panels
-    for read in (cpu.dequantize_bf16, packing.pack_amx_quantized,
-                 lambda w: cpu.dequantize_rows(w, torch.tensor([0]))):  # fmt: skip
+    for read in (cpu.dequantize_bf16, packing.pack_amx_quantized):
         with pytest.raises(ValueError, match="panels"):
             read(whole)

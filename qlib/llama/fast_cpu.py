@@ -198,7 +198,7 @@ def _owned(q: QTensor) -> torch.Tensor:
 class LinearPart:
     """Rows ``r0 .. r0 + n`` of a (stacked) weight, all of one GGUF type: the C kernels'
     weight (``packed``: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 planes, or with ``panels`` Q4_0 /
-    Q4_1 as 16-row panels where the rows allow; the GGUF blocks of K-quants) or, for the
+    Q4_1 / Q8_0 as 16-row panels where the rows allow; the GGUF blocks of K-quants) or, for the
     types and shapes the kernels
     lack, the torch matmul with ggml semantics (``prepared``: int8 codes and float32
     scales; the dequantized float32 weight for F32 / F16 / BF16)."""
@@ -255,8 +255,8 @@ class FastLinear:
     run one after the other into slices of one output. Uniform stacks are one part (``packed``
     or ``prepared`` is then that part's; both None for a mixed stack). The bf16 prefill copy
     (and the AMX tiles) is always one matrix: a mix of types is dequantized to bf16 values.
-    ``panels``: Q4_0 / Q4_1 parts as 16-row panels (``cpu.pack``), unless the AMX tiles are
-    made from their planes.
+    ``panels``: Q4_0 / Q4_1 / Q8_0 parts as 16-row panels (``cpu.pack``), unless the AMX
+    tiles are made from their planes.
     """
 
     def __init__(self, qtensors: list[QTensor], bf16: bool, amx: bool = False,
@@ -743,9 +743,9 @@ class FastModel(StaticKVState):
         ``amx_packed``: their quantized weights (legacy, K-quants, mixes) stay 4/8-bit codes
         (expanded to bf16 tiles inside the GEMM, the same values) instead of a bf16 tile copy.
 
-        ``panels``: the layers' Q4_0 / Q4_1 weights as 16-row panels (``cpu.pack``: the
-        decode GEMV in about half the instructions; the same values, outputs equal to the
-        planes' to float rounding); False: per-row planes, as before.
+        ``panels``: the Q4_0 / Q4_1 / Q8_0 weights of the layers and the output as 16-row
+        panels (``cpu.pack``: the decode GEMV in about half the instructions; the same
+        values, outputs equal to the planes' to float rounding); False: per-row planes.
 
         ``max_seq_len``: positions the KV cache holds (None: the file's
         ``llama.context_length``, else 4096); ``kv_type``: ``f32`` (None: the default,
@@ -787,7 +787,8 @@ class FastModel(StaticKVState):
             tok_embd = get("token_embd.weight")  # a view of the mapped file: rows read on lookup
             tied = "output.weight" not in content.tensor_infos
             out_w = tok_embd if tied else get("output.weight")
-            output = FastLinear([out_w], bf16=False, release=release)  # prefill: the last row
+            # prefill: the last row; a tied embedding's rows are read from it (panels too)
+            output = FastLinear([out_w], bf16=False, release=release, panels=panels)
         norm = _owned(get("output_norm.weight"))
         release_pages(f)
         freqs = "rope_freqs.weight" in content.tensor_infos  # Llama 3.1+ RoPE scaling

@@ -117,10 +117,11 @@ static void prefetch_share(const qlib_step *s, int t, int nth) {
 /* the checks of the kernels' entry points (ops checked the shapes at plan time) */
 static int step_ok(const qlib_step *s) {
     switch (s->kind) {
-    case STEP_QGEMV: /* planes, or Q4_0 / Q4_1 panels (type | 64) of n % 16 == 0 */
+    case STEP_QGEMV: /* planes, or Q4_0 / Q4_1 / Q8_0 panels (type | 64) of n % 16 == 0 */
         return s->k % 64 == 0 && (s->type == 2 || s->type == 3 || s->type == 6 || s->type == 7 ||
                                   s->type == 8 ||
-                                  ((s->type == 66 || s->type == 67) && s->n % 16 == 0));
+                                  ((s->type == 66 || s->type == 67 || s->type == 72) &&
+                                   s->n % 16 == 0));
     case STEP_KGEMV:
         return qlib_float_type(s->type) ? s->k % 64 == 0
                                         : s->type >= 10 && s->type <= 14 && s->k % 256 == 0;

@@ -36,18 +36,23 @@
 
 enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8 };
 
-/* -- panels: Q4_0 / Q4_1 weights as 16-row panels (type | QLIB_PANELS) --------------------
+/* -- panels: Q4_0 / Q4_1 / Q8_0 weights as 16-row panels (type | QLIB_PANELS) -------------
  * Per 16 weight rows (a panel) and block b of 32 elements, one record of panel_rec bytes:
- * 4 vectors of 64 bytes (vector j, lane r = row 16p + r: bytes 4j .. 4j + 3 of the row's GGUF
- * block's qs, i.e. the codes of elements 4j .. 4j + 3 in the low nibbles and of 4j + 16 ..
- * in the high ones), then the 16 rows' d (f16), then (Q4_1) their m (f16). A block of 16 rows
- * is then 8 vpdpbusd with broadcast activation codes, one conversion and one FMA (lane =
- * weight row), where the planes take 16 x (unpack, vpdpbusd, conversion, permute, FMA); a
- * thread's rows are one sequential stream; the tiled GEMM's tiles are the same vectors. */
+ * the codes, 64-byte vectors whose lane r (row 16p + r) holds 4 consecutive codes, then the
+ * 16 rows' d (f16), then (Q4_1) their m (f16). Q4_*: 4 vectors, vector j lane r = bytes
+ * 4j .. 4j + 3 of the row's GGUF block's qs (the codes of elements 4j .. 4j + 3 in the low
+ * nibbles, of 4j + 16 .. in the high ones); Q8_0: 8 vectors, vector j lane r = the codes of
+ * elements 4j .. 4j + 3 (+ 128, as its planes). A block of 16 rows is then 8 vpdpbusd with
+ * broadcast activation codes, one conversion and one FMA (lane = weight row), where the
+ * planes take 16 x (unpack, vpdpbusd, conversion, permute, FMA); a thread's rows are one
+ * sequential stream; the tiled GEMM's tiles are the same vectors. */
 enum { QLIB_PANELS = 64 };
 static inline int is_panels(int type) { return (type & QLIB_PANELS) != 0; }
 static inline int base_type(int type) { return type & ~QLIB_PANELS; }
-static inline size_t panel_rec(int type) { return base_type(type) == QLIB_Q4_1 ? 320 : 288; }
+static inline size_t panel_codes(int type) { return base_type(type) == QLIB_Q8_0 ? 512 : 256; }
+static inline size_t panel_rec(int type) {
+    return panel_codes(type) + (base_type(type) == QLIB_Q4_1 ? 64 : 32);
+}
 
 /* Whether a weight type's blocks have minimums (the m_w s_a term; no code offset). */
 static inline int has_min(int type) { return type == QLIB_Q4_1 || type == QLIB_Q5_1; }
@@ -147,9 +152,9 @@ void qlib_qgemm_set_min_rows(int rows) { qlib_gemm_min_rows = rows; }
 /* The tile's codes as unsigned bytes in steps of 4 elements: wt[(s * GT + r) * 4 + t] = code
  * of element 4s + t of tile row r (rows past n repeat the last row); dt / mt: float d / m.
  * Q5_0 / Q5_1: the m plane holds their high bits (qh words). */
-static void panel_tile(int type, const uint8_t *panels, int j0, int n, int k, uint8_t *wt,
+static void panel_tile(int layout, const uint8_t *panels, int j0, int n, int k, uint8_t *wt,
                        float *dt, float *mt) {
-    const int G = k / 32, np = n / 16;
+    const int type = base_type(layout), G = k / 32, np = n / 16;
     const size_t rec = panel_rec(type);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int v = 0; v < GT / 16; v++) {
@@ -158,16 +163,23 @@ static void panel_tile(int type, const uint8_t *panels, int j0, int n, int k, ui
         for (int b = 0; b < G; b++, c += rec) {
             for (int j = 0; j < 4; j++) {
                 const __m512i x = _mm512_loadu_si512(c + 64 * j);
+                if (type == QLIB_Q8_0) { /* the tile's steps as they are */
+                    _mm512_store_si512(wt + ((size_t)(8 * b + j) * GT + v * 16) * 4, x);
+                    _mm512_store_si512(wt + ((size_t)(8 * b + 4 + j) * GT + v * 16) * 4,
+                                       _mm512_loadu_si512(c + 64 * (j + 4)));
+                    continue;
+                }
                 _mm512_store_si512(wt + ((size_t)(8 * b + j) * GT + v * 16) * 4,
                                    _mm512_and_si512(x, m4));
                 _mm512_store_si512(wt + ((size_t)(8 * b + 4 + j) * GT + v * 16) * 4,
                                    _mm512_and_si512(_mm512_srli_epi16(x, 4), m4));
             }
+            const uint8_t *dm = c + panel_codes(type);
             _mm512_store_ps(dt + (size_t)b * GT + v * 16,
-                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c + 256))));
+                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dm)));
             if (mt)
                 _mm512_store_ps(mt + (size_t)b * GT + v * 16,
-                                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c + 288))));
+                                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dm + 32))));
         }
     }
 }
@@ -444,8 +456,8 @@ static inline __attribute__((always_inline)) void gemv_group(
 int qlib_panel_prefetch = 2048;
 void qlib_gemv_set_panel_prefetch(int bytes) { qlib_panel_prefetch = bytes; }
 
-/* Q4_0's exact offset term per block, -8 * (the sum of its 32 activation codes), from act_row's
- * per-4-code corrections. */
+/* The exact offset term per block (Q4_0: -8, Q8_0: -128 x the sum of its 32 activation codes),
+ * from act_row's per-4-code corrections. */
 static inline void block_corrections(const int32_t *corr, int G, int32_t *cb) {
     for (int b = 0; b < G; b++) {
         const __m256i c = _mm256_loadu_si256((const __m256i *)(corr + 8 * b));
@@ -456,8 +468,8 @@ static inline void block_corrections(const int32_t *corr, int G, int32_t *cb) {
 }
 
 /* The 16 outputs of one panel (c: its first record) with one quantized activation row: per
- * block the exact integer dots of the 16 rows in the lanes (Q4_0: started at the block's
- * -8 * sum), times d_w d_a, plus (Q4_1) m_w s_a, summed over the blocks in order. */
+ * block the exact integer dots of the 16 rows in the lanes (Q4_0, Q8_0: started at the
+ * block's -offset * sum), times d_w d_a, plus (Q4_1) m_w s_a, summed over the blocks in order. */
 static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *aq,
                                const float *ad, const float *as, const int32_t *cb, int pf) {
     const size_t rec = panel_rec(type);
@@ -468,19 +480,26 @@ static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *
         memcpy(a4, aq + 32 * b, 32);
         if (pf)
             for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)c + pf + o, _MM_HINT_T0);
-        __m512i lo = type == QLIB_Q4_0 ? _mm512_set1_epi32(cb[b]) : _mm512_setzero_si512();
+        __m512i lo = type == QLIB_Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(cb[b]);
         __m512i hi = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
             const __m512i v = _mm512_loadu_si512(c + 64 * j);
+            if (type == QLIB_Q8_0) { /* codes + 128: 8 vectors as they are */
+                lo = _mm512_dpbusd_epi32(lo, v, _mm512_set1_epi32(a4[j]));
+                hi = _mm512_dpbusd_epi32(hi, _mm512_loadu_si512(c + 64 * (j + 4)),
+                                         _mm512_set1_epi32(a4[j + 4]));
+                continue;
+            }
             lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, m4), _mm512_set1_epi32(a4[j]));
             hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
                                      _mm512_set1_epi32(a4[j + 4]));
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c + 256)));
+        const uint8_t *dm = c + panel_codes(type);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dm));
         facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)),
                                _mm512_mul_ps(dw, _mm512_set1_ps(ad[b])), facc);
         if (type == QLIB_Q4_1)
-            macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c + 288))),
+            macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dm + 32))),
                                    _mm512_set1_ps(as[b]), macc);
     }
     return _mm512_add_ps(facc, macc);
@@ -511,7 +530,9 @@ int qlib_qgemm_ex(int layout, const uint8_t *codes, const uint16_t *dw, const ui
     if (k % 64 || (type != QLIB_Q4_0 && type != QLIB_Q4_1 && type != QLIB_Q5_0 &&
                    type != QLIB_Q5_1 && type != QLIB_Q8_0))
         return -1;
-    if (is_panels(layout) && (n % 16 || (type != QLIB_Q4_0 && type != QLIB_Q4_1))) return -1;
+    if (is_panels(layout) && (n % 16 || (type != QLIB_Q4_0 && type != QLIB_Q4_1 &&
+                                         type != QLIB_Q8_0)))
+        return -1;
     const int G = k / 32;
     const size_t row_bytes = type == QLIB_Q8_0 ? (size_t)k : (size_t)k / 2;
     if (m >= qlib_gemm_min_rows) /* many rows: the tiled path, on exact block corrections */
@@ -593,7 +614,7 @@ void qlib_qgemv_region(int layout, const uint8_t *codes, const uint16_t *dw, con
     act_row(type, x, k, 0, norm_w, eps, 0, row, aq, ad, as, corr);
     if (is_panels(layout)) {
         int32_t *cb = (int32_t *)row; /* the input row is quantized: its scratch holds them */
-        if (type == QLIB_Q4_0) block_corrections(corr, G, cb);
+        if (type != QLIB_Q4_1) block_corrections(corr, G, cb);
 #pragma omp for schedule(static)
         for (int p = 0; p < n / 16; p++)
             panel_rows(type, codes, p, n, k, aq, ad, as, cb, 1, y, accumulate);
@@ -612,18 +633,21 @@ void qlib_qgemv_region(int layout, const uint8_t *codes, const uint16_t *dw, con
 void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, uint16_t *d,
                  uint16_t *m) {
     const int G = k / 32;
-    if (is_panels(type)) { /* Q4_0 / Q4_1 blocks -> panels (n % 16 == 0): codes holds them */
-        const int q4_1 = base_type(type) == QLIB_Q4_1, bsize = q4_1 ? 20 : 18, dm = q4_1 ? 4 : 2;
-        const size_t rec = panel_rec(type);
+    if (is_panels(type)) { /* Q4_0 / Q4_1 / Q8_0 blocks -> panels (n % 16): codes holds them */
+        const int bt = base_type(type), q4_1 = bt == QLIB_Q4_1, q8 = bt == QLIB_Q8_0;
+        const int bsize = q8 ? 34 : q4_1 ? 20 : 18, dm = q4_1 ? 4 : 2, vecs = q8 ? 8 : 4;
+        const size_t rec = panel_rec(type), cbytes = panel_codes(type);
 #pragma omp parallel for schedule(static)
         for (int p = 0; p < n / 16; p++)
             for (int b = 0; b < G; b++) {
                 uint8_t *dst = codes + ((size_t)p * G + b) * rec;
                 for (int r = 0; r < 16; r++) {
                     const uint8_t *blk = blocks + (((size_t)16 * p + r) * G + b) * bsize;
-                    for (int j = 0; j < 4; j++) memcpy(dst + 64 * j + 4 * r, blk + dm + 4 * j, 4);
-                    memcpy(dst + 256 + 2 * r, blk, 2);
-                    if (q4_1) memcpy(dst + 288 + 2 * r, blk + 2, 2);
+                    for (int j = 0; j < vecs; j++)
+                        for (int t = 0; t < 4; t++) /* Q8_0: code + 128, as its planes */
+                            dst[64 * j + 4 * r + t] = blk[dm + 4 * j + t] ^ (q8 ? 0x80 : 0);
+                    memcpy(dst + cbytes + 2 * r, blk, 2);
+                    if (q4_1) memcpy(dst + cbytes + 32 + 2 * r, blk + 2, 2);
                 }
             }
         return;

@@ -2,7 +2,7 @@
 
 * ``PackedWeight``: a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weight as per-row planes for the
   quantized GEMM/GEMV of ``kernels.c`` (code bytes, f16 scales, the minimums and high bits
-  of Q4_1 / Q5_*), a Q4_0 / Q4_1 weight as 16-row panels (``panels``: the same kernels'
+  of Q4_1 / Q5_*), a Q4_0 / Q4_1 / Q8_0 weight as 16-row panels (``panels``: the same kernels'
   other layout, which the fast engine's layers use), or a K-quant weight as its GGUF
   blocks, row after row, for ``kquants.c`` (F32 / F16 / BF16 rows the same way, for
   ``floats.c``);
@@ -31,10 +31,11 @@ BLOCKS = {"Q2_K": (256, 84), "Q3_K": (256, 110),
           "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2)}  # fmt: skip
 # the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants: super-blocks of 256)
 ROW_MULTIPLE = {t: 256 if t.endswith("_K") else 64 for t in (*TYPE_CODES, *BLOCK_CODES)}
-# Q4_0 / Q4_1 as 16-row panels: kernels.c's type code | PANELS; per 16 rows and block of 32 a
-# record of PANEL_RECORD bytes (256 of codes, 16 f16 d, Q4_1: 16 f16 m)
+# Q4_0 / Q4_1 / Q8_0 as 16-row panels: kernels.c's type code | PANELS; per 16 rows and block
+# of 32 a record of PANEL_RECORD bytes (codes: PANEL_CODES; then 16 f16 d, Q4_1: 16 f16 m)
 PANELS = 64
-PANEL_RECORD = {"Q4_0": 288, "Q4_1": 320}
+PANEL_CODES = {"Q4_0": 256, "Q4_1": 256, "Q8_0": 512}
+PANEL_RECORD = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544}
 AMX_KINDS = {"bf16": 0, "q4": 1, "q8": 2, "q4g16": 3, "q8g16": 4}  # amx_weight.kind of prefill.c
 
 
@@ -48,11 +49,12 @@ class PackedWeight:
     (codes 0..15, as ggml stores them before the -8 of Q4_0; Q5_*'s low 4 bits, their fifth
     bits in ``m``: the blocks' ``qh`` words, ``M_WORDS``); Q8_0: code + 128.
 
-    ``panels`` (Q4_0 / Q4_1, n % 16 == 0): ``codes`` is ``[n / 16, k / 32 * PANEL_RECORD]``,
-    per 16 rows and block the 16 rows' ``qs`` bytes four at a time (64-byte vector ``j``,
-    lane ``r``: bytes ``4j .. 4j + 3`` of row ``r``), their d, then their m (kernels.c);
-    ``d`` and ``m`` are None. One vector then holds 4 codes of 16 rows, so the decode GEMV
-    takes a block of 16 rows in 8 ``vpdpbusd``, and each thread reads one stream.
+    ``panels`` (Q4_0 / Q4_1 / Q8_0, n % 16 == 0): ``codes`` is ``[n / 16, k / 32 *
+    PANEL_RECORD]``, per 16 rows and block the 16 rows' ``qs`` bytes four at a time (64-byte
+    vector ``j``, lane ``r``: bytes ``4j .. 4j + 3`` of row ``r``; Q8_0's + 128), their d,
+    then their m (kernels.c); ``d`` and ``m`` are None. One vector then holds 4 codes of 16
+    rows, so the decode GEMV takes a block of 16 rows in 8 ``vpdpbusd``, and each thread
+    reads one stream.
     """
 
     type_name: str

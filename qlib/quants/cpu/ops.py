@@ -215,7 +215,7 @@ def _check_packed(w: PackedWeight) -> None:
         raise ValueError(f"no C kernel for {w.type_name} with k={w.k} (needs k % 64 == 0)")
     if w.panels:
         if w.type_name not in PANEL_RECORD or w.n % 16:
-            raise ValueError(f"PackedWeight: panels are Q4_0 / Q4_1 of n % 16 == 0, not "
+            raise ValueError(f"PackedWeight: panels are Q4_0 / Q4_1 / Q8_0 of n % 16 == 0, not "
                              f"{w.type_name} of n={w.n}")  # fmt: skip
         _check(w.codes, torch.uint8, "codes")
         size = w.n // 16 * (w.k // 32) * PANEL_RECORD[w.type_name]

@@ -25,6 +25,7 @@ from .layout import (
     BLOCK_CODES,
     BLOCKS,
     M_WORDS,
+    PANEL_CODES,
     PANEL_RECORD,
     ROW_MULTIPLE,
     TYPE_CODES,
@@ -56,9 +57,9 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
          panels: bool = False) -> PackedWeight:  # fmt: skip
     """Repack one 2-D QTensor, or several with the same type and k stacked by rows.
 
-    ``panels``: Q4_0 / Q4_1 weights whose every part has a multiple of 16 rows become 16-row
-    panels (``PackedWeight.panels``: the decode GEMV's faster layout; no ``dequantize_rows``
-    or AMX tiles from them); other weights are packed as without it.
+    ``panels``: Q4_0 / Q4_1 / Q8_0 weights whose every part has a multiple of 16 rows become
+    16-row panels (``PackedWeight.panels``: the decode GEMV's faster layout; no AMX tiles
+    from them); other weights are packed as without it.
 
     ``release``, if given, is called with each piece of the blocks once it is packed (about
     ``PACK_CHUNK`` bytes: ``gguf.release_pages`` drops a mapped file's pages of it), so a
@@ -174,7 +175,7 @@ def dequantize_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     ids = ids.reshape(-1)
     t, k = ids.numel(), pw.k
     if pw.panels:
-        raise ValueError("dequantize_rows: a weight packed as panels (pack it without)")
+        return _panel_rows(pw, ids)
     if pw.blocks:
         return dequantize_torch(pw.codes[ids].reshape(-1), pw.type_name, (t, k))
     q = _plane_codes(pw.codes[ids], pw.type_name, _qh(pw, ids))
@@ -185,6 +186,25 @@ def dequantize_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     if pw.type_name in ("Q4_1", "Q5_1"):
         y = y + _mins(pw, ids).unsqueeze(-1)
     return y.reshape(t, k)
+
+
+def _panel_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """``dequantize_rows`` of a weight packed as panels: row ``r`` of panel ``p`` is lane
+    ``r % 16`` of each record's code vectors (4 codes a lane), d and m."""
+    G, nc = pw.k // 32, PANEL_CODES[pw.type_name]
+    rec = pw.codes.view(pw.n // 16, G, -1)[ids // 16]  # [t, G, record]
+    lane = (ids % 16).view(-1, 1, 1, 1, 1).expand(-1, G, nc // 64, 1, 4)
+    q = rec[:, :, :nc].reshape(-1, G, nc // 64, 16, 4).gather(3, lane).reshape(-1, G, nc // 16)
+    word = (ids % 16).view(-1, 1, 1).expand(-1, G, 1)  # the row's f16 d (and m) of each block
+    scale = lambda at: rec[:, :, at : at + 32].view(torch.float16).gather(2, word).float()  # noqa: E731
+    if pw.type_name == "Q8_0":
+        y = (q.to(torch.int16) - 128).float() * scale(nc)
+    else:  # low nibbles: elements 4j + t, high: 4j + 16 + t (j, t: the bytes in order)
+        q = torch.cat([q & 15, q >> 4], dim=2).float() - (8 if pw.type_name == "Q4_0" else 0)
+        y = q * scale(nc)
+        if pw.type_name == "Q4_1":
+            y = y + scale(nc + 32)
+    return y.reshape(-1, pw.k)
 
 
 def _tile_rows(n: int, interleave: bool) -> torch.Tensor | None:
