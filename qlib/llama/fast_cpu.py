@@ -198,10 +198,10 @@ def _owned(q: QTensor) -> torch.Tensor:
 class LinearPart:
     """Rows ``r0 .. r0 + n`` of a (stacked) weight, all of one GGUF type: the C kernels'
     weight (``packed``: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 planes, or with ``panels`` Q4_0 /
-    Q4_1 / Q8_0 as 16-row panels where the rows allow; the GGUF blocks of K-quants) or, for the
-    types and shapes the kernels
-    lack, the torch matmul with ggml semantics (``prepared``: int8 codes and float32
-    scales; the dequantized float32 weight for F32 / F16 / BF16)."""
+    Q4_1 / Q8_0 as 16-row panels where the rows allow; the GGUF blocks of K-quants) or, for
+    the types and shapes the kernels lack, the torch matmul with ggml semantics
+    (``prepared``: int8 codes and float32 scales; the dequantized float32 weight for F32 /
+    F16 / BF16)."""
 
     def __init__(self, qtensors: list[QTensor], r0: int, release: Release | None = None,
                  panels: bool = False):  # fmt: skip

@@ -15,8 +15,8 @@
  *          i: element i), k/32 uint32 per row; Q5_1: its minimums, then its qh words.
  * The unsigned offset (8, 16 or 128) is removed exactly by starting each block's
  * integer accumulator at -offset * (sum of 4 activation codes) per lane.
- * Q4_0 / Q4_1 weights whose rows come in multiples of 16 may instead be 16-row panels (type
- * | QLIB_PANELS; below, "panels"): what the fast engine's layers use for the decode GEMV.
+ * Q4_0 / Q4_1 / Q8_0 weights whose rows come in multiples of 16 may instead be 16-row panels
+ * (type | QLIB_PANELS; below, "panels"): what the fast engine uses for its decode GEMVs.
  * Rows are split over OpenMP threads; each output element is computed by one
  * thread in a fixed order, so a row's result never depends on the other rows.
  * Requires k % 64 == 0.
@@ -149,9 +149,8 @@ enum { GEMM_ROWS_BYTES = 512 * 1024 };
 int qlib_gemm_min_rows = 4;
 void qlib_qgemm_set_min_rows(int rows) { qlib_gemm_min_rows = rows; }
 
-/* The tile's codes as unsigned bytes in steps of 4 elements: wt[(s * GT + r) * 4 + t] = code
- * of element 4s + t of tile row r (rows past n repeat the last row); dt / mt: float d / m.
- * Q5_0 / Q5_1: the m plane holds their high bits (qh words). */
+/* gemm_tile's tile from panels: their code vectors are its steps (Q4_*: a vector's low
+ * nibbles step 8b + j, its high ones step 8b + 4 + j), their d and m its scales. */
 static void panel_tile(int layout, const uint8_t *panels, int j0, int n, int k, uint8_t *wt,
                        float *dt, float *mt) {
     const int type = base_type(layout), G = k / 32, np = n / 16;
@@ -184,6 +183,9 @@ static void panel_tile(int layout, const uint8_t *panels, int j0, int n, int k, 
     }
 }
 
+/* The tile's codes as unsigned bytes in steps of 4 elements: wt[(s * GT + r) * 4 + t] = code
+ * of element 4s + t of tile row r (rows past n repeat the last row); dt / mt: float d / m.
+ * Q5_0 / Q5_1: the m plane holds their high bits (qh words). */
 static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const uint16_t *dw,
                       const uint16_t *mw, int j0, int n, int k, uint8_t *wt, float *dt,
                       float *mt) {
@@ -549,19 +551,17 @@ int qlib_qgemm_ex(int layout, const uint8_t *codes, const uint16_t *dw, const ui
     }
     for (int i = 0; i < m; i++) act_row(type, x, k, i, norm_w, eps, swiglu, row, aq, ad, as, corr);
     if (is_panels(layout)) {
-        int32_t *cb = (int32_t *)row; /* the rows' block sums: m G <= k floats (m < 4 <= 32) */
-        if (m > 32) cb = realloc(row, sizeof(int32_t) * (size_t)m * G), row = (float *)cb;
-        if (!cb) {
-            free(aq), free(ad), free(as), free(corr);
-            return -1;
-        }
-        for (int i = 0; i < m; i++)
-            block_corrections(corr + (size_t)i * (k / 4), G, cb + (size_t)i * G);
+        int32_t *cb = malloc(sizeof(int32_t) * (size_t)m * G); /* the rows' block offsets */
+        if (cb) {
+            for (int i = 0; i < m; i++)
+                block_corrections(corr + (size_t)i * (k / 4), G, cb + (size_t)i * G);
 #pragma omp parallel for schedule(static)
-        for (int p = 0; p < n / 16; p++)
-            panel_rows(type, codes, p, n, k, aq, ad, as, cb, m, y, accumulate);
-        free(aq), free(ad), free(as), free(corr), free(row);
-        return 0;
+            for (int p = 0; p < n / 16; p++)
+                panel_rows(type, codes, p, n, k, aq, ad, as, cb, m, y, accumulate);
+        }
+        const int rc = cb ? 0 : -1;
+        free(aq), free(ad), free(as), free(corr), free(row), free(cb);
+        return rc;
     }
     const int nblk = (n + 3) / 4; /* groups of 4 weight rows */
 #pragma omp parallel for schedule(static)

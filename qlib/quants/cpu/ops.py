@@ -347,7 +347,8 @@ def repack(type_name: str, blocks: torch.Tensor, k: int, codes: torch.Tensor,
            panels: bool = False) -> None:  # fmt: skip
     """GGUF blocks (``blocks``: the uint8 bytes of ``[n, k/32]`` blocks) -> the planes of a
     ``PackedWeight`` of ``n = codes.shape[0]`` rows, written into ``codes``, ``d``, ``m``;
-    with ``panels`` (Q4_0 / Q4_1) its panels, ``n = 16 codes.shape[0]``, into ``codes``."""
+    with ``panels`` (Q4_0 / Q4_1 / Q8_0) its panels, ``n = 16 codes.shape[0]``, into
+    ``codes``."""
     lib = _lib()
     n = codes.shape[0] * (16 if panels else 1)
     _check(blocks, torch.uint8, "blocks")

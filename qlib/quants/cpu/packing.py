@@ -6,9 +6,11 @@ planes, ``pack_amx_codes`` from the GGUF blocks of any quantized type or mix).
 uses). Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 become per-row planes (Q5_*: their low 4 bits as
 Q4_*'s nibbles, their fifth bits as the blocks' ``qh`` words; until 2026-12-04 Q5_0 was
 widened into Q8_0 planes, the same values and sums in 34 bytes a block against 22, and Q5_1
-read from its blocks). K-quant and F32 / F16 / BF16 weights (``BLOCK_CODES``) are not
-repacked: ``kquants.c`` (``floats.c`` for the float types) reads their GGUF rows, which
-``pack`` copies row after row.
+read from its blocks). With ``panels`` Q4_0, Q4_1 and Q8_0 become 16-row panels instead
+(``PackedWeight.panels``: the fast engine's layout, a decode GEMV of half the
+instructions). K-quant and F32 / F16 / BF16 weights (``BLOCK_CODES``) are not repacked:
+``kquants.c`` (``floats.c`` for the float types) reads their GGUF rows, which ``pack``
+copies row after row.
 """
 
 from __future__ import annotations
