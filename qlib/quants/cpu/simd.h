@@ -165,11 +165,22 @@ static inline void quantize_row_q8(const float *x, int k, int8_t *q, float *d, f
     }
 }
 
+/* out[i] = silu(x[i]) * x[k + i] for i in [i0, i1) (x = [gate | up]): silu16 lane by lane, so
+ * any split of the range gives the same values (input_row and swiglu_shared agree bit for
+ * bit). Was scalar expf: the decode step 1-3.5% slower (SmolLM2 Q4_1, 2 threads). */
+static inline void silu_mul(const float *x, int k, int i0, int i1, float *out) {
+    for (int i = i0; i < i1; i += 16) {
+        const __mmask16 live = i1 - i >= 16 ? 0xFFFF : (__mmask16)((1u << (i1 - i)) - 1);
+        const __m512 g = _mm512_maskz_loadu_ps(live, x + i), u = _mm512_maskz_loadu_ps(live, x + k + i);
+        _mm512_mask_storeu_ps(out + i, live, _mm512_mul_ps(silu16(g), u));
+    }
+}
+
 /* The activation row a fed to the kernels, from an input row x (see qlib_qgemm_ex). */
 static inline void input_row(const float *x, int k, const float *norm_w, float eps,
                              int swiglu, float *a) {
     if (swiglu) { /* x = [gate | up], 2k floats: a = silu(gate) * up */
-        for (int i = 0; i < k; i++) a[i] = x[i] / (1.0f + expf(-x[i])) * x[k + i];
+        silu_mul(x, k, 0, k, a);
         x = a;
     }
     if (norm_w) { /* RmsNorm: x / sqrt(mean(x^2) + eps) * w */
@@ -186,8 +197,8 @@ static inline void input_row(const float *x, int k, const float *norm_w, float e
  * of the team a slice, then a barrier (the same values as input_row's loop). */
 static inline void swiglu_shared(const float *x, int k, float *out) {
     const int nth = omp_get_num_threads(), t = omp_get_thread_num();
-    const int per = (k + nth - 1) / nth, i0 = t * per, i1 = i0 + per < k ? i0 + per : k;
-    for (int i = i0; i < i1; i++) out[i] = x[i] / (1.0f + expf(-x[i])) * x[k + i];
+    const int per = ((k + nth - 1) / nth + 15) / 16 * 16, i0 = t * per;
+    if (i0 < k) silu_mul(x, k, i0, i0 + per < k ? i0 + per : k, out);
 #pragma omp barrier
 }
 
