@@ -128,15 +128,16 @@ def test_positions_past_4096(long_file):
     model, _ = load(long_file, engine="fast", prefill="int8")
     assert model.max_seq_len == 8192  # the file's llama.context_length
     assert model.cos.shape[0] >= 8192
-    rsv = model.kv_bytes()
-    assert rsv["used"] == 0 and rsv["reserved"] == 2 * 2 * 2 * 8192 * 64 * 4
+    per_pos = 2 * 2 * 2 * 64 * 4  # layers, k / v, KV heads, d, float32
+    rsv = model.kv_bytes()  # the cache holds kv_first positions at first, not 8192
+    assert rsv["used"] == 0 and rsv["reserved"] == model.kv_first * per_pos
     n = 4100
     ids = _ids(n + 8, seed=1)
     model.forward(ids[:, :n], 0)
-    kv = model.kv_bytes()
-    assert kv["used"] == n * 2 * 2 * 2 * 64 * 4
-    if kv["resident"] is not None:  # pages of positions written, not of the 8192 reserved
-        assert kv["resident"] <= kv["used"] + 8 * 4096 * 4
+    kv = model.kv_bytes()  # grown to what the prompt needs (in steps of 256), not to 8192
+    assert kv["used"] == n * per_pos and kv["reserved"] == 4352 * per_pos
+    if kv["resident"] is not None:
+        assert kv["resident"] <= kv["reserved"]
     state = model.cache[:, :, :, : n + 8].clone()
     c_logits = [model.forward(ids[:, n + i : n + i + 1], n + i) for i in range(8)]
     assert model.kv_len == n + 8
@@ -152,6 +153,27 @@ def test_positions_past_4096(long_file):
         assert (a - b).abs().max() <= 5e-3 * _scale(b)
     with pytest.raises(ModelError, match="exceed max_seq_len 8192"):
         model.forward(_ids(8192 - n - 7), n + 8)
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_cache_growth_changes_nothing(long_file, monkeypatch, kv_type):
+    """The KV cache holds ``kv_first`` positions at first and is made again, 1.5 times as
+    large, when a forward needs more: the positions held are copied, the one-call decode step is
+    prepared again on the new buffer, and logits and cache are bit for bit those of a cache
+    made for every position at once (a prefill of 250, decode steps across 256 and 512)."""
+    runs = []
+    for first in (fast.FastModel.kv_first, 8192):
+        monkeypatch.setattr(fast.FastModel, "kv_first", first)
+        model, _ = load(long_file, engine="fast", prefill="int8", kv_type=kv_type)
+        ids = _ids(250, seed=3)
+        logits = [model.forward(ids, 0)]
+        for pos in range(250, 520):
+            logits.append(model.forward(logits[-1].argmax(-1).view(1, 1), pos))
+        assert model.decode_chained and model.kv_len == 520
+        runs.append((model.cache.shape[3], torch.stack(logits), model.cache[:, :, :, :520]))
+    (grown, a, cache_a), (whole, b, cache_b) = runs
+    assert grown == 768 and whole == 8192  # 256 -> 512 (257 rounded up) -> 768
+    assert torch.equal(a, b) and torch.equal(cache_a, cache_b)
 
 
 def test_max_seq_len_option(long_file):

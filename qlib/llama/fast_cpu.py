@@ -54,13 +54,16 @@ none of candle's sharp edges. What differs from the faithful path:
   them (``cpu.collapse_hugepages``: weights made elsewhere, oneDNN's prepacked bf16 copies,
   and the interpreter's own heap, 0.05-0.33 s of a SmolLM2 load); ``hugepages=False``
   skips both;
-* **static KV cache**: one ``[layers, 2, n_kv, max_seq_len, d]`` buffer, float32 or
-  (``kv_type="f16"``) IEEE half, no cat. ``max_seq_len`` defaults to the file's
-  ``llama.context_length`` (8192 for SmolLM2; the faithful engine keeps candle's 4096).
-  The buffer is reserved address space (an anonymous ``mmap``, ``MAP_NORESERVE``): a page
-  of memory is taken only when a position in it is first written, so a short conversation
-  costs its positions, not the maximum (``kv_bytes()``), and the decode kernels' pointers
-  never move;
+* **KV cache**: one ``[layers, 2, n_kv, capacity, d]`` buffer, float32 or
+  (``kv_type="f16"``) IEEE half, no cat, for up to ``max_seq_len`` positions (the file's
+  ``llama.context_length`` by default: 8192 for SmolLM2; the faithful engine keeps
+  candle's 4096). It holds ``kv_first`` positions at first and, when a forward needs more,
+  is made again with 1.5 times as many (or what the forward needs, up to ``max_seq_len``),
+  the positions held copied over and the decode step prepared again (``_grow_cache``): so
+  a short conversation costs its positions, not the maximum (``kv_bytes()``: at most 1.5
+  times the positions used, past the first 256), and the buffer can be on 2 MB pages (with
+  ``hugepages``: the decode attention's streams then take a TLB entry per 2 MB instead of
+  per 4 KB; a SmolLM2 decode step 7% faster at 2,800 positions, docs/performance.md);
 * **attention**: GQA without ``repeat_kv`` copies (decode in C, ``attn.c``: each KV
   head's positions cut into pieces read once for all its query heads, the pieces spread
   over the threads and combined as in flash-decoding); for prefill in C as above, or,
@@ -414,6 +417,8 @@ class FastModel(StaticKVState):
     # the cache instead of going to memory and back): docs/performance.md, "The FFN by row
     # chunks"
     mlp_rows = 512
+    # positions the KV cache holds at first (``_grow_cache`` makes it 1.5x larger as needed)
+    kv_first = 256
 
     def __init__(
         self,
@@ -460,13 +465,8 @@ class FastModel(StaticKVState):
                                rope_freqs)  # the file's RoPE scaling, as llama.cpp  # fmt: skip
         self.cos, self.sin = cos, sin
         self.rot = torch.complex(cos, sin)  # (positions, d/2) for rope_i
-        c = config
-        # Reserved once, never zeroed: only positions < kv_len are read, and only the pages
-        # of positions written so far take memory (``reserve``)
-        self.cache = reserve(
-            (c.block_count, 2, c.head_count_kv, self.max_seq_len, c.head_dim),
-            KV_TYPES[self.kv_type],
-        )
+        self._kv_hugepages = hugepages
+        self.cache = self._new_cache(min(self.kv_first, self.max_seq_len))
         self._kv_len = 0
         self._plan = self._decode_plan()
         self._chains: dict[str, cpu.DecodeChain] = {}
@@ -475,6 +475,29 @@ class FastModel(StaticKVState):
         self._c_int8_prefill = self._int8_prefill_ok()
         if hugepages:  # the rest onto 2 MB pages too (from_gguf packs the weights onto them)
             cpu.collapse_hugepages()
+
+    def _new_cache(self, positions: int) -> torch.Tensor:
+        """A KV cache buffer for ``positions`` positions: reserved address space, never
+        zeroed (only positions < kv_len are read; a page takes memory when first written)."""
+        c = self.config
+        return reserve((c.block_count, 2, c.head_count_kv, positions, c.head_dim),
+                       KV_TYPES[self.kv_type], hugepages=self._kv_hugepages)  # fmt: skip
+
+    def _grow_cache(self, end: int, keep: int) -> None:
+        """Make the KV cache hold positions up to ``end`` (<= ``max_seq_len``): a new buffer
+        of 1.5 times the positions (or ``end``'s; in steps of 256), the first ``keep``
+        positions copied into it, the decode step prepared again on it (its kernels hold the
+        old buffer's pointers)."""
+        held = self.cache.shape[3]
+        if end <= held:
+            return
+        grown = -(-max(held * 3 // 2, end) // 256) * 256
+        new = self._new_cache(min(self.max_seq_len, grown))
+        new[:, :, :, :keep].copy_(self.cache[:, :, :, :keep])
+        self.cache = new
+        self._chains = {}
+        self._plan = self._decode_plan()
+        self.decode_mode = self._decode_mode
 
     def _decode_plan(self) -> list[tuple[cpu.KernelCall, ...]] | None:
         """The fused C decode step, prepared once: per layer 5 calls (qkv GEMV of the RmsNorm
@@ -709,6 +732,7 @@ class FastModel(StaticKVState):
         the chain, ``(call, seconds)`` with ``call`` the index of its prepared call (5 a
         layer: qkv, attention, wo, gate/up, down; then the logits'). The KV cache's length is
         left as it was (the row at ``pos`` is written). For tools/cpu_decode_profile.py."""
+        self._grow_cache(pos + 1, keep=pos)
         chain = self._chains.get("region")
         if chain is None:
             raise ModelError("decode_step_times: this model has no one-region C decode step")
@@ -813,9 +837,10 @@ class FastModel(StaticKVState):
         return total + self.output.nbytes() + self.tok_embd.nbytes()
 
     def kv_bytes(self) -> dict[str, int | None]:
-        """The KV cache's ``reserved`` bytes (``max_seq_len`` positions), the bytes ``used``
-        by the ``kv_len`` positions held, and those ``resident`` now (pages touched; None
-        where ``mincore`` is unavailable)."""
+        """The KV cache's ``reserved`` bytes (the positions its buffer holds now: ``kv_first``,
+        grown as needed up to ``max_seq_len``), the bytes ``used`` by the ``kv_len``
+        positions held, and those ``resident`` now (pages touched; None where ``mincore`` is
+        unavailable)."""
         c = self.config
         per_pos = c.block_count * 2 * c.head_count_kv * c.head_dim * self.cache.element_size()
         return {"reserved": self.cache.numel() * self.cache.element_size(),
@@ -872,6 +897,7 @@ class FastModel(StaticKVState):
         nq, nkv, hd = c.head_count * c.head_dim, c.head_count_kv * c.head_dim, c.head_dim
         eps, dims, rows = c.rms_norm_eps, (c.embedding_length,), self.bf16_min_rows
         end = index_pos + t
+        self._grow_cache(end, keep=index_pos)  # index_pos: kv_len, or 0 to start over
         path = self._c_path(t)
         if path is not None:
             with span("model"):

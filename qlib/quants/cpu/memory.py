@@ -1,8 +1,8 @@
 """The engine's memory (Linux, with fallbacks): ``reserve`` (address space taken page by page as
-written: the KV cache), ``resident_bytes``, and transparent huge pages for the weights:
-``hugepage_weights`` with ``weights_empty`` / ``weights_copy`` (weights written on 2 MB pages
-from the start), ``collapse_hugepages`` (what else is large and resident, moved onto them
-after a load)."""
+written, on 2 MB pages if asked: the KV cache), ``resident_bytes``, and transparent huge pages
+for the weights: ``hugepage_weights`` with ``weights_empty`` / ``weights_copy`` (weights written
+on 2 MB pages from the start), ``collapse_hugepages`` (what else is large and resident, moved
+onto them after a load)."""
 
 from __future__ import annotations
 
@@ -22,18 +22,26 @@ _ALIGN = 64  # bytes: each tensor of an arena starts on a cache line
 MAP_NORESERVE = 0x4000  # Linux; not in Python's mmap module
 
 
-def reserve(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def reserve(shape: tuple[int, ...], dtype: torch.dtype, hugepages: bool = False) -> torch.Tensor:
     """An uninitialized tensor on reserved address space: an anonymous private ``mmap``
     (``MAP_NORESERVE``), so memory is taken page by page as it is first written. The
-    tensor keeps the mapping alive (``torch.frombuffer`` holds a reference to it)."""
+    tensor keeps the mapping alive (``torch.frombuffer`` holds a reference to it).
+    ``hugepages``: 2 MB-aligned and advised ``MADV_HUGEPAGE`` before anything is written,
+    so its pages are 2 MB ones (taken 2 MB at a time; ordinary pages where that fails)."""
     n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if n == 0:
         return torch.empty(shape, dtype=dtype)
+    pad = _HUGE if hugepages else 0
     try:
-        buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
+        buf = mmap.mmap(-1, n + pad, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
     except (OSError, ValueError):  # not Linux: an ordinary (lazily mapped) allocation
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
+    whole = torch.frombuffer(buf, dtype=torch.uint8)
+    start = -whole.data_ptr() % _HUGE if hugepages else 0
+    if hugepages:
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # a hint only
+            buf.madvise(mmap.MADV_HUGEPAGE, start, n)
+    return whole[start : start + n].view(dtype).view(shape)
 
 
 def resident_bytes(t: torch.Tensor) -> int | None:
