@@ -134,8 +134,8 @@ def test_positions_past_4096(long_file):
     n = 4100
     ids = _ids(n + 8, seed=1)
     model.forward(ids[:, :n], 0)
-    kv = model.kv_bytes()  # grown to what the prompt needs (in steps of 256), not to 8192
-    assert kv["used"] == n * per_pos and kv["reserved"] == 4352 * per_pos
+    kv = model.kv_bytes()  # grown to 1.25x what the prompt needs (steps of 256), not to 8192
+    assert kv["used"] == n * per_pos and kv["reserved"] == 5376 * per_pos
     if kv["resident"] is not None:
         assert kv["resident"] <= kv["reserved"]
     state = model.cache[:, :, :, : n + 8].clone()

@@ -58,12 +58,13 @@ none of candle's sharp edges. What differs from the faithful path:
   (``kv_type="f16"``) IEEE half, no cat, for up to ``max_seq_len`` positions (the file's
   ``llama.context_length`` by default: 8192 for SmolLM2; the faithful engine keeps
   candle's 4096). It holds ``kv_first`` positions at first and, when a forward needs more,
-  is made again with 1.5 times as many (or what the forward needs, up to ``max_seq_len``),
-  the positions held copied over and the decode step prepared again (``_grow_cache``): so
-  a short conversation costs its positions, not the maximum (``kv_bytes()``: at most 1.5
-  times the positions used, past the first 256), and the buffer can be on 2 MB pages (with
-  ``hugepages``: the decode attention's streams then take a TLB entry per 2 MB instead of
-  per 4 KB; a SmolLM2 decode step 7% faster at 2,800 positions, docs/performance.md);
+  is made again with 1.5 times as many (or 1.25 times what the forward needs, up to
+  ``max_seq_len``), the positions held copied over and the decode step prepared again
+  (``_grow_cache``): so a short conversation costs its positions, not the maximum
+  (``kv_bytes()``: at most 1.5 times the positions used, past the first 256), and the
+  buffer can be on 2 MB pages (with ``hugepages``: the decode attention's streams then take
+  a TLB entry per 2 MB instead of per 4 KB; a SmolLM2 decode step 6-13% faster at
+  2,800-4,000 positions, docs/performance.md);
 * **attention**: GQA without ``repeat_kv`` copies (decode in C, ``attn.c``: each KV
   head's positions cut into pieces read once for all its query heads, the pieces spread
   over the threads and combined as in flash-decoding); for prefill in C as above, or,
@@ -485,13 +486,14 @@ class FastModel(StaticKVState):
 
     def _grow_cache(self, end: int, keep: int) -> None:
         """Make the KV cache hold positions up to ``end`` (<= ``max_seq_len``): a new buffer
-        of 1.5 times the positions (or ``end``'s; in steps of 256), the first ``keep``
-        positions copied into it, the decode step prepared again on it (its kernels hold the
-        old buffer's pointers)."""
+        of 1.5 times the positions, or 1.25 times ``end`` (a long prompt: room for the replies
+        after it without another copy), in steps of 256; the first ``keep`` positions copied
+        into it, the decode step prepared again on it (its kernels hold the old buffer's
+        pointers)."""
         held = self.cache.shape[3]
         if end <= held:
             return
-        grown = -(-max(held * 3 // 2, end) // 256) * 256
+        grown = -(-max(held * 3 // 2, end + end // 4) // 256) * 256
         new = self._new_cache(min(self.max_seq_len, grown))
         new[:, :, :, :keep].copy_(self.cache[:, :, :, :keep])
         self.cache = new
