@@ -160,20 +160,27 @@ def test_cache_growth_changes_nothing(long_file, monkeypatch, kv_type):
     """The KV cache holds ``kv_first`` positions at first and is made again, 1.5 times as
     large, when a forward needs more: the positions held are copied, the one-call decode step is
     prepared again on the new buffer, and logits and cache are bit for bit those of a cache
-    made for every position at once (a prefill of 250, decode steps across 256 and 512)."""
+    made for every position at once (a prefill of 250, decode steps across 256 and 512), on
+    2 MB pages or 4 KB ones (``kv_hugepages``)."""
     runs = []
-    for first in (fast.FastModel.kv_first, 8192):
+    for first, huge in (
+        (fast.FastModel.kv_first, True),
+        (8192, True),
+        (fast.FastModel.kv_first, False),
+    ):
         monkeypatch.setattr(fast.FastModel, "kv_first", first)
-        model, _ = load(long_file, engine="fast", prefill="int8", kv_type=kv_type)
+        model, _ = load(long_file, engine="fast", prefill="int8", kv_type=kv_type,
+                        kv_hugepages=huge)  # fmt: skip
         ids = _ids(250, seed=3)
         logits = [model.forward(ids, 0)]
         for pos in range(250, 520):
             logits.append(model.forward(logits[-1].argmax(-1).view(1, 1), pos))
         assert model.decode_chained and model.kv_len == 520
         runs.append((model.cache.shape[3], torch.stack(logits), model.cache[:, :, :, :520]))
-    (grown, a, cache_a), (whole, b, cache_b) = runs
-    assert grown == 768 and whole == 8192  # 256 -> 512 (257 rounded up) -> 768
+    (grown, a, cache_a), (whole, b, cache_b), (small_pages, c, cache_c) = runs
+    assert grown == small_pages == 768 and whole == 8192  # 256 -> 512 (257 rounded up) -> 768
     assert torch.equal(a, b) and torch.equal(cache_a, cache_b)
+    assert torch.equal(a, c) and torch.equal(cache_a, cache_c)  # 4 KB pages: the same
 
 
 def test_max_seq_len_option(long_file):

@@ -433,6 +433,7 @@ class FastModel(StaticKVState):
         bf16_min_rows: int = 16,
         max_seq_len: int = MAX_SEQ_LEN,
         hugepages: bool = True,
+        kv_hugepages: bool | None = None,
         amx: bool = True,
         kv_type: str = DEFAULT_KV_TYPE,
         rope_freqs: torch.Tensor | None = None,
@@ -466,7 +467,7 @@ class FastModel(StaticKVState):
                                rope_freqs)  # the file's RoPE scaling, as llama.cpp  # fmt: skip
         self.cos, self.sin = cos, sin
         self.rot = torch.complex(cos, sin)  # (positions, d/2) for rope_i
-        self._kv_hugepages = hugepages
+        self._kv_hugepages = hugepages if kv_hugepages is None else kv_hugepages
         self.cache = self._new_cache(min(self.kv_first, self.max_seq_len))
         self._kv_len = 0
         self._plan = self._decode_plan()
@@ -757,6 +758,7 @@ class FastModel(StaticKVState):
         amx_packed: bool = True,
         kv_type: str | None = None,
         panels: bool = True,
+        kv_hugepages: bool | None = None,
     ) -> FastModel:
         """Build from a parsed ``gguf_file.Content`` and its open file (CPU only).
 
@@ -773,11 +775,12 @@ class FastModel(StaticKVState):
         panels (``cpu.pack``: the decode GEMV in about half the instructions; the same
         values, outputs equal to the planes' to float rounding); False: per-row planes.
 
-        ``max_seq_len``: positions the KV cache holds (None: the file's
-        ``llama.context_length``, else 4096); ``kv_type``: ``f32`` (None: the default,
-        ``DEFAULT_KV_TYPE``) or ``f16`` (half the bytes each decode step reads; k and v
-        rounded to half, the attention arithmetic float32; the bf16 prefill then runs outside
-        the fused C prefill kernels, which write float32 caches).
+        ``max_seq_len``: positions the KV cache can hold (None: the file's
+        ``llama.context_length``, else 4096; its buffer grows to them as needed, on 2 MB
+        pages unless ``kv_hugepages`` (None: as ``hugepages``) is False); ``kv_type``:
+        ``f32`` (None: the default, ``DEFAULT_KV_TYPE``) or ``f16`` (half the bytes each
+        decode step reads; k and v rounded to half, the attention arithmetic float32; the bf16
+        prefill then runs outside the fused C prefill kernels, which write float32 caches).
         """
         if as_device(device).type != "cpu":
             raise ModelError("the fast path runs on CPU; use ModelWeights on other devices")
@@ -825,7 +828,7 @@ class FastModel(StaticKVState):
         embed_rows = output.packed if tied else None
         return cls(config, tok_embd, layers, norm, output, prefill=prefill,
                    bf16_min_rows=bf16_min_rows, max_seq_len=max_seq_len,
-                   hugepages=hugepages, amx=amx, kv_type=kv_type,
+                   hugepages=hugepages, kv_hugepages=kv_hugepages, amx=amx, kv_type=kv_type,
                    rope_freqs=rope_freqs, embed_rows=embed_rows,
                    embed_release=release)  # fmt: skip
 
