@@ -62,9 +62,9 @@ none of candle's sharp edges. What differs from the faithful path:
   ``max_seq_len``), the positions held copied over and the decode step prepared again
   (``_grow_cache``): so a short conversation costs its positions, not the maximum
   (``kv_bytes()``: at most 1.5 times the positions used, past the first 256), and the
-  buffer can be on 2 MB pages (with ``hugepages``: the decode attention's streams then take
-  a TLB entry per 2 MB instead of per 4 KB; a SmolLM2 decode step 6-13% faster at
-  2,800-4,000 positions, docs/performance.md);
+  buffer can be on 2 MB pages (``kv_hugepages``, by default as ``hugepages``: the decode
+  attention's streams then take a TLB entry per 2 MB instead of per 4 KB; a SmolLM2
+  decode step 6-13% faster at 2,800-4,000 positions, docs/performance.md);
 * **attention**: GQA without ``repeat_kv`` copies (decode in C, ``attn.c``: each KV
   head's positions cut into pieces read once for all its query heads, the pieces spread
   over the threads and combined as in flash-decoding); for prefill in C as above, or,
