@@ -22,6 +22,20 @@ _ALIGN = 64  # bytes: each tensor of an arena starts on a cache line
 MAP_NORESERVE = 0x4000  # Linux; not in Python's mmap module
 
 
+def _mapping(nbytes: int, hugepages: bool) -> torch.Tensor:
+    """``nbytes`` of reserved address space (an anonymous private ``mmap``, ``MAP_NORESERVE``)
+    as a uint8 tensor that keeps the mapping alive; with ``hugepages`` from a 2 MB boundary and
+    advised ``MADV_HUGEPAGE`` before anything is written. OSError / ValueError / AttributeError
+    where that cannot be done (not Linux; no THP)."""
+    pad = _HUGE if hugepages else 0
+    mm = mmap.mmap(-1, nbytes + pad, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
+    whole = torch.frombuffer(mm, dtype=torch.uint8)  # holds a reference to the mapping
+    start = -whole.data_ptr() % _HUGE if hugepages else 0
+    if hugepages:
+        mm.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    return whole[start : start + nbytes]
+
+
 def reserve(shape: tuple[int, ...], dtype: torch.dtype, hugepages: bool = False) -> torch.Tensor:
     """An uninitialized tensor on reserved address space: an anonymous private ``mmap``
     (``MAP_NORESERVE``), so memory is taken page by page as it is first written. The
@@ -31,17 +45,10 @@ def reserve(shape: tuple[int, ...], dtype: torch.dtype, hugepages: bool = False)
     n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if n == 0:
         return torch.empty(shape, dtype=dtype)
-    pad = _HUGE if hugepages else 0
-    try:
-        buf = mmap.mmap(-1, n + pad, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
-    except (OSError, ValueError):  # not Linux: an ordinary (lazily mapped) allocation
-        return torch.empty(shape, dtype=dtype)
-    whole = torch.frombuffer(buf, dtype=torch.uint8)
-    start = -whole.data_ptr() % _HUGE if hugepages else 0
-    if hugepages:
-        with contextlib.suppress(AttributeError, OSError, ValueError):  # a hint only
-            buf.madvise(mmap.MADV_HUGEPAGE, start, n)
-    return whole[start : start + n].view(dtype).view(shape)
+    for huge in (True, False) if hugepages else (False,):
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            return _mapping(n, huge).view(dtype).view(shape)
+    return torch.empty(shape, dtype=dtype)  # not Linux: an ordinary (lazily mapped) allocation
 
 
 def resident_bytes(t: torch.Tensor) -> int | None:
@@ -76,14 +83,10 @@ class _Arena:
     def _new_chunk(self, need: int) -> bool:
         size = max(self.chunk_bytes, -(-need // _HUGE) * _HUGE)
         try:
-            mm = mmap.mmap(-1, size + _HUGE, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
-            whole = torch.frombuffer(mm, dtype=torch.uint8)  # keeps the mapping alive
-            start = -whole.data_ptr() % _HUGE
-            mm.madvise(mmap.MADV_HUGEPAGE, start, size)
+            self._chunk, self._used = _mapping(size, hugepages=True), 0
         except (AttributeError, OSError, ValueError):  # not Linux, or no THP: ordinary memory
             self._failed = True
             return False
-        self._chunk, self._used = whole[start : start + size], 0
         return True
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
