@@ -1,7 +1,8 @@
-"""The float16 cache's keys-outer scores (``attn.c``, ``block_scores_ko``) against the
-earlier kernel (the block converted into a float32 buffer, then 16 dot products per query
-head), switched with the A/B hook ``qlib_attn_set_keys_outer``: the same outputs bit for
-bit, for every shape of the one-pass piece (1-4 query heads a KV head with d = 32 or 64,
+"""The keys-outer scores (``attn.c``, ``block_scores_ko``: a float16 cache's single pass, a
+float32 cache's three passes) against the earlier kernel (the block converted into a float32
+buffer or read in place, then 16 dot products per query head), switched with the A/B hook
+``qlib_attn_set_keys_outer``: the same outputs bit for bit, for every shape of the one-pass
+piece (1-4 query heads a KV head with d = 32 or 64,
 1-2 with d = 128: sub-blocks of 16, 8 and 4 keys), at lengths with and without a partial
 last block, pieces cut for the threads and of fixed sizes; and within 2e-5 of a float64
 reference (as ``test_long_context.py``'s split-attention test)."""
@@ -24,16 +25,18 @@ SHAPES = [(2, 2, 32), (4, 2, 32), (6, 2, 32), (8, 2, 32), (3, 3, 64), (6, 3, 64)
 
 
 @needs_kernels
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
 @pytest.mark.parametrize("heads", SHAPES)
-def test_keys_outer_equals_earlier_kernel(heads):
+def test_keys_outer_equals_earlier_kernel(heads, kv_type):
     n_head, n_kv, d = heads
     lib = cpu.ops._lib()
+    cpu.ops.set_attn_two_pass(1)  # a float32 cache's three passes (the AMD default) everywhere
     g = torch.Generator().manual_seed(n_head * 1000 + d)
     ms = 520
     cos, sin = torch.randn(ms, d // 2, generator=g), torch.randn(ms, d // 2, generator=g)
     position = cpu.DecodePosition(cos, sin)
-    kc = torch.randn(n_kv, ms, d, generator=g).to(fast.KV_TYPES["f16"])
-    vc = torch.randn(n_kv, ms, d, generator=g).to(fast.KV_TYPES["f16"])
+    kc = torch.randn(n_kv, ms, d, generator=g).to(fast.KV_TYPES[kv_type])
+    vc = torch.randn(n_kv, ms, d, generator=g).to(fast.KV_TYPES[kv_type])
     out = torch.empty(n_head * d)
     try:
         for pos in (0, 15, 16, 40, 257, 519):
@@ -55,6 +58,7 @@ def test_keys_outer_equals_earlier_kernel(heads):
                 assert err < 2e-5, (pos, split, err)
     finally:
         lib.qlib_attn_set_keys_outer(1)
+        cpu.ops.set_attn_two_pass()
 
 
 @needs_kernels

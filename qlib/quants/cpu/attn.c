@@ -23,8 +23,8 @@
  * same setting: 5.35 -> 4.52 ms at 2800, 7.21 -> 6.20 at 4096, 2.02 -> 1.61 at 1024;
  * bit-identical). Wider groups, and a float32 cache on AMD CPUs (two_pass_f32, below: their
  * prefetchers follow one stream at a time better than two side by side), take `attn_piece`:
- * three passes, scores of the piece into a buffer, softmax, then p v (a float32 cache's keys
- * and values prefetched 16 rows ahead: pf_rows_f32). e^x is the vector exp16 (~1 ulp).
+ * three passes, scores of the piece into a buffer (a float32 cache's keys outer too), softmax,
+ * then p v (a float32 cache's keys and values prefetched 16 rows ahead: pf_rows_f32). e^x is the vector exp16 (~1 ulp).
  * d % 16 == 0, d <= 128. Returns 0, or -1 (out of memory). */
 #include <cpuid.h>
 #include <immintrin.h>
@@ -138,6 +138,42 @@ static inline void prefetch_rows(const void *X, int l, int n, int l1, int d) {
     for (size_t off = 0; off < (size_t)n * d * 4; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
+/* A/B hook (qlib_attn_set_keys_outer): 1 (default): a whole block's scores keys outer
+ * (block_scores_ko), in a float16 cache's single pass and a float32 cache's three passes;
+ * 0: the block converted into kbuf (float16) or read in place, then block_scores per query
+ * head (the earlier kernel). Bit-identical either way. Float32, three passes (the AMD
+ * default), SmolLM2's heads, in one process alternating: the decode step x0.99-1.00 at 256
+ * positions, x0.93-0.98 at 1,024, x0.90-0.94 at 2,800, x0.89-0.91 at 4,096, in fast and slow
+ * minutes alike (each k vector loaded once for the group's three heads instead of three
+ * times); float32 in one pass keeps the earlier kernel (keys outer measured the same or
+ * slower there). */
+static int keys_outer = 1;
+void qlib_attn_set_keys_outer(int on) { keys_outer = on; }
+
+/* A whole block's float32 scores keys outer into s (rows of ld), for the shapes of
+ * one_pass_shape: 1 done, 0 not (another shape). */
+static int scores_ko(int rep, int nd, const float *q, const void *K, int b, __m512 vscale,
+                     float *s, int ld) {
+    __m512 sv[4];
+#define KO(R, N) block_scores_ko(R, N, 0, q, K, b, vscale, sv); break
+    switch (nd * 8 + rep) {
+    case 2 * 8 + 1: KO(1, 2);
+    case 2 * 8 + 2: KO(2, 2);
+    case 2 * 8 + 3: KO(3, 2);
+    case 2 * 8 + 4: KO(4, 2);
+    case 4 * 8 + 1: KO(1, 4);
+    case 4 * 8 + 2: KO(2, 4);
+    case 4 * 8 + 3: KO(3, 4);
+    case 4 * 8 + 4: KO(4, 4);
+    case 8 * 8 + 1: KO(1, 8);
+    case 8 * 8 + 2: KO(2, 8);
+    default: return 0;
+    }
+#undef KO
+    for (int r = 0; r < rep; r++) _mm512_storeu_ps(s + (size_t)r * ld, sv[r]);
+    return 1;
+}
+
 /* Scores of the rep query heads q [rep, d] against positions l0..l1-1 of K (one KV head,
  * rows of d): s[r * ld + l - l0] = q_r . k_l * scale. kbuf: 16 d floats. */
 static void scores(const float *q, int rep, int d, const void *K, int f16, int l0, int l1,
@@ -148,6 +184,8 @@ static void scores(const float *q, int rep, int d, const void *K, int f16, int l
     for (int b = l0; b < l1; b += 16) {
         const int nb = l1 - b < 16 ? l1 - b : 16;
         if (pf) prefetch_rows(K, b + pf, 16, l1, d);
+        if (!f16 && keys_outer && nb == 16 && scores_ko(rep, nd, q, K, b, vscale, s + (b - l0), ld))
+            continue;
         const float *kb = k_block(K, f16, b, nb, d, nd, kbuf);
         for (int r = 0; r < rep; r++)
             _mm512_storeu_ps(s + (size_t)r * ld + (b - l0),
@@ -313,14 +351,6 @@ static int one_pass_shape(int rep, int nd) {
 }
 
 /* piece_1pass for a shape of one_pass_shape (returns 1; 0 for others, never called so). */
-static int keys_outer = 1;
-
-/* A/B hook for float16 caches: 1 (default): a block's scores keys outer (block_scores_ko);
- * 0: the block converted into kbuf, then block_scores per query head (the earlier kernel;
- * float32 caches always run it: keys outer measured the same or slower there, the pass
- * being bound by memory). Bit-identical either way. */
-void qlib_attn_set_keys_outer(int on) { keys_outer = on; }
-
 static int piece_any(int rep, int d, const float *q, const void *K, const void *V, int f16,
                      int l0, int l1, float scale, float *kbuf, float *m, float *sum, float *o) {
 #define P1(R, N)                                                                             \
