@@ -150,23 +150,20 @@ static inline void prefetch_rows(const void *X, int l, int n, int l1, int d) {
 static int keys_outer = 1;
 void qlib_attn_set_keys_outer(int on) { keys_outer = on; }
 
+/* The shapes (R query heads a KV head, N = d / 16) the compile-time kernels are made for, as
+ * X(R, N) (one_pass_shape says the same): block_scores_ko's and piece_1pass's dispatch. */
+#define ONE_PASS_SHAPES(X)                                                                   \
+    X(1, 2) X(2, 2) X(3, 2) X(4, 2) X(1, 4) X(2, 4) X(3, 4) X(4, 4) X(1, 8) X(2, 8)
+
 /* A whole block's float32 scores keys outer into s (rows of ld), for the shapes of
  * one_pass_shape: 1 done, 0 not (another shape). */
 static int scores_ko(int rep, int nd, const float *q, const void *K, int b, __m512 vscale,
                      float *s, int ld) {
     __m512 sv[4];
-#define KO(R, N) block_scores_ko(R, N, 0, q, K, b, vscale, sv); break
+#define KO(R, N)                                                                             \
+    case N * 8 + R: block_scores_ko(R, N, 0, q, K, b, vscale, sv); break;
     switch (nd * 8 + rep) {
-    case 2 * 8 + 1: KO(1, 2);
-    case 2 * 8 + 2: KO(2, 2);
-    case 2 * 8 + 3: KO(3, 2);
-    case 2 * 8 + 4: KO(4, 2);
-    case 4 * 8 + 1: KO(1, 4);
-    case 4 * 8 + 2: KO(2, 4);
-    case 4 * 8 + 3: KO(3, 4);
-    case 4 * 8 + 4: KO(4, 4);
-    case 8 * 8 + 1: KO(1, 8);
-    case 8 * 8 + 2: KO(2, 8);
+    ONE_PASS_SHAPES(KO)
     default: return 0;
     }
 #undef KO
@@ -354,26 +351,16 @@ static int one_pass_shape(int rep, int nd) {
 static int piece_any(int rep, int d, const float *q, const void *K, const void *V, int f16,
                      int l0, int l1, float scale, float *kbuf, float *m, float *sum, float *o) {
 #define P1(R, N)                                                                             \
-    do {                                                                                     \
+    case N * 8 + R:                                                                          \
         if (f16 && keys_outer)                                                               \
             piece_1pass(R, N, 1, 1, q, K, V, l0, l1, scale, kbuf, m, sum, o);                \
         else if (f16)                                                                        \
             piece_1pass(R, N, 1, 0, q, K, V, l0, l1, scale, kbuf, m, sum, o);                \
         else                                                                                 \
             piece_1pass(R, N, 0, 0, q, K, V, l0, l1, scale, kbuf, m, sum, o);                \
-        return 1;                                                                            \
-    } while (0)
+        return 1;
     switch ((d / 16) * 8 + rep) {
-    case 2 * 8 + 1: P1(1, 2);
-    case 2 * 8 + 2: P1(2, 2);
-    case 2 * 8 + 3: P1(3, 2);
-    case 2 * 8 + 4: P1(4, 2);
-    case 4 * 8 + 1: P1(1, 4);
-    case 4 * 8 + 2: P1(2, 4);
-    case 4 * 8 + 3: P1(3, 4);
-    case 4 * 8 + 4: P1(4, 4);
-    case 8 * 8 + 1: P1(1, 8);
-    case 8 * 8 + 2: P1(2, 8);
+    ONE_PASS_SHAPES(P1)
     default: return 0;
     }
 #undef P1
