@@ -23,6 +23,7 @@
 #include <stdlib.h>
 
 enum { STEP_QGEMV = 1, STEP_KGEMV = 2, STEP_ATTN = 3 };
+enum { PANELS = 64 }; /* kernels.c's QLIB_PANELS: a Q4_0 / Q4_1 / Q8_0 weight as 16-row panels */
 
 /* one step; ops.DecodeStepC mirrors it field for field */
 typedef struct {
@@ -82,12 +83,13 @@ void qlib_decode_set_prefetch(int groups) { qlib_decode_prefetch_groups = groups
 
 /* The first qlib_decode_prefetch_groups groups of thread t's share of GEMV s into L2: the
  * static schedule's contiguous ranges (the first items % nth threads one item more), the codes
- * and, for the planes, their scales and minimums; for panels (type & 64) as many rows' panels.
+ * and, for the planes, their scales and minimums; for panels (type & PANELS) as many rows'
+ * panels.
  * A hint only: nothing depends on it. */
 static void prefetch_share(const qlib_step *s, int t, int nth) {
     const int groups = qlib_decode_prefetch_groups;
     if (groups <= 0 || (s->kind != STEP_QGEMV && s->kind != STEP_KGEMV)) return;
-    const int panels = s->kind == STEP_QGEMV && (s->type & 64);
+    const int panels = s->kind == STEP_QGEMV && (s->type & PANELS);
     const int rows_per = panels ? 16 : 4, items = (s->n + rows_per - 1) / rows_per;
     const int q = items / nth, r = items % nth;
     const int first = t * q + (t < r ? t : r), count = q + (t < r);
@@ -117,11 +119,11 @@ static void prefetch_share(const qlib_step *s, int t, int nth) {
 /* the checks of the kernels' entry points (ops checked the shapes at plan time) */
 static int step_ok(const qlib_step *s) {
     switch (s->kind) {
-    case STEP_QGEMV: /* planes, or Q4_0 / Q4_1 / Q8_0 panels (type | 64) of n % 16 == 0 */
-        return s->k % 64 == 0 && (s->type == 2 || s->type == 3 || s->type == 6 || s->type == 7 ||
-                                  s->type == 8 ||
-                                  ((s->type == 66 || s->type == 67 || s->type == 72) &&
-                                   s->n % 16 == 0));
+    case STEP_QGEMV: { /* planes, or Q4_0 / Q4_1 / Q8_0 panels (type | PANELS) of n % 16 == 0 */
+        const int t = s->type & ~PANELS;
+        if (s->type & PANELS) return s->k % 64 == 0 && s->n % 16 == 0 && (t == 2 || t == 3 || t == 8);
+        return s->k % 64 == 0 && (t == 2 || t == 3 || t == 6 || t == 7 || t == 8);
+    }
     case STEP_KGEMV:
         return qlib_float_type(s->type) ? s->k % 64 == 0
                                         : s->type >= 10 && s->type <= 14 && s->k % 256 == 0;
