@@ -21,7 +21,11 @@ export QLIB_COMMIT=${QLIB_COMMIT:-unknown}
 python3 -c "import matplotlib; matplotlib.rcParams['backend'] = 'module://matplotlib_inline.backend_inline'" \
   2>/dev/null || export MPLBACKEND=${MPLBACKEND:-agg}
 out=/tmp/results
-python3 -m qlib suite run --device cuda --output-dir "$out" "$@" 2>&1 | tee "$OUT/suite_cuda.log"
+# the suite stops at $SUITE_SECONDS (default 540: inside the device's 600 s a call) so that the
+# notebooks already done still come back in the tarball (2026-12-05: a call cut at its limit
+# before the tar lost seven finished notebooks)
+timeout "${SUITE_SECONDS:-540}" python3 -m qlib suite run --device cuda --output-dir "$out" "$@" 2>&1 \
+  | tee "$OUT/suite_cuda.log"
 status=${PIPESTATUS[0]}
 tar czf "$OUT/results_cuda.tgz" -C "$out" .
 exit "$status"
