@@ -127,6 +127,7 @@ def int8_parts(m, t: int, reps: int = 5, int8_attention: bool = False) -> None:
     rows.append(("RmsNorm x2", best_ms(norms, reps), ""))
     qkv = torch.randn(t, l0.wqkv.out_features, generator=g)
     y = torch.empty(t, nd)
+    m._grow_cache(t, 0)  # the cache holds what a forward of t tokens would make it hold
 
     def attention():
         for i in range(len(layers)):
