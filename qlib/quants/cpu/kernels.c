@@ -453,9 +453,11 @@ static inline __attribute__((always_inline)) void gemv_group(
     }
 }
 
-/* The panels' GEMV reads each thread's stream qlib_panel_prefetch bytes ahead into L1 (an A/B
- * hook, qlib_gemv_set_panel_prefetch; 0: none). */
-int qlib_panel_prefetch = 2048;
+/* Bytes ahead of each thread's stream that the panels' GEMV prefetches into L1 (an A/B hook,
+ * qlib_gemv_set_panel_prefetch). 0, the default: none, the hardware's prefetch alone (one
+ * sequential stream a thread); 2 KB ahead was 0-15% slower in one process alternating
+ * (docs/performance.md, "The panels without software prefetch"). */
+int qlib_panel_prefetch = 0;
 void qlib_gemv_set_panel_prefetch(int bytes) { qlib_panel_prefetch = bytes; }
 
 /* The exact offset term per block (Q4_0: -8, Q8_0: -128 x the sum of its 32 activation codes),

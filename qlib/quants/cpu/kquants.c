@@ -733,6 +733,11 @@ size_t qlib_kgemv_row_bytes(int type, int k) {
     return (size_t)(k / 256) * block_bytes(type);
 }
 
+/* Groups of 4 rows ahead that the decode region's K-quant GEMV prefetches (an A/B hook,
+ * qlib_kgemv_set_prefetch; 0: none). */
+static int qlib_kgemv_prefetch_groups = QLIB_PF_GROUPS;
+void qlib_kgemv_set_prefetch(int groups) { qlib_kgemv_prefetch_groups = groups < 0 ? 0 : groups; }
+
 /* qlib_kgemm's GEMV for one row (m = 1), called by every thread of an enclosing parallel
  * region (decode.c): each thread quantizes the row into its own scratch (the bytes of
  * qlib_kgemm's one serial quantization), then the groups of 4 weight rows are shared out by
@@ -762,13 +767,13 @@ void qlib_kgemv_region(int type, const uint8_t *w, int n, int k, const float *x,
     scale_index(type, idx_tab);
     __m512i idx[4];
     for (int i = 0; i < 4; i++) idx[i] = _mm512_loadu_si512(idx_tab[i]);
-    const int nblk = (n + 3) / 4;
+    const int nblk = (n + 3) / 4, ahead = qlib_kgemv_prefetch_groups;
 #pragma omp for schedule(static)
     for (int jb = 0; jb < nblk; jb++) {
         const int j = jb * 4, rows = n - j < 4 ? n - j : 4;
         const uint8_t *wj = w + (size_t)j * row_bytes;
-        const char *pf = jb + QLIB_PF_GROUPS < nblk
-                             ? (const char *)(wj + 4 * QLIB_PF_GROUPS * row_bytes) : NULL;
+        const char *pf = ahead && jb + ahead < nblk ? (const char *)(wj + 4 * ahead * row_bytes)
+                                                    : NULL;
         kgemv_rows(type, wj, row_bytes, rows, n, j, k, aq, ad, abs_, idx, pf, 1, y, accumulate);
     }
 }

@@ -58,6 +58,7 @@ _SIGNATURES = {
     "qlib_decode_set_prefetch": ([_i], None),
     "qlib_gemv_set_seq_k": ([_i], None),
     "qlib_gemv_set_panel_prefetch": ([_i], None),
+    "qlib_kgemv_set_prefetch": ([_i], None),
     "qlib_attn_set_two_pass": ([_i], None),
     "qlib_attn_set_prefetch": ([_i], None),
     "qlib_attn_decode": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p], _i),
@@ -137,10 +138,16 @@ def set_gemv_sequential(max_k: int = 1 << 30) -> None:
     _lib().qlib_gemv_set_seq_k(int(max_k))
 
 
-def set_panel_prefetch(distance: int = 2048) -> None:
+def set_panel_prefetch(distance: int = 0) -> None:
     """Bytes ahead of a thread's stream that the GEMV over panels prefetches into L1 (an A/B
-    hook; results are the same; 0: none)."""
+    hook; results are the same; 0, the default: none)."""
     _lib().qlib_gemv_set_panel_prefetch(int(distance))
+
+
+def set_kgemv_prefetch(groups: int = 2) -> None:
+    """How many groups of 4 rows ahead the decode step's K-quant GEMV prefetches into L2 (an
+    A/B hook; results are the same; 0: none)."""
+    _lib().qlib_kgemv_set_prefetch(int(groups))
 
 
 def set_attn_two_pass(on: int = -1) -> None:
