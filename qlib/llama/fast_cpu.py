@@ -259,7 +259,7 @@ class FastLinear:
     run one after the other into slices of one output. Uniform stacks are one part (``packed``
     or ``prepared`` is then that part's; both None for a mixed stack). The bf16 prefill copy
     (and the AMX tiles) is always one matrix: a mix of types is dequantized to bf16 values.
-    ``panels``: Q4_0 / Q4_1 / Q8_0 parts as 16-row panels (``cpu.pack``), unless the AMX
+    ``panels``: Q4_0 / Q4_1 / Q8_0 / Q4_K parts as 16-row panels (``cpu.pack``), unless the AMX
     tiles are made from their planes.
     """
 
@@ -771,7 +771,7 @@ class FastModel(StaticKVState):
         ``amx_packed``: their quantized weights (legacy, K-quants, mixes) stay 4/8-bit codes
         (expanded to bf16 tiles inside the GEMM, the same values) instead of a bf16 tile copy.
 
-        ``panels``: the Q4_0 / Q4_1 / Q8_0 weights of the layers and the output as 16-row
+        ``panels``: the Q4_0 / Q4_1 / Q8_0 / Q4_K weights of the layers and the output as 16-row
         panels (``cpu.pack``: the decode GEMV in about half the instructions; the same
         values, outputs equal to the planes' to float rounding); False: per-row planes.
 

@@ -23,7 +23,7 @@
 #include <stdlib.h>
 
 enum { STEP_QGEMV = 1, STEP_KGEMV = 2, STEP_ATTN = 3 };
-enum { PANELS = 64 }; /* kernels.c's QLIB_PANELS: a Q4_0 / Q4_1 / Q8_0 weight as 16-row panels */
+enum { PANELS = 64 }; /* kernels.c's and kquants.c's QLIB_PANELS: a Q4_0 / Q4_1 / Q8_0 / Q4_K weight as 16-row panels */
 
 /* one step; ops.DecodeStepC mirrors it field for field */
 typedef struct {
@@ -110,7 +110,7 @@ static void prefetch_share(const qlib_step *s, int t, int nth) {
                 _mm_prefetch((const char *)s->m + mplanes * j + off, _MM_HINT_T1);
     } else {
         row_bytes = qlib_kgemv_row_bytes(s->type, s->k);
-        if (!row_bytes) return; /* float rows: not prefetched here */
+        if (!row_bytes) return; /* float rows and Q4_K panels (block_bytes 0): not here */
     }
     const char *w = (const char *)s->w + row_bytes * j;
     for (size_t off = 0; off < row_bytes * rows; off += 64) _mm_prefetch(w + off, _MM_HINT_T1);
@@ -124,7 +124,8 @@ static int step_ok(const qlib_step *s) {
         if (s->type & PANELS) return s->k % 64 == 0 && s->n % 16 == 0 && (t == 2 || t == 3 || t == 8);
         return s->k % 64 == 0 && (t == 2 || t == 3 || t == 6 || t == 7 || t == 8);
     }
-    case STEP_KGEMV:
+    case STEP_KGEMV: /* GGUF blocks, or Q4_K panels (12 | PANELS) of n % 16 == 0 */
+        if (s->type == (12 | PANELS)) return s->k % 256 == 0 && s->n % 16 == 0;
         return qlib_float_type(s->type) ? s->k % 64 == 0
                                         : s->type >= 10 && s->type <= 14 && s->k % 256 == 0;
     case STEP_ATTN:

@@ -1,5 +1,6 @@
 /* qlib CPU kernels: y = x @ W.T for K-quant (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) weights,
- * with ggml semantics, reading the GGUF blocks as they are (no repacking).
+ * with ggml semantics, reading the GGUF blocks as they are (no repacking), or Q4_K re-laid as
+ * 16-row panels (below, "Q4_K as 16-row panels") where the fast engine packs it so.
  *
  * Activations are quantized as ggml's x86 backend does: Q8_K for the K-quants
  * (quantize_row_q8_K_ref: the signed value of largest magnitude max, first of equals;
@@ -545,10 +546,194 @@ static void krows_tiled_t(int MR, int type, const uint8_t *wt, const float *sc,
 #undef QLIB_KT_CASE
 }
 
+/* -- Q4_K as 16-row panels (type | QLIB_PANELS, as kernels.c's Q4_0 / Q4_1 / Q8_0 panels) -----
+ * Per 16 weight rows (a panel; n % 16 == 0) and super-block, KP_SB bytes: 32 vectors of 64
+ * bytes, vector 4q + i holding in its low nibbles the 4 codes of step 8q + i (act_order
+ * positions 4s .. 4s + 3) and in its high nibbles those of step 8q + 4 + i, byte 4l + c for
+ * row l (lane = weight row: the tiled GEMM's layout); the rows' 6-bit scales per run q of 32
+ * act_order codes (u8 [8][16]); their mins in natural pairs (u8 [4][16][2]); d and dmin (f16
+ * [16] each). A sub-block of 16 rows is then 8 vpdpbusd with broadcast activation codes and
+ * one vpmulld by the rows' scales, where the blocks cost 16 scale decodes, 64 vpermw, 64
+ * vpmaddubsw and 64 vpdpwssd: about 2.2x the blocks' rate on data in the caches
+ * (tools/harness/q4k_panels.c). The integer sums are the blocks' (exact); per row
+ * float(sumi) * (d_w d_a) - float(min sums) * (dmin_w d_a) per super-block in block order (the
+ * blocks' GEMV sums 16 lanes of partial sums instead: the same to float rounding). 2.8% more
+ * bytes than the blocks (the scales decoded). */
+enum { QLIB_PANELS = 64 };
+enum { KP = 16, KP_SC = 2048, KP_MN = 2176, KP_D = 2304, KP_DM = 2336, KP_SB = 2368 };
+
+/* Bytes of the panels of an [n, k] Q4_K weight (n % 16 == 0) */
+size_t qlib_kpanel_bytes(int n, int k) { return (size_t)(n / KP) * (size_t)(k / 256) * KP_SB; }
+
+/* Rows j0 .. j0 + rows of a panel weight from their GGUF Q4_K blocks w (rows x k / 256
+ * blocks); a panel's rows may come in several calls. Returns 0, or -1 (type, k). */
+int qlib_kpanel_put(int type, const uint8_t *w, int rows, int k, uint8_t *panels, int j0) {
+    if (type != QLIB_Q4_K || k % 256 || rows < 0 || j0 < 0) return -1;
+    const int nb = k / 256, *order = act_order(type);
+    int16_t idx_tab[4][32];
+    scale_index(type, idx_tab);
+    __m512i idx[4];
+    for (int i = 0; i < 4; i++) idx[i] = _mm512_loadu_si512(idx_tab[i]);
+    for (int r = 0; r < rows; r++) {
+        const int j = j0 + r, l = j % KP;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = w + ((size_t)r * nb + b) * 144;
+            uint8_t *o = panels + ((size_t)(j / KP) * nb + b) * KP_SB;
+            kunpacked u;
+            kunpack(type, blk, idx, &u);
+            _Alignas(64) uint8_t c[256];
+            int16_t s16[16];
+            for (int i = 0; i < 4; i++) _mm512_store_si512(c + 64 * i, u.v[i]);
+            _mm256_storeu_si256((__m256i *)s16, u.sc16);
+            for (int q = 0; q < 8; q++) o[KP_SC + 16 * q + l] = (uint8_t)s16[order[q]];
+            for (int t = 0; t < 8; t++) o[KP_MN + 32 * (t / 2) + 2 * l + t % 2] = (uint8_t)s16[8 + t];
+            memcpy(o + KP_D + 2 * l, blk, 2), memcpy(o + KP_DM + 2 * l, blk + 2, 2);
+            for (int v = 0; v < 32; v++) /* v = 4q + i: steps 8q + i (low), 8q + 4 + i (high) */
+                for (int cc = 0; cc < 4; cc++) {
+                    const int st = 8 * (v / 4) + v % 4;
+                    o[64 * v + 4 * l + cc] = (uint8_t)(c[4 * st + cc] | c[4 * (st + 4) + cc] << 4);
+                }
+        }
+    }
+    return 0;
+}
+
+/* The GGUF Q4_K blocks of rows ids[0 .. count) of a panel weight (n rows) into out
+ * (count x k / 256 blocks): the inverse of qlib_kpanel_put. Returns 0, or -1 (type, k, id). */
+int qlib_kpanel_get(int type, const uint8_t *panels, int n, int k, const int64_t *ids,
+                    int count, uint8_t *out) {
+    if (type != QLIB_Q4_K || k % 256) return -1;
+    const int nb = k / 256, *order = act_order(type);
+    for (int r = 0; r < count; r++) {
+        if (ids[r] < 0 || ids[r] >= n) return -1;
+        const int j = (int)ids[r], l = j % KP;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *o = panels + ((size_t)(j / KP) * nb + b) * KP_SB;
+            uint8_t *blk = out + ((size_t)r * nb + b) * 144, c[256], sc[8], mn[8];
+            for (int v = 0; v < 32; v++)
+                for (int cc = 0; cc < 4; cc++) {
+                    const int st = 8 * (v / 4) + v % 4, byte = o[64 * v + 4 * l + cc];
+                    c[4 * st + cc] = byte & 15, c[4 * (st + 4) + cc] = byte >> 4;
+                }
+            for (int q = 0; q < 8; q++) sc[order[q]] = o[KP_SC + 16 * q + l];
+            for (int t = 0; t < 8; t++) mn[t] = o[KP_MN + 32 * (t / 2) + 2 * l + t % 2];
+            memcpy(blk, o + KP_D + 2 * l, 2), memcpy(blk + 2, o + KP_DM + 2 * l, 2);
+            for (int t = 0; t < 4; t++) { /* get_scale_min_k4's packing */
+                blk[4 + t] = (uint8_t)(sc[t] | (sc[t + 4] >> 4) << 6);
+                blk[8 + t] = (uint8_t)(mn[t] | (mn[t + 4] >> 4) << 6);
+                blk[12 + t] = (uint8_t)((sc[t + 4] & 15) | (mn[t + 4] & 15) << 4);
+            }
+            for (int e = 0; e < 256; e += 32) { /* natural sub-block e / 32: its act_order run */
+                int q = 0;
+                while (order[q] != e / 32) q++;
+                for (int i = 0; i < 32; i++) {
+                    const int nat = e + i, byte = nat % 64 % 32 + 32 * (nat / 64) + 16;
+                    blk[byte] = (uint8_t)(nat % 64 < 32 ? (blk[byte] & 0xF0) | c[32 * q + i]
+                                                        : (blk[byte] & 0x0F) | c[32 * q + i] << 4);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* Bytes ahead of a thread's stream that the Q4_K panels' GEMV prefetches into L2 (an A/B hook,
+ * qlib_kpanel_set_prefetch; 0, the default: none, the hardware's prefetch alone on the one
+ * stream, as for kernels.c's panels) */
+static int qlib_kpanel_prefetch = 0;
+void qlib_kpanel_set_prefetch(int bytes) { qlib_kpanel_prefetch = bytes < 0 ? 0 : bytes; }
+
+/* The dots of one panel (16 rows, nb super-blocks; o: its first super-block) with one Q8_K
+ * activation row (act_order codes, d, the Q4_K sums of 32 in lanes 8..15 of each 16). */
+static inline __attribute__((always_inline)) __m512 kpanel_dot(const uint8_t *o, int nb,
+                                                                const int8_t *aq,
+                                                                const float *ad,
+                                                                const int16_t *abs_, int pf) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++, o += KP_SB) {
+        if (pf)
+            for (int off = 0; off < KP_SB; off += 64)
+                _mm_prefetch((const char *)o + pf + off, _MM_HINT_T1);
+        const int32_t *a32 = (const int32_t *)(aq + 256 * b);
+        __m512i sumi = _mm512_setzero_si512();
+        for (int q = 0; q < 8; q++) {
+            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++) {
+                const __m512i z = _mm512_loadu_si512(o + 64 * (4 * q + i));
+                lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(z, m4),
+                                         _mm512_set1_epi32(a32[8 * q + i]));
+                hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4),
+                                         _mm512_set1_epi32(a32[8 * q + 4 + i]));
+            }
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(o + KP_SC + 16 * q)));
+            sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), sc));
+        }
+        __m512i msum = _mm512_setzero_si512();
+        const int32_t *bs32 = (const int32_t *)(abs_ + 16 * b + 8); /* pairs of sums of 32 */
+        for (int p = 0; p < 4; p++)
+            msum = _mm512_dpwssd_epi32(
+                msum, _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(o + KP_MN + 32 * p))),
+                _mm512_set1_epi32(bs32[p]));
+        const __m512 da = _mm512_set1_ps(ad[b]);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + KP_D)));
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + KP_DM)));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, da), acc);
+        acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dm, da), acc);
+    }
+    return acc;
+}
+
+/* Panel p's 16 outputs (+)= into y + 16 p, for m activation rows (stride k codes) */
+static inline void kpanel_rows(const uint8_t *panels, int p, int n, int k, const int8_t *aq,
+                               const float *ad, const int16_t *abs_, int m, float *y,
+                               int accumulate) {
+    const int nb = k / 256;
+    const uint8_t *o = panels + (size_t)p * nb * KP_SB;
+    for (int i = 0; i < m; i++) {
+        const __m512 r = kpanel_dot(o, nb, aq + (size_t)i * k, ad + (size_t)i * nb,
+                                    abs_ + (size_t)i * 16 * nb, i ? 0 : qlib_kpanel_prefetch);
+        float *yp = y + (size_t)i * n + KP * (size_t)p;
+        _mm512_storeu_ps(yp, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yp), r) : r);
+    }
+}
+
+/* The tiled GEMM's tile (ktile's layout, the same bytes) of panels 2 tj and 2 tj + 1 (the
+ * last one again past the end: rows whose results are not stored) */
+static void ktile_panels(const uint8_t *panels, int np, int tj, int nb, uint8_t *wt, float *sc,
+                         int32_t *mn, float *dt, float *dmt) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const int *order = act_order(QLIB_Q4_K);
+    for (int v = 0; v < KNV; v++) {
+        const int p = 2 * tj + v < np ? 2 * tj + v : np - 1;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *o = panels + ((size_t)p * nb + b) * KP_SB;
+            for (int u = 0; u < 32; u++) {
+                const int st = 8 * (u / 4) + u % 4;
+                const __m512i z = _mm512_loadu_si512(o + 64 * u);
+                _mm512_store_si512(wt + (((size_t)b * 64 + st) * KT + v * 16) * 4, _mm512_and_si512(z, m4));
+                _mm512_store_si512(wt + (((size_t)b * 64 + st + 4) * KT + v * 16) * 4,
+                                   _mm512_and_si512(_mm512_srli_epi16(z, 4), m4));
+            }
+            for (int q = 0; q < 8; q++)
+                _mm512_store_ps(sc + ((size_t)b * 16 + order[q]) * KT + v * 16,
+                                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                    _mm_loadu_si128((const __m128i *)(o + KP_SC + 16 * q)))));
+            for (int q = 0; q < 4; q++)
+                _mm512_store_si512(mn + ((size_t)b * 8 + q) * KT + v * 16,
+                                   _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(o + KP_MN + 32 * q))));
+            _mm512_store_ps(dt + (size_t)b * KT + v * 16,
+                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + KP_D))));
+            _mm512_store_ps(dmt + (size_t)b * KT + v * 16,
+                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + KP_DM))));
+        }
+    }
+}
+
 /* The tiled path of qlib_kgemm (K-quants), on the quantized activations: 0 or -1 (memory). */
-static int kgemm_tiled(int type, const uint8_t *w, size_t row_bytes, int n, int k,
-                       const int8_t *aq, const float *ad, const int16_t *abs_, int m, float *y,
-                       int accumulate) {
+static int kgemm_tiled(int type, int panels, const uint8_t *w, size_t row_bytes, int n,
+                       int k, const int8_t *aq, const float *ad, const int16_t *abs_, int m,
+                       float *y, int accumulate) {
     const int nb = k / 256, ntiles = (n + KT - 1) / KT;
     const kgeom g = kgeometry(type);
     int16_t idx_tab[4][32];
@@ -572,7 +757,10 @@ static int kgemm_tiled(int type, const uint8_t *w, size_t row_bytes, int n, int 
 #pragma omp for schedule(static)
             for (int tj = 0; tj < ntiles; tj++) {
                 const int j0 = tj * KT, cols = n - j0 < KT ? n - j0 : KT;
-                ktile(type, &g, w, row_bytes, j0, n, nb, idx, wt, sc, mn, dt, dmt);
+                if (panels)
+                    ktile_panels(w, n / KP, tj, nb, wt, sc, mn, dt, dmt);
+                else
+                    ktile(type, &g, w, row_bytes, j0, n, nb, idx, wt, sc, mn, dt, dmt);
                 /* The next tile's rows (contiguous; a thread's tiles are consecutive under the
                  * static schedule) into L2 while this tile's products run, a slice of whole
                  * lines before each group of activation rows. ktile reads a super-block of
@@ -646,8 +834,10 @@ int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
                const float *norm_w, float eps, int swiglu, int accumulate) {
     if (qlib_float_type(type)) /* F32 / F16 / BF16 rows: floats.c */
         return qlib_fgemm(type, w, n, k, x, m, y, norm_w, eps, swiglu, accumulate);
+    const int panels = (type & QLIB_PANELS) != 0;
+    type &= ~QLIB_PANELS;
     const int bsize = block_bytes(type);
-    if (!bsize || k % 256) return -1;
+    if (!bsize || k % 256 || (panels && (type != QLIB_Q4_K || n % KP))) return -1;
     const size_t row_bytes = (size_t)(k / 256) * bsize;
     const int NB = k / 256;
     int8_t *aq = malloc((size_t)m * k);
@@ -669,9 +859,16 @@ int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
             kact_row(type, x, k, i, norm_w, eps, swiglu, row, aq, ad, abs_);
     }
     if (m >= qlib_gemm_min_rows) { /* many rows: the tiled path */
-        const int rc = kgemm_tiled(type, w, row_bytes, n, k, aq, ad, abs_, m, y, accumulate);
+        const int rc = kgemm_tiled(type, panels, w, row_bytes, n, k, aq, ad, abs_, m, y,
+                                   accumulate);
         free(aq), free(ad), free(abs_), free(row);
         return rc;
+    }
+    if (panels) { /* a few rows: each panel's dots with each row */
+#pragma omp parallel for schedule(static)
+        for (int p = 0; p < n / KP; p++) kpanel_rows(w, p, n, k, aq, ad, abs_, m, y, accumulate);
+        free(aq), free(ad), free(abs_), free(row);
+        return 0;
     }
     int16_t idx_tab[4][32];
     scale_index(type, idx_tab);
@@ -752,6 +949,8 @@ void qlib_kgemv_region(int type, const uint8_t *w, int n, int k, const float *x,
                           (float *)scratch, shared);
         return;
     }
+    const int panels = (type & QLIB_PANELS) != 0;
+    type &= ~QLIB_PANELS;
     const int NB = k / 256;
     const size_t row_bytes = (size_t)NB * block_bytes(type);
     int8_t *aq = (int8_t *)scratch;
@@ -763,6 +962,11 @@ void qlib_kgemv_region(int type, const uint8_t *w, int n, int k, const float *x,
         x = shared;
     }
     kact_row(type, x, k, 0, norm_w, eps, 0, row, aq, ad, abs_);
+    if (panels) { /* Q4_K panels: the static schedule's contiguous panels, one stream a thread */
+#pragma omp for schedule(static)
+        for (int p = 0; p < n / KP; p++) kpanel_rows(w, p, n, k, aq, ad, abs_, 1, y, accumulate);
+        return;
+    }
     int16_t idx_tab[4][32];
     scale_index(type, idx_tab);
     __m512i idx[4];

@@ -2,8 +2,9 @@
 
 * ``PackedWeight``: a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weight as per-row planes for the
   quantized GEMM/GEMV of ``kernels.c`` (code bytes, f16 scales, the minimums and high bits
-  of Q4_1 / Q5_*), a Q4_0 / Q4_1 / Q8_0 weight as 16-row panels (``panels``: the same kernels'
-  other layout, which the fast engine's layers use), or a K-quant weight as its GGUF
+  of Q4_1 / Q5_*), a Q4_0 / Q4_1 / Q8_0 weight as 16-row panels (``panels``: the same
+  kernels' other layout, which the fast engine's layers use; Q4_K too, for ``kquants.c``),
+  or a K-quant weight as its GGUF
   blocks, row after row, for ``kquants.c`` (F32 / F16 / BF16 rows the same way, for
   ``floats.c``);
 * ``AmxWeight``: a weight for the AMX kernels of ``prefill.c``, bf16 B tiles or the
@@ -36,6 +37,9 @@ ROW_MULTIPLE = {t: 256 if t.endswith("_K") else 64 for t in (*TYPE_CODES, *BLOCK
 PANELS = 64
 PANEL_CODES = {"Q4_0": 256, "Q4_1": 256, "Q8_0": 512}
 PANEL_RECORD = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544}
+# Q4_K as 16-row panels: kquants.c's type code | PANELS; per 16 rows and super-block of 256
+# K_PANEL_RECORD bytes (the codes four at a time a lane, the decoded scales and mins, d, dmin)
+K_PANEL_RECORD = {"Q4_K": 2368}
 AMX_KINDS = {"bf16": 0, "q4": 1, "q8": 2, "q4g16": 3, "q8g16": 4}  # amx_weight.kind of prefill.c
 
 
@@ -54,7 +58,9 @@ class PackedWeight:
     vector ``j``, lane ``r``: bytes ``4j .. 4j + 3`` of row ``r``; Q8_0's + 128), their d,
     then their m (kernels.c); ``d`` and ``m`` are None. One vector then holds 4 codes of 16
     rows, so the decode GEMV takes a block of 16 rows in 8 ``vpdpbusd``, and each thread
-    reads one stream.
+    reads one stream. Q4_K panels (``K_PANEL_RECORD``; kquants.c's ``qlib_kpanel_put``):
+    ``codes`` is ``[n / 16, k / 256 * 2368]``, per 16 rows and super-block 32 vectors of
+    4 codes a lane (two steps in the two nibbles), then the rows' scales, mins, d and dmin.
     """
 
     type_name: str
@@ -68,13 +74,13 @@ class PackedWeight:
     @property
     def type_code(self) -> int:
         """The C kernels' code of the weight type (and layout: panels | ``PANELS``)."""
-        if self.panels:
-            return TYPE_CODES[self.type_name] | PANELS
-        return TYPE_CODES.get(self.type_name) or BLOCK_CODES[self.type_name]
+        code = TYPE_CODES.get(self.type_name) or BLOCK_CODES[self.type_name]
+        return code | PANELS if self.panels else code
 
     @property
     def blocks(self) -> bool:
-        """Whether ``codes`` are the GGUF blocks (``kquants.c``), not planes (``kernels.c``)."""
+        """Whether ``kquants.c`` reads the weight (its GGUF blocks, or Q4_K panels), not
+        ``kernels.c`` (planes, or Q4_0 / Q4_1 / Q8_0 panels)."""
         return self.type_name in BLOCK_CODES
 
     def nbytes(self) -> int:

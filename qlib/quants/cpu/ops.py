@@ -31,7 +31,9 @@ import torch
 
 from . import build
 from .layout import (
+    BLOCK_CODES,
     BLOCKS,
+    K_PANEL_RECORD,
     M_WORDS,
     PANEL_RECORD,
     ROW_MULTIPLE,
@@ -59,6 +61,9 @@ _SIGNATURES = {
     "qlib_gemv_set_seq_k": ([_i], None),
     "qlib_gemv_set_panel_prefetch": ([_i], None),
     "qlib_kgemv_set_prefetch": ([_i], None),
+    "qlib_kpanel_set_prefetch": ([_i], None),
+    "qlib_kpanel_put": ([_i, _p, _i, _i, _p, _i], _i),
+    "qlib_kpanel_get": ([_i, _p, _i, _i, _p, _i, _p], _i),
     "qlib_attn_set_two_pass": ([_i], None),
     "qlib_attn_set_prefetch": ([_i], None),
     "qlib_attn_decode": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p], _i),
@@ -150,6 +155,12 @@ def set_kgemv_prefetch(groups: int = 2) -> None:
     _lib().qlib_kgemv_set_prefetch(int(groups))
 
 
+def set_kpanel_prefetch(distance: int = 0) -> None:
+    """Bytes ahead of a thread's stream that the GEMV over Q4_K panels prefetches into L2 (an
+    A/B hook; results are the same; 0, the default: none)."""
+    _lib().qlib_kpanel_set_prefetch(int(distance))
+
+
 def set_attn_two_pass(on: int = -1) -> None:
     """Whether the decode attention over a float32 cache reads a piece's keys, then its values
     (1), or both side by side in one pass (0); -1 (the default): by the CPU's vendor, AMD 1
@@ -209,6 +220,15 @@ def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
 
 
 def _check_packed(w: PackedWeight) -> None:
+    if w.blocks and w.panels:  # Q4_K panels for kquants.c
+        if w.type_name not in K_PANEL_RECORD or w.n % 16 or w.k % 256:
+            raise ValueError(f"PackedWeight: K-quant panels are Q4_K of n % 16 == 0, k % 256 "
+                             f"== 0, not {w.type_name} of n={w.n}, k={w.k}")  # fmt: skip
+        _check(w.codes, torch.uint8, "codes")
+        size = w.n // 16 * (w.k // 256) * K_PANEL_RECORD[w.type_name]
+        if w.codes.numel() != size or w.d is not None or w.m is not None:
+            raise ValueError("PackedWeight: panels do not match n, k (and have no d, m)")
+        return
     if w.blocks:  # GGUF blocks for kquants.c
         elements, nbytes = BLOCKS[w.type_name]
         if w.k % ROW_MULTIPLE[w.type_name]:
@@ -366,6 +386,35 @@ def repack(type_name: str, blocks: torch.Tensor, k: int, codes: torch.Tensor,
     w = PackedWeight(type_name, n, k, codes, d, m, panels)
     _check_packed(w)
     lib.qlib_repack(w.type_code, blocks.data_ptr(), n, k, codes.data_ptr(), _ptr(d), _ptr(m))
+
+
+def kpanels_put(type_name: str, blocks: torch.Tensor, k: int, panels: torch.Tensor,
+                j0: int) -> None:  # fmt: skip
+    """GGUF Q4_K blocks (the uint8 bytes of rows of ``k / 256`` blocks) -> rows ``j0 ..`` of
+    the 16-row panels ``panels`` (``[n / 16, k / 256 * K_PANEL_RECORD]`` uint8)."""
+    _check(blocks, torch.uint8, "blocks")
+    _check(panels, torch.uint8, "panels")
+    row_bytes = k // 256 * BLOCKS[type_name][1] if type_name in K_PANEL_RECORD else 0
+    if not row_bytes or k % 256 or blocks.numel() % row_bytes:
+        raise ValueError(f"kpanels_put: no panels for {type_name} rows of k={k}")
+    rows = blocks.numel() // row_bytes
+    if (j0 + rows + 15) // 16 * (k // 256) * K_PANEL_RECORD[type_name] > panels.numel():
+        raise ValueError(f"kpanels_put: rows {j0}..{j0 + rows} past the panels")
+    if _lib().qlib_kpanel_put(BLOCK_CODES[type_name], blocks.data_ptr(), rows, k,
+                              panels.data_ptr(), j0):  # fmt: skip
+        raise ValueError(f"kpanels_put: {type_name} rows of k={k}")
+
+
+def kpanels_get(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """The GGUF blocks (uint8 ``[len(ids), row bytes]``) of rows ``ids`` of a Q4_K panel
+    weight: the bytes it was packed from."""
+    _check_packed(w)
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), w.k // 256 * BLOCKS[w.type_name][1], dtype=torch.uint8)
+    if _lib().qlib_kpanel_get(BLOCK_CODES[w.type_name], w.codes.data_ptr(), w.n, w.k,
+                              ids.data_ptr(), ids.numel(), out.data_ptr()):  # fmt: skip
+        raise IndexError(f"kpanels_get: a row id outside 0..{w.n - 1}")
+    return out
 
 
 def dequantize_bf16(w: PackedWeight) -> torch.Tensor:

@@ -6,11 +6,11 @@ planes, ``pack_amx_codes`` from the GGUF blocks of any quantized type or mix).
 uses). Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 become per-row planes (Q5_*: their low 4 bits as
 Q4_*'s nibbles, their fifth bits as the blocks' ``qh`` words; until 2026-12-04 Q5_0 was
 widened into Q8_0 planes, the same values and sums in 34 bytes a block against 22, and Q5_1
-read from its blocks). With ``panels`` Q4_0, Q4_1 and Q8_0 become 16-row panels instead
-(``PackedWeight.panels``: the fast engine's layout, a decode GEMV of half the
-instructions). K-quant and F32 / F16 / BF16 weights (``BLOCK_CODES``) are not repacked:
-``kquants.c`` (``floats.c`` for the float types) reads their GGUF rows, which ``pack``
-copies row after row.
+read from its blocks). With ``panels`` Q4_0, Q4_1, Q8_0 and Q4_K become 16-row panels
+instead (``PackedWeight.panels``: the fast engine's layout, a decode GEMV of half the
+instructions). The other K-quant and the F32 / F16 / BF16 weights (``BLOCK_CODES``) are not
+repacked: ``kquants.c`` (``floats.c`` for the float types) reads their GGUF rows, which
+``pack`` copies row after row.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from . import build, ops
 from .layout import (
     BLOCK_CODES,
     BLOCKS,
+    K_PANEL_RECORD,
     M_WORDS,
     PANEL_CODES,
     PANEL_RECORD,
@@ -60,9 +61,10 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
          panels: bool = False) -> PackedWeight:  # fmt: skip
     """Repack one 2-D QTensor, or several with the same type and k stacked by rows.
 
-    ``panels``: Q4_0 / Q4_1 / Q8_0 weights whose every part has a multiple of 16 rows become
-    16-row panels (``PackedWeight.panels``: the decode GEMV's faster layout; no AMX tiles
-    from them); other weights are packed as without it.
+    ``panels``: Q4_0 / Q4_1 / Q8_0 weights whose every part has a multiple of 16 rows, and
+    Q4_K weights of a multiple of 16 rows, become 16-row panels (``PackedWeight.panels``: the
+    decode GEMV's faster layout; no AMX tiles from them); other weights are packed as
+    without it.
 
     ``release``, if given, is called with each piece of the blocks once it is packed (about
     ``PACK_CHUNK`` bytes: ``gguf.release_pages`` drops a mapped file's pages of it), so a
@@ -80,16 +82,23 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
             raise ValueError(f"pack: no C kernel for {name} with k={k} (k % {ROW_MULTIPLE[name]})")
         n = sum(rows for rows, _ in weights)
         row_bytes = k // elements * nbytes
-        codes = weights_empty((n, row_bytes), torch.uint8)
+        kpanels = panels and name in K_PANEL_RECORD and n % 16 == 0 and build.available()
+        if kpanels:  # Q4_K as 16-row panels: each row's lanes written where they belong
+            codes = weights_empty((n // 16, k // 256 * K_PANEL_RECORD[name]), torch.uint8)
+        else:
+            codes = weights_empty((n, row_bytes), torch.uint8)
         j = 0
         for rows, data in weights:
             data = data.reshape(rows, row_bytes)
             for part in _chunks(rows, row_bytes):
-                codes[j + part.start : j + part.stop].copy_(data[part])
+                if kpanels:
+                    ops.kpanels_put(name, data[part], k, codes, j + part.start)
+                else:
+                    codes[j + part.start : j + part.stop].copy_(data[part])
                 if release is not None:
                     release(data[part])
             j += rows
-        return PackedWeight(name, n, k, codes, None, None)
+        return PackedWeight(name, n, k, codes, None, None, panels=kpanels)
     if name not in TYPE_CODES or k % 64:
         raise ValueError(f"pack: no C kernel for {name} with k={k} (needs k % 64 == 0)")
     n = sum(rows for rows, _ in weights)
@@ -177,6 +186,8 @@ def dequantize_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     products; GGUF blocks are dequantized as they are)."""
     ids = ids.reshape(-1)
     t, k = ids.numel(), pw.k
+    if pw.blocks and pw.panels:  # Q4_K panels: the rows' blocks back, then as blocks
+        return dequantize_torch(ops.kpanels_get(pw, ids).reshape(-1), pw.type_name, (t, k))
     if pw.panels:
         return _panel_rows(pw, ids)
     if pw.blocks:
