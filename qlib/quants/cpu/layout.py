@@ -4,9 +4,8 @@
   quantized GEMM/GEMV of ``kernels.c`` (code bytes, f16 scales, the minimums and high bits
   of Q4_1 / Q5_*), a Q4_0 / Q4_1 / Q8_0 weight as 16-row panels (``panels``: the same
   kernels' other layout, which the fast engine's layers use; Q4_K too, for ``kquants.c``),
-  or a K-quant weight as its GGUF
-  blocks, row after row, for ``kquants.c`` (F32 / F16 / BF16 rows the same way, for
-  ``floats.c``);
+  or a K-quant weight as its GGUF blocks, row after row, for ``kquants.c`` (F32 / F16 /
+  BF16 rows the same way, for ``floats.c``);
 * ``AmxWeight``: a weight for the AMX kernels of ``prefill.c``, bf16 B tiles or the
   4/8-bit codes in tile order with float32 scales; ``AmxWeightC`` is its C descriptor
   (``amx_weight`` of prefill.c).
