@@ -574,6 +574,7 @@ int qlib_kpanel_put(int type, const uint8_t *w, int rows, int k, uint8_t *panels
     scale_index(type, idx_tab);
     __m512i idx[4];
     for (int i = 0; i < 4; i++) idx[i] = _mm512_loadu_si512(idx_tab[i]);
+#pragma omp parallel for schedule(static) /* rows write disjoint bytes of their panels */
     for (int r = 0; r < rows; r++) {
         const int j = j0 + r, l = j % KP;
         for (int b = 0; b < nb; b++) {
