@@ -20,7 +20,8 @@
 #include "kquants.c"
 
 #include <stdio.h>
-#include <sys/mman.h>
+
+#include "kblocks.h"
 
 enum { P6_HI = 2048, P6_SC = 3072, P6_D = 3328, P6_SB = 3360 };
 
@@ -94,21 +95,6 @@ static inline __m512 p6_dot(const uint8_t *o, int nb, const int8_t *aq, const fl
     return acc;
 }
 
-static void gemv_blocks(const uint8_t *w, int n, int k, const int8_t *aq, const float *ad,
-                        const int16_t *abs_, float *y) {
-    int16_t idx_tab[4][32];
-    scale_index(QLIB_Q6_K, idx_tab);
-    __m512i idx[4];
-    for (int i = 0; i < 4; i++) idx[i] = _mm512_loadu_si512(idx_tab[i]);
-    const size_t row_bytes = (size_t)(k / 256) * 210;
-    const int nblk = n / 4;
-#pragma omp for schedule(static)
-    for (int jb = 0; jb < nblk; jb++) {
-        const uint8_t *wj = w + (size_t)jb * 4 * row_bytes;
-        const char *pf = jb + QLIB_PF_GROUPS < nblk ? (const char *)(wj + 4 * QLIB_PF_GROUPS * row_bytes) : NULL;
-        krows(4, QLIB_Q6_K, wj, row_bytes, k / 256, aq, ad, abs_, idx, pf, y + 4 * jb);
-    }
-}
 
 static void gemv_panels(const uint8_t *pw, int n, int k, const int8_t *aq, const float *ad,
                         const int16_t *abs_, float *y) {
@@ -118,23 +104,7 @@ static void gemv_panels(const uint8_t *pw, int n, int k, const int8_t *aq, const
         _mm512_storeu_ps(y + 16 * p, p6_dot(pw + (size_t)p * nb * P6_SB, nb, aq, ad, abs_));
 }
 
-static void *big(size_t bytes) { /* 2 MB aligned; HUGE: asks for transparent huge pages */
-    bytes = (bytes + (2u << 20) - 1) / (2u << 20) * (2u << 20);
-    void *p = aligned_alloc(2u << 20, bytes);
-#ifdef HUGE
-    madvise(p, bytes, MADV_HUGEPAGE);
-#endif
-    memset(p, 0, bytes);
-    return p;
-}
 
-static void read_all(const uint8_t *p, size_t bytes, float *y) { /* a plain read of the bytes */
-    __m512i acc = _mm512_setzero_si512();
-    const size_t nv = bytes / 64;
-#pragma omp for schedule(static)
-    for (size_t i = 0; i < nv; i++) acc = _mm512_add_epi32(acc, _mm512_load_si512(p + 64 * i));
-    y[omp_get_thread_num()] = (float)_mm512_reduce_add_epi32(acc);
-}
 
 int main(int argc, char **argv) {
     const int NM = argc > 1 ? atoi(argv[1]) : 16, n = argc > 2 ? atoi(argv[2]) : 2048, k = 8192;
@@ -160,7 +130,7 @@ int main(int argc, char **argv) {
     float *y1 = malloc(4 * n), *y2 = malloc(4 * n);
 #pragma omp parallel
     {
-        gemv_blocks(w[0], n, k, aq, ad, abs_, y1);
+        gemv_blocks(QLIB_Q6_K, w[0], n, k, aq, ad, abs_, y1);
         gemv_panels(pw[0], n, k, aq, ad, abs_, y2);
     }
     double err = 0, mx = 0;
@@ -178,7 +148,7 @@ int main(int argc, char **argv) {
             for (int i = 0; i < NM; i++) gemv_panels(pw[i], n, k, aq, ad, abs_, y2);
             double t1 = omp_get_wtime();
 #pragma omp parallel
-            for (int i = 0; i < NM; i++) gemv_blocks(w[i], n, k, aq, ad, abs_, y1);
+            for (int i = 0; i < NM; i++) gemv_blocks(QLIB_Q6_K, w[i], n, k, aq, ad, abs_, y1);
             double t2 = omp_get_wtime();
 #pragma omp parallel
             for (int i = 0; i < NM; i++) read_all(pw[i], pb, y1);

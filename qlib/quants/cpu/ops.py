@@ -219,13 +219,25 @@ def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
         raise ValueError(f"{name}: need a contiguous CPU {dtype} tensor, got {t.dtype}")
 
 
+def _panel_bytes(w: PackedWeight) -> int | None:
+    """The bytes of a panel weight's codes (kernels.c's Q4_0 / Q4_1 / Q8_0 records per 32,
+    kquants.c's Q4_K records per 256), or None where its type and shape have no panels."""
+    if w.n % 16:
+        return None
+    if w.type_name in PANEL_RECORD and w.k % 64 == 0:
+        return w.n // 16 * (w.k // 32) * PANEL_RECORD[w.type_name]
+    if w.type_name in K_PANEL_RECORD and w.k % 256 == 0:
+        return w.n // 16 * (w.k // 256) * K_PANEL_RECORD[w.type_name]
+    return None
+
+
 def _check_packed(w: PackedWeight) -> None:
-    if w.blocks and w.panels:  # Q4_K panels for kquants.c
-        if w.type_name not in K_PANEL_RECORD or w.n % 16 or w.k % 256:
-            raise ValueError(f"PackedWeight: K-quant panels are Q4_K of n % 16 == 0, k % 256 "
+    if w.panels:  # 16-row panels (kernels.c; Q4_K: kquants.c)
+        size = _panel_bytes(w)
+        if size is None:
+            raise ValueError(f"PackedWeight: panels are Q4_0 / Q4_1 / Q8_0 / Q4_K of n % 16 "
                              f"== 0, not {w.type_name} of n={w.n}, k={w.k}")  # fmt: skip
         _check(w.codes, torch.uint8, "codes")
-        size = w.n // 16 * (w.k // 256) * K_PANEL_RECORD[w.type_name]
         if w.codes.numel() != size or w.d is not None or w.m is not None:
             raise ValueError("PackedWeight: panels do not match n, k (and have no d, m)")
         return
@@ -240,15 +252,6 @@ def _check_packed(w: PackedWeight) -> None:
         return
     if w.type_name not in TYPE_CODES or w.k % 64:
         raise ValueError(f"no C kernel for {w.type_name} with k={w.k} (needs k % 64 == 0)")
-    if w.panels:
-        if w.type_name not in PANEL_RECORD or w.n % 16:
-            raise ValueError(f"PackedWeight: panels are Q4_0 / Q4_1 / Q8_0 of n % 16 == 0, not "
-                             f"{w.type_name} of n={w.n}")  # fmt: skip
-        _check(w.codes, torch.uint8, "codes")
-        size = w.n // 16 * (w.k // 32) * PANEL_RECORD[w.type_name]
-        if w.codes.numel() != size or w.d is not None or w.m is not None:
-            raise ValueError("PackedWeight: panels do not match n, k (and have no d, m)")
-        return
     row = w.k if w.type_name == "Q8_0" else w.k // 2
     _check(w.codes, torch.uint8, "codes")
     _check(w.d, torch.int16, "d")
