@@ -770,8 +770,11 @@ static int kgemm_tiled(int type, int panels, const uint8_t *w, size_t row_bytes,
                  * of the prefill; the same look-ahead in kernels.c's tiled path, whose tiles
                  * read 16 rows at a time, measured no gain) */
                 const int next_rows = n - j0 - KT < KT ? n - j0 - KT : KT;
-                const char *next = (const char *)w + (size_t)(j0 + KT) * row_bytes;
-                const size_t next_bytes = next_rows > 0 ? (size_t)next_rows * row_bytes : 0;
+                /* a row's bytes: of its blocks, or its share of its panel (panels of 16 rows,
+                 * in row order too) */
+                const size_t rb = panels ? (size_t)nb * KP_SB / KP : row_bytes;
+                const char *next = (const char *)w + (size_t)(j0 + KT) * rb;
+                const size_t next_bytes = next_rows > 0 ? (size_t)next_rows * rb : 0;
                 const size_t slice = (next_bytes / ((m + KMR - 1) / KMR) + 127) & ~(size_t)63;
                 size_t ahead = 0;
                 for (int i = 0; i < m; i += KMR) {
