@@ -30,6 +30,7 @@ from qlib.llama import fast_cpu as fast
 from qlib.llama.faithful import ModelWeights
 from qlib.quants import cpu, reference
 from qlib.quants.activations import quantize_activations
+from qlib.quants.cpu import ops
 from qlib.quants.cpu.matmul import prepare, qmatmul, qmatmul_prepared
 from qlib.quants.qtensor import QTensor
 
@@ -177,8 +178,6 @@ def test_q4k_panels(n, k):
     assert panels.panels and not blocks.panels and panels.type_code == blocks.type_code | 64
     ids = torch.tensor([n - 1, 0, n // 2, n - 1])
     assert torch.equal(cpu.dequantize_rows(panels, ids), cpu.dequantize_rows(blocks, ids))
-    from qlib.quants.cpu import ops
-
     assert torch.equal(ops.kpanels_get(panels, torch.arange(n)).reshape(-1), w.data.reshape(-1))
     with pytest.raises(IndexError):
         ops.kpanels_get(panels, torch.tensor([n]))

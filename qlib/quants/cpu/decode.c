@@ -23,7 +23,8 @@
 #include <stdlib.h>
 
 enum { STEP_QGEMV = 1, STEP_KGEMV = 2, STEP_ATTN = 3 };
-enum { PANELS = 64 }; /* kernels.c's and kquants.c's QLIB_PANELS: a Q4_0 / Q4_1 / Q8_0 / Q4_K weight as 16-row panels */
+/* kernels.c's and kquants.c's QLIB_PANELS: a Q4_0 / Q4_1 / Q8_0 / Q4_K weight as 16-row panels */
+enum { PANELS = 64 };
 
 /* one step; ops.DecodeStepC mirrors it field for field */
 typedef struct {
