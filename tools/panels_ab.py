@@ -1,8 +1,9 @@
-"""A/B: the fast CPU engine with its layers' Q4_0 / Q4_1 weights as 16-row panels (the default)
-against per-row planes (``panels=False``). Two engines in one process, each prefilled with the
-same N random tokens, then decode steps at position N alternating between them (each round the
-min of 8 steps); the prefill's time (one run each) and the two steps' logits compared.
-docs/performance.md ("Q4_0 / Q4_1 as 16-row panels") has the figures.
+"""A/B: the fast CPU engine with its layers' Q4_0 / Q4_1 / Q8_0 / Q4_K weights as 16-row panels
+(the default) against per-row planes, or for Q4_K the GGUF blocks (``panels=False``). Two
+engines in one process, each prefilled with the same N random tokens, then decode steps at
+position N alternating between them (each round the min of 8 steps); the prefill's time (one
+run each) and the two steps' logits compared. docs/performance.md ("Q4_0 / Q4_1 as 16-row
+panels", "Q4_K as 16-row panels, without the prefetch") has the figures.
 
     PYTHONPATH=. .venv/bin/python tools/panels_ab.py FILE [--context 256 1024 ...] [--rounds 10]
 """
@@ -20,7 +21,7 @@ from qlib.llama import engine as engines
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", help="a Q4_0 / Q4_1 GGUF file")
+    ap.add_argument("model", help="a GGUF file with Q4_0 / Q4_1 / Q8_0 / Q4_K layers")
     ap.add_argument("--context", type=int, nargs="+", default=[256, 1024, 2800, 4096])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
