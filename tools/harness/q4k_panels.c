@@ -28,8 +28,6 @@ static void gemv_panels(const uint8_t *pw, int n, int k, const int8_t *aq, const
 
 
 
-static double now(void) { return omp_get_wtime(); }
-
 int main(int argc, char **argv) {
     const int n = argc > 2 ? atoi(argv[2]) : 8192, k = 2048, nb = k / 256, NM = argc > 1 ? atoi(argv[1]) : 16;
     qlib_kpanel_set_prefetch(argc > 3 ? atoi(argv[3]) : 0);
@@ -45,47 +43,6 @@ int main(int argc, char **argv) {
         }
         qlib_kpanel_put(QLIB_Q4_K, w[i], n, k, pw[i], 0);
     }
-    float *x = malloc(4 * k);
-    for (int j = 0; j < k; j++) x[j] = (rand() % 2001 - 1000) / 500.f;
-    int8_t *aq = aligned_alloc(64, k);
-    float *ad = malloc(4 * nb);
-    int16_t *abs_ = aligned_alloc(64, 32 * nb);
-    quantize_row_q8k(x, k, QLIB_Q4_K, aq, ad, abs_);
-    float *y1 = malloc(4 * n), *y2 = malloc(4 * n);
-#pragma omp parallel
-    {
-        gemv_blocks(QLIB_Q4_K, w[0], n, k, aq, ad, abs_, y1);
-        gemv_panels(pw[0], n, k, aq, ad, abs_, y2);
-    }
-    double err = 0, mx = 0;
-    for (int i = 0; i < n; i++) {
-        double e = y1[i] - y2[i];
-        if (e < 0) e = -e;
-        if (e > err) err = e;
-        if (y1[i] > mx) mx = y1[i];
-    }
-    printf("max |diff| panels %.3g (max %.3g)\n", err, mx);
-    const double bytes = (double)wb * NM;
-    for (int round = 0; round < 5; round++) {
-        double tA = 1e9, tB = 1e9, tR = 1e9;
-        for (int rep = 0; rep < 5; rep++) {
-            double t0 = now();
-#pragma omp parallel
-            for (int i = 0; i < NM; i++) gemv_panels(pw[i], n, k, aq, ad, abs_, y2);
-            double t1 = now();
-#pragma omp parallel
-            for (int i = 0; i < NM; i++) gemv_blocks(QLIB_Q4_K, w[i], n, k, aq, ad, abs_, y1);
-            double t2 = now();
-            double t3 = now();
-#pragma omp parallel
-            for (int i = 0; i < NM; i++) read_all(pw[i], pb, y1);
-            double t4 = now();
-            if (t4 - t3 < tR) tR = t4 - t3;
-            if (t2 - t1 < tA) tA = t2 - t1;
-            if (t1 - t0 < tB) tB = t1 - t0;
-        }
-        printf("round %d: blocks %.1f GB/s (%.2f ms), panels %.1f GB/s of the blocks' bytes (%.2f ms), a plain read of the panels %.1f GB/s (%d matrices, %.0f MB)\n",
-               round, bytes / tA / 1e9, tA * 1e3, bytes / tB / 1e9, tB * 1e3, (double)pb * NM / tR / 1e9, NM, bytes / 1e6);
-    }
+    compare_and_time(QLIB_Q4_K, gemv_panels, w, pw, NM, n, k, wb, pb);
     return 0;
 }

@@ -121,42 +121,6 @@ int main(int argc, char **argv) {
         }
         p6_put(w[i], n, k, pw[i]);
     }
-    float *x = malloc(4 * k);
-    for (int j = 0; j < k; j++) x[j] = (rand() % 2001 - 1000) / 500.f;
-    int8_t *aq = aligned_alloc(64, k);
-    float *ad = malloc(4 * nb);
-    int16_t *abs_ = aligned_alloc(64, 32 * nb);
-    quantize_row_q8k(x, k, QLIB_Q6_K, aq, ad, abs_);
-    float *y1 = malloc(4 * n), *y2 = malloc(4 * n);
-#pragma omp parallel
-    {
-        gemv_blocks(QLIB_Q6_K, w[0], n, k, aq, ad, abs_, y1);
-        gemv_panels(pw[0], n, k, aq, ad, abs_, y2);
-    }
-    double err = 0, mx = 0;
-    for (int i = 0; i < n; i++) {
-        const double e = fabs((double)y1[i] - y2[i]), a = fabs((double)y1[i]);
-        err = e > err ? e : err, mx = a > mx ? a : mx;
-    }
-    printf("max |diff| panels %.3g (max |y| %.3g)\n", err, mx);
-    const double bytes = (double)wb * NM;
-    for (int round = 0; round < 5; round++) {
-        double tA = 1e9, tB = 1e9, tR = 1e9;
-        for (int rep = 0; rep < 5; rep++) {
-            double t0 = omp_get_wtime();
-#pragma omp parallel
-            for (int i = 0; i < NM; i++) gemv_panels(pw[i], n, k, aq, ad, abs_, y2);
-            double t1 = omp_get_wtime();
-#pragma omp parallel
-            for (int i = 0; i < NM; i++) gemv_blocks(QLIB_Q6_K, w[i], n, k, aq, ad, abs_, y1);
-            double t2 = omp_get_wtime();
-#pragma omp parallel
-            for (int i = 0; i < NM; i++) read_all(pw[i], pb, y1);
-            double t3 = omp_get_wtime();
-            tB = t1 - t0 < tB ? t1 - t0 : tB, tA = t2 - t1 < tA ? t2 - t1 : tA, tR = t3 - t2 < tR ? t3 - t2 : tR;
-        }
-        printf("round %d: blocks %.1f GB/s (%.2f ms), panels %.1f GB/s (%.2f ms), a plain read %.1f GB/s (%d matrices, %.0f MB)\n",
-               round, bytes / tA / 1e9, tA * 1e3, bytes / tB / 1e9, tB * 1e3, (double)pb * NM / tR / 1e9, NM, bytes / 1e6);
-    }
+    compare_and_time(QLIB_Q6_K, gemv_panels, w, pw, NM, n, k, wb, pb);
     return 0;
 }

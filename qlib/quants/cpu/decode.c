@@ -90,6 +90,7 @@ void qlib_decode_set_prefetch(int groups) { qlib_decode_prefetch_groups = groups
 static void prefetch_share(const qlib_step *s, int t, int nth) {
     const int groups = qlib_decode_prefetch_groups;
     if (groups <= 0 || (s->kind != STEP_QGEMV && s->kind != STEP_KGEMV)) return;
+    if (s->kind == STEP_KGEMV && (s->type & PANELS)) return; /* Q4_K panels: one stream, none */
     const int panels = s->kind == STEP_QGEMV && (s->type & PANELS);
     const int rows_per = panels ? 16 : 4, items = (s->n + rows_per - 1) / rows_per;
     const int q = items / nth, r = items % nth;
@@ -111,7 +112,7 @@ static void prefetch_share(const qlib_step *s, int t, int nth) {
                 _mm_prefetch((const char *)s->m + mplanes * j + off, _MM_HINT_T1);
     } else {
         row_bytes = qlib_kgemv_row_bytes(s->type, s->k);
-        if (!row_bytes) return; /* float rows and Q4_K panels (block_bytes 0): not here */
+        if (!row_bytes) return; /* float rows: not prefetched here */
     }
     const char *w = (const char *)s->w + row_bytes * j;
     for (size_t off = 0; off < row_bytes * rows; off += 64) _mm_prefetch(w + off, _MM_HINT_T1);
