@@ -216,10 +216,11 @@ for dev in devices:
 # point): the passage's tokens repeated to N, prefilled, then `long_steps` greedy steps from
 # position N. Beside each point the floor of a decode step: the bytes it must read (every
 # matmul weight once, and the KV cache over N positions in its type) at this machine's
-# measured memory bandwidth (`copy_bandwidth`: a read-only pass on CPU, a copy on GPU). llama.cpp keeps its default f16 cache.
+# measured memory bandwidth (`copy_bandwidth`: a read-only pass on CPU, a copy on GPU),
+# measured just before and just after that point (the higher of the two): a shared machine's
+# memory can change speed between points. llama.cpp keeps its default f16 cache.
 
 # %%
-from qlib.suite.experiments.common import copy_bandwidth
 from qlib.suite.experiments.speed import llama_cpp_available
 
 long_configs = throughput.long_context_configs(device if device in ("cpu", "cuda") else "cpu",
@@ -228,16 +229,17 @@ if not llama_cpp_available():
     print(w.skipped("llama.cpp at long context", "llama-cpp-python is not installed (peers)"))
 long_rows = throughput.long_context_curve(model_path, long_contexts, steps=long_steps,
                                           reps=long_reps, threads=long_threads,
-                                          configs=long_configs)
-bw = copy_bandwidth(device if device == "cuda" else "cpu", threads=long_threads)
+                                          configs=long_configs,
+                                          device=device if device == "cuda" else "cpu")
 longc = pd.DataFrame(long_rows)
-longc["floor_ms"] = (longc.weight_bytes + longc.kv_bytes) / bw * 1e3
+longc["floor_ms"] = (longc.weight_bytes + longc.kv_bytes) / (longc.read_gbs * 1e9) * 1e3
 if "decode_ms" in longc:
     longc["decode_over_floor"] = longc.decode_ms / longc.floor_ms
 w.save_table(longc.drop(columns=["weight_bytes"]), "long_context", key=True, caption=(
-    f"bench --context N: prefill ms and decode ms/token (min), the step's bytes floor at "
-    f"{bw / 1e9:.1f} GB/s (measured here: a read-only pass on CPU, a copy on GPU)"),
-    timing=["peak_rss_mb"])
+    f"bench --context N: prefill ms and decode ms/token (min), the step's bytes floor at each "
+    f"point's memory rate (read_gbs, {longc.read_gbs.min():.1f}-{longc.read_gbs.max():.1f} GB/s: "
+    f"a read-only pass on CPU, a copy on GPU, just before and after the point)"),
+    timing=["peak_rss_mb", "read_gbs"])
 ok_long = longc[longc.error == ""] if "error" in longc else longc
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
 for name, g in ok_long.groupby("runtime", sort=False):

@@ -261,6 +261,33 @@ def test_long_context_configs_cover_each_cache_type():
     assert all(f["--device"] == "cuda" and f["--engine"] == "fast" for f in flags)
 
 
+def test_long_context_points_carry_their_own_memory_rate(tiny_path, monkeypatch):
+    """Each point of the long-context curve takes the higher of the read passes just before and
+    just after it (one pass between two points serves both), so that its floor is of its own
+    minute. The bench process is stubbed: the rows' rates and bytes are checked, not timings."""
+    from qlib.suite import bench
+
+    rates = iter([30e9, 60e9, 45e9, 20e9, 50e9])  # bytes/s: before point 1, after each point
+    monkeypatch.setattr(common, "copy_bandwidth", lambda *a, **k: next(rates))
+    argvs = []
+
+    def fake_bench(argv):
+        argvs.append(argv)
+        return {"prefill_ms": {"min": 1.0}, "decode_ms_per_token": {"min": 2.0, "median": 2.5},
+                "peak_rss_mb": 10.0}  # fmt: skip
+
+    monkeypatch.setattr(bench, "run_in_subprocess", fake_bench)
+    configs = [("f32", ["--kv-type", "f32"]), ("f16", ["--kv-type", "f16"])]
+    rows = throughput.long_context_curve(
+        str(tiny_path), [8, 16], steps=2, reps=1, threads=1, configs=configs, progress=False
+    )
+    assert [(r["context"], r["runtime"]) for r in rows] == [
+        (8, "f32"), (8, "f16"), (16, "f32"), (16, "f16")]  # fmt: skip
+    assert [r["read_gbs"] for r in rows] == [60.0, 60.0, 45.0, 50.0]
+    assert rows[0]["kv_bytes"] == 2 * rows[1]["kv_bytes"] == rows[3]["kv_bytes"]
+    assert all("--context" in a and "--no-floor" in a for a in argvs)
+
+
 @pytest.mark.parametrize("cache, attention", throughput.DECODE_VARIANTS)
 def test_a_sliced_snapshot_is_a_prefill_of_the_context(model, cache, attention):
     ids = list(range(5, 25))

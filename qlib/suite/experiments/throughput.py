@@ -244,23 +244,31 @@ def long_context_configs(device: str, kv_types: tuple[str, ...], llama_cpp: bool
 
 def long_context_curve(model: str, contexts: tuple[int, ...] | list[int], *, steps: int,
                        reps: int, threads: int | None, configs: list[tuple],
-                       progress: bool = True) -> list[dict]:  # fmt: skip
+                       device: str = "cpu", progress: bool = True) -> list[dict]:  # fmt: skip
     """The benchmark protocol at each context (``qlib bench --context N``: the passage's tokens
     repeated to N, prefilled, then ``steps`` greedy steps from position N), one process per
-    point and runtime, with the bytes a step must read there (weights + KV cache). A context
-    whose steps would pass the file's ``llama.context_length`` runs at that length less the
-    steps (the row's ``context``; ``requested`` keeps the asked one)."""
+    point and runtime, with the bytes a step must read there (weights + KV cache) and the
+    memory's rate beside it (``read_gbs``: the higher of the ``copy_bandwidth`` passes on
+    ``device`` just before and just after the point, so that each point's floor is of its own
+    minute: this VM's memory moves by up to 2x from minute to minute). A context whose steps
+    would pass the file's ``llama.context_length`` runs at that length less the steps (the
+    row's ``context``; ``requested`` keeps the asked one)."""
     from tqdm.auto import tqdm
 
     from ...gguf import Content
     from ...llama.checks import context_length
     from ..bench import run_in_subprocess
-    from .common import bytes_per_step
+    from .common import bytes_per_step, copy_bandwidth
 
     content = Content.read_path(model)
     limit = context_length(content.metadata) - steps
+
+    def rate() -> float:  # GB/s; ~0.5 s on the CPU
+        return copy_bandwidth(device, mib=256, reps=3, threads=threads) / 1e9
+
     rows = []
     points = [(c, label, argv) for c in contexts for label, argv in configs]
+    before = rate()
     for requested, label, argv in tqdm(points, desc="context points", disable=not progress):
         context = min(requested, limit)
         common = ["--model", str(model), "--context", str(context), "--steps", str(steps),
@@ -269,8 +277,10 @@ def long_context_curve(model: str, contexts: tuple[int, ...] | list[int], *, ste
         r = run_in_subprocess(common + argv)
         kv_type = argv[argv.index("--kv-type") + 1] if "--kv-type" in argv else "f16"  # llama.cpp
         kv = 2 if kv_type == "f16" else 4
+        after = rate()
         row = {"runtime": label, "context": context, "requested": requested,
-               **bytes_per_step(content, context, kv)}  # fmt: skip
+               **bytes_per_step(content, context, kv), "read_gbs": max(before, after)}  # fmt: skip
+        before = after
         if "error" in r:
             row["error"] = r["error"]
         else:
