@@ -183,6 +183,18 @@ def test_cache_growth_changes_nothing(long_file, monkeypatch, kv_type):
     assert torch.equal(a, c) and torch.equal(cache_a, cache_c)  # 4 KB pages: the same
 
 
+def test_a_prompt_filling_the_cache_leaves_room_for_the_next_token(long_file):
+    """A prompt of exactly ``kv_first`` positions grows the cache in its own forward (nothing to
+    copy yet), so the first decode step runs on the same buffer and decode plan."""
+    model, _ = load(long_file, engine="fast", prefill="int8")
+    n = model.kv_first
+    logits = model.forward(_ids(n, seed=4), 0)
+    cache, plan = model.cache, model._plan
+    assert cache.shape[3] > n
+    model.forward(logits.argmax(-1).view(1, 1), n)
+    assert model.cache is cache and model._plan is plan and model.kv_len == n + 1
+
+
 def test_max_seq_len_option(long_file):
     model, _ = load(long_file, engine="fast", prefill="int8", max_seq_len=5000)
     assert model.max_seq_len == 5000
