@@ -487,12 +487,13 @@ class FastModel(StaticKVState):
                        KV_TYPES[self.kv_type], hugepages=self._kv_hugepages)  # fmt: skip
 
     def _grow_cache(self, end: int, keep: int) -> None:
-        """Make the KV cache hold positions up to ``end`` (<= ``max_seq_len``): a new buffer
-        of 1.5 times the positions, or 1.25 times ``end`` (a long prompt: room for the replies
-        after it without another copy), in steps of 256; the first ``keep`` positions copied
-        into it, the decode step prepared again on it (its kernels hold the old buffer's
-        pointers)."""
-        held = self.cache.shape[3]
+        """Make the KV cache hold positions up to ``end`` (<= ``max_seq_len``) and the next one
+        (so that a prompt filling the cache to its last position does not leave the copy to
+        the first decode step: ~28 ms for SmolLM2 at 256 positions): a new buffer of 1.5
+        times the positions, or 1.25 times that (a long prompt: room for the replies after it
+        without another copy), in steps of 256; the first ``keep`` positions copied into it,
+        the decode step prepared again on it (its kernels hold the old buffer's pointers)."""
+        held, end = self.cache.shape[3], min(end + 1, self.max_seq_len)
         if end <= held:
             return
         grown = -(-max(held * 3 // 2, end + end // 4) // 256) * 256
@@ -903,10 +904,7 @@ class FastModel(StaticKVState):
         nq, nkv, hd = c.head_count * c.head_dim, c.head_count_kv * c.head_dim, c.head_dim
         eps, dims, rows = c.rms_norm_eps, (c.embedding_length,), self.bf16_min_rows
         end = index_pos + t
-        # index_pos: kv_len, or 0 to start over; room for the next token too, so that a prompt
-        # filling the cache to its last position does not leave the copy to the first decode
-        # step (~28 ms for SmolLM2 at 256 positions)
-        self._grow_cache(min(end + 1, self.max_seq_len), keep=index_pos)
+        self._grow_cache(end, keep=index_pos)  # index_pos: kv_len, or 0 to start over
         path = self._c_path(t)
         if path is not None:
             with span("model"):
