@@ -882,14 +882,40 @@ PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 
 @needs_kernels
 @pytest.mark.parametrize("type_name", PACKED_TYPES)
-def test_dequantize_rows_of_packed_weights(type_name):
-    """A packed weight's rows (planes, GGUF blocks) dequantize to exactly the
+@pytest.mark.parametrize("panels", [False, True])
+def test_dequantize_rows_of_packed_weights(type_name, panels):
+    """A packed weight's rows (planes, GGUF blocks, 16-row panels) dequantize to exactly the
     values of the QTensor it was packed from: a tied embedding is looked up there."""
     g = torch.Generator().manual_seed(4)
-    w = QTensor.quantize(torch.randn(40, 512, generator=g), type_name)
-    pw = cpu.pack(w)
-    ids = torch.tensor([0, 39, 7, 7, 12])
+    w = QTensor.quantize(torch.randn(48, 512, generator=g), type_name)
+    pw = cpu.pack(w, panels=panels)
+    assert pw.panels == (panels and type_name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K"))
+    ids = torch.tensor([0, 47, 7, 7, 12, 16])
     assert torch.equal(cpu.dequantize_rows(pw, ids), w.dequantize()[ids])
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", sorted(cpu.ROW_TYPES))
+def test_dequant_rows_equals_the_blocks_dequantized(type_name):
+    """rows.c's rows of GGUF blocks of every type it reads are ``dequantize_torch``'s (ggml's
+    ``dequantize_row_*``, itself held to the gguf package's in test_quants) bit for bit,
+    weights scaled so that every code and sub-block scale occurs; bad ids and sizes refused."""
+    g = torch.Generator().manual_seed(5)
+    w = QTensor.quantize(torch.randn(20, 512, generator=g) * torch.rand(20, 1, generator=g) * 8,
+                         type_name)  # fmt: skip
+    ids = torch.tensor([19, 0, 5, 5])
+    got = cpu.dequant_rows(w.data, type_name, 20, 512, ids)
+    assert torch.equal(got, w.dequantize()[ids])
+    lookup_out = torch.empty(512)
+    lookup = cpu.RowLookup(w.data, type_name, 20, 512, lookup_out)
+    lookup(5)
+    assert torch.equal(lookup_out, got[2])
+    with pytest.raises(IndexError):
+        lookup(20)
+    with pytest.raises(IndexError):
+        cpu.dequant_rows(w.data, type_name, 20, 512, torch.tensor([-1]))
+    with pytest.raises(ValueError, match="not"):
+        cpu.dequant_rows(w.data, type_name, 21, 512, ids)
 
 
 @needs_kernels
@@ -939,6 +965,43 @@ def test_mapped_fast_engine_embedding(tmp_path, tie):
     with torch.inference_mode():
         assert torch.equal(mapped.forward(x, 0), read.forward(x, 0))
         assert torch.equal(mapped.forward(x[:, :1], 5), read.forward(x[:, :1], 5))
+
+
+@needs_kernels
+@pytest.mark.parametrize("weight_type,tie", [("Q8_0", True), ("Q4_1", False), ("Q6_K", False),
+                                             ("Q4_K", True), ("F16", False)])  # fmt: skip
+def test_decode_step_reads_the_embedding_row_in_c(tmp_path, weight_type, tie):
+    """A decode step writes its token's embedding row with one C call (``cpu.RowLookup``) on
+    the tied output's panels or blocks, or on the file's blocks (then dropping only that
+    row's mapped pages): the same logits as through ``embed``, step after step."""
+    from qlib.llama.engine import load
+
+    n_embd = 256 if weight_type.endswith("_K") else 128
+    p = write_tiny_llama(tmp_path / "t.gguf", weight_type=weight_type, n_embd=n_embd,
+                         n_ff=2 * n_embd, tie_output=tie)  # fmt: skip
+    fm, _ = load(p, engine="fast")
+    assert fm._embed_row is not None and fm.decode_chained
+    released: list[torch.Tensor] = []
+    if fm._embed_release is not None:
+        release = fm._embed_release
+        fm._embed_release = lambda view: (released.append(view), release(view))
+    x = torch.tensor([[1, 5, 7, 3, 9]])
+    with torch.inference_mode():
+        fm.forward(x, 0)
+        released.clear()  # the prefill's ``embed`` dropped the whole tensor's pages
+        lookup, c_logits = fm._embed_row, []
+        for pos, tok in enumerate([200, 4, 200], start=5):
+            c_logits.append(fm.forward(torch.tensor([[tok]]), pos))
+        decode_releases = [v.numel() for v in released]
+        fm._embed_row = None  # through ``embed``
+        fm.forward(x, 0)
+        for pos, tok in enumerate([200, 4, 200], start=5):
+            assert torch.equal(fm.forward(torch.tensor([[tok]]), pos), c_logits[pos - 5])
+    fm._embed_row = lookup
+    assert (fm._embed_rows is None) == (not tie or fm.output.packed is None)
+    if fm._embed_rows is None:  # the file's rows: each decode step drops its row's pages
+        row_bytes = fm.tok_embd.data.numel() // fm.tok_embd.shape[0]
+        assert decode_releases == [row_bytes] * 3
 
 
 # -- SmolLM2 -------------------------------------------------------------------

@@ -519,6 +519,7 @@ class FastModel(StaticKVState):
         att = self._att = torch.empty(c.head_count * c.head_dim)
         gu = self._gu = torch.empty(2 * n_ff)
         self._pos = cpu.DecodePosition(self.cos, self.sin)  # set per token: _decode_c
+        self._embed_row = self._embed_row_plan(h)
         eps = c.rms_norm_eps
         heads = dict(n_head=c.head_count, n_kv=c.head_count_kv, neox=c.rope_is_neox)
         plan = []
@@ -728,8 +729,34 @@ class FastModel(StaticKVState):
     def _decode_inputs(self, token: torch.Tensor, pos: int) -> None:
         """The C decode step's inputs: the token's embedding row, the position and the RoPE
         rows every attention call reads."""
-        self._h.copy_(self.embed(token))
+        if self._embed_row is not None:
+            self._embed_row(int(token))
+        else:
+            self._h.copy_(self.embed(token))
         self._pos.at(pos)
+
+    def _embed_row_plan(self, h: torch.Tensor) -> Callable[[int], None] | None:
+        """``embed`` of one id into ``h`` in one C call (``cpu.RowLookup``): on the caches a
+        decode step leaves, torch's and numpy's ops took 0.15-0.5 ms a token for it
+        (docs/performance.md, "The embedding row in C"); None where the C kernels do not read
+        the embedding's layout (a tied output's planes, a type without a C dequantizer)."""
+        pw = self._embed_rows
+        if pw is not None:
+            if not (pw.blocks or pw.panels):
+                return None
+            return cpu.RowLookup(pw.codes, pw.type_name, pw.n, pw.k, h, panels=pw.panels)
+        t = self.tok_embd
+        if t.dtype.name not in cpu.ROW_TYPES:
+            return None
+        rows = t.data.view(torch.uint8).reshape(t.shape[0], -1)  # a view of the mapped file
+        lookup = cpu.RowLookup(rows, t.dtype.name, t.shape[0], t.shape[-1], h)
+
+        def embed_row(row: int) -> None:
+            lookup(row)
+            if self._embed_release is not None:
+                self._embed_release(rows[row])  # the row's mapped pages (``embed``: all)
+
+        return embed_row
 
     def decode_step_times(self, token: torch.Tensor, pos: int) -> tuple[torch.Tensor, list]:
         """One decode step of ``token`` (one id) at ``pos`` through the one-region C chain,
@@ -860,7 +887,11 @@ class FastModel(StaticKVState):
         if self._embed_rows is not None:
             return cpu.dequantize_rows(self._embed_rows, ids)
         t = self.tok_embd
-        x = dequantize_torch(t.data[ids].reshape(-1), t.dtype.name, (ids.numel(), t.shape[-1]))
+        if cpu.available() and t.dtype.name in cpu.ROW_TYPES:
+            rows = t.data.view(torch.uint8).reshape(t.shape[0], -1)
+            x = cpu.dequant_rows(rows, t.dtype.name, t.shape[0], t.shape[-1], ids)
+        else:
+            x = dequantize_torch(t.data[ids].reshape(-1), t.dtype.name, (ids.numel(), t.shape[-1]))
         if self._embed_release is not None:
             self._embed_release(t.data)
         return x

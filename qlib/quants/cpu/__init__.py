@@ -6,11 +6,11 @@ repacked; Q2_K..Q6_K on their GGUF blocks).
 ``attn.c`` (the decode attention step), ``decode.c`` (the decode step's GEMVs and
 attention run in one C call, in one OpenMP region: ``DecodeChain``) and
 ``prefill.c`` (RmsNorm, SwiGLU, RoPE + KV write + causal attention between the
-bf16 prefill matmuls; with AMX, an AMX GEMM and the whole prefill layer), shipped
-as source, are compiled on first use and loaded with ctypes. Semantics are ggml's
-(activations quantized to Q8_0 / Q8_1 / Q8_K with x86 rounding, exact integer block
-dots, float32 scaling), so results equal ``qlib.quants.reference.matmul`` to float
-rounding.
+bf16 prefill matmuls; with AMX, an AMX GEMM and the whole prefill layer) and ``rows.c``
+(rows of a weight dequantized: the embedding lookup), shipped as source, are compiled on
+first use and loaded with ctypes. Semantics are ggml's (activations quantized to Q8_0 /
+Q8_1 / Q8_K with x86 rounding, exact integer block dots, float32 scaling), so results equal
+``qlib.quants.reference.matmul`` to float rounding.
 
 Modules, each importing only those above it:
 
@@ -19,8 +19,8 @@ Modules, each importing only those above it:
 * ``layout``: the weight layouts the kernels read (``PackedWeight``, ``AmxWeight``);
 * ``ops``: the C signatures and one typed, checked wrapper per C entry point
   (``qgemm``, ``add_rmsnorm``, ``attn_prefill``, ...), the prepared calls of the
-  decode step (``qgemm_plan``, ``attn_decode_plan``) and their one-call chain
-  (``DecodeChain``), ``amx_available()``;
+  decode step (``qgemm_plan``, ``attn_decode_plan``, ``RowLookup``) and their one-call
+  chain (``DecodeChain``), ``amx_available()``;
 * ``packing``: QTensors -> ``PackedWeight`` (``pack``, ``supports``), weights -> AMX tiles;
 * ``memory``: ``reserve`` (memory taken as written: the KV cache), ``resident_bytes``, 2 MB
   pages for the weights (``hugepage_weights`` with ``weights_empty`` / ``weights_copy`` while
@@ -47,17 +47,20 @@ from .memory import (
 )
 from .ops import (
     DECODE_MODES,
+    ROW_TYPES,
     AmxLayer,
     DecodeChain,
     DecodePosition,
     KernelCall,
     PrefillScratch,
+    RowLookup,
     add_rmsnorm,
     amx_available,
     amx_gemm,
     amx_unavailable_reason,
     attn_decode_plan,
     attn_prefill,
+    dequant_rows,
     dequantize_bf16,
     exp,
     exp_diff,
@@ -98,17 +101,20 @@ __all__ = [
     "weights_copy",
     "weights_empty",
     "DECODE_MODES",
+    "ROW_TYPES",
     "AmxLayer",
     "DecodeChain",
     "DecodePosition",
     "KernelCall",
     "PrefillScratch",
+    "RowLookup",
     "add_rmsnorm",
     "amx_available",
     "amx_gemm",
     "amx_unavailable_reason",
     "attn_decode_plan",
     "attn_prefill",
+    "dequant_rows",
     "dequantize_bf16",
     "dequantize_rows",
     "has_steps",

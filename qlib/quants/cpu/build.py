@@ -1,13 +1,13 @@
 """Building and loading the C kernels: compile on first use, cache, load with ctypes.
 
-``kernels.c``, ``kquants.c``, ``floats.c``, ``prefill.c``, ``attn.c`` and ``decode.c`` (with
-``simd.h``), shipped as source, are compiled with the system C compiler (``$CC`` or ``cc``;
-one compiler per source, as many at once as there are cores, with a progress bar when it
-takes over two seconds) into a cache directory (``$QLIB_CACHE_DIR`` or ``~/.cache/qlib``),
-keyed by a hash of the sources and the flags (a failed build leaves its message there, so it
-is not retried by every process), and loaded with ctypes. ``load_library()`` returns the bare
-``CDLL`` (the C signatures are declared by ``ops.load()``, the only loader the rest of qlib
-uses).
+``kernels.c``, ``kquants.c``, ``floats.c``, ``prefill.c``, ``attn.c``, ``decode.c`` and
+``rows.c`` (with ``simd.h``), shipped as source, are compiled with the system C compiler
+(``$CC`` or ``cc``; one compiler per source, as many at once as there are cores, with a
+progress bar when it takes over two seconds) into a cache directory (``$QLIB_CACHE_DIR`` or
+``~/.cache/qlib``), keyed by a hash of the sources and the flags (a failed build leaves its
+message there, so it is not retried by every process), and loaded with ctypes.
+``load_library()`` returns the bare ``CDLL`` (the C signatures are declared by
+``ops.load()``, the only loader the rest of qlib uses).
 
 The C kernels are unavailable (``available()`` False, ``unavailable_reason()``)
 when the CPU lacks AVX-512 F/BW/VL/VNNI or F16C, no compiler works, or
@@ -33,7 +33,7 @@ from ... import progress
 
 SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("kernels.c", "kquants.c", "floats.c", "prefill.c", "attn.c", "decode.c")
+    for n in ("kernels.c", "kquants.c", "floats.c", "prefill.c", "attn.c", "decode.c", "rows.c")
 ]
 HEADERS = [Path(__file__).with_name("simd.h")]  # included by all: part of the build's hash
 CFLAGS = [

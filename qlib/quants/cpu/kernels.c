@@ -683,6 +683,32 @@ void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, 
     }
 }
 
+/* The GGUF blocks of rows ids[0 .. count) of a Q4_0 / Q4_1 / Q8_0 panel weight (n rows) into
+ * out (count x k / 32 blocks): the inverse of qlib_repack's panels. Returns 0, or -1 (type,
+ * k, an id outside 0..n-1). */
+int qlib_panel_get(int type, const uint8_t *panels, int n, int k, const int64_t *ids,
+                   int count, uint8_t *out) {
+    if ((type != QLIB_Q4_0 && type != QLIB_Q4_1 && type != QLIB_Q8_0) || k % 32 || n % 16)
+        return -1;
+    const int G = k / 32, q4_1 = type == QLIB_Q4_1, q8 = type == QLIB_Q8_0;
+    const int bsize = q8 ? 34 : q4_1 ? 20 : 18, dm = q4_1 ? 4 : 2, vecs = q8 ? 8 : 4;
+    const size_t rec = panel_rec(type), cbytes = panel_codes(type);
+    for (int i = 0; i < count; i++) {
+        if (ids[i] < 0 || ids[i] >= n) return -1;
+        const int p = (int)(ids[i] / 16), r = (int)(ids[i] % 16);
+        for (int b = 0; b < G; b++) {
+            const uint8_t *src = panels + ((size_t)p * G + b) * rec;
+            uint8_t *blk = out + ((size_t)i * G + b) * bsize;
+            memcpy(blk, src + cbytes + 2 * r, 2);
+            if (q4_1) memcpy(blk + 2, src + cbytes + 32 + 2 * r, 2);
+            for (int j = 0; j < vecs; j++)
+                for (int t = 0; t < 4; t++)
+                    blk[dm + 4 * j + t] = src[64 * j + 4 * r + t] ^ (q8 ? 0x80 : 0);
+        }
+    }
+    return 0;
+}
+
 /* The planes -> bfloat16 bits [n, k]: ggml's dequantized float, rounded to nearest even. */
 void qlib_dequant_bf16(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *m,
                        int n, int k, uint16_t *out) {

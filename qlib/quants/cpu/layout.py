@@ -32,9 +32,8 @@ BLOCKS = {"Q2_K": (256, 84), "Q3_K": (256, 110),
 # the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants: super-blocks of 256)
 ROW_MULTIPLE = {t: 256 if t.endswith("_K") else 64 for t in (*TYPE_CODES, *BLOCK_CODES)}
 # Q4_0 / Q4_1 / Q8_0 as 16-row panels: kernels.c's type code | PANELS; per 16 rows and block
-# of 32 a record of PANEL_RECORD bytes (codes: PANEL_CODES; then 16 f16 d, Q4_1: 16 f16 m)
+# of 32 a record of PANEL_RECORD bytes (codes: Q4_* 256, Q8_0 512; then 16 f16 d, Q4_1: 16 f16 m)
 PANELS = 64
-PANEL_CODES = {"Q4_0": 256, "Q4_1": 256, "Q8_0": 512}
 PANEL_RECORD = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544}
 # Q4_K as 16-row panels: kquants.c's type code | PANELS; per 16 rows and super-block of 256
 # K_PANEL_RECORD bytes (the codes four at a time a lane, the decoded scales and mins, d, dmin)

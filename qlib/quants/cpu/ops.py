@@ -36,6 +36,7 @@ from .layout import (
     K_PANEL_RECORD,
     M_WORDS,
     PANEL_RECORD,
+    PANELS,
     ROW_MULTIPLE,
     TYPE_CODES,
     AmxWeight,
@@ -64,6 +65,7 @@ _SIGNATURES = {
     "qlib_kpanel_set_prefetch": ([_i], None),
     "qlib_kpanel_put": ([_i, _p, _i, _i, _p, _i], _i),
     "qlib_kpanel_get": ([_i, _p, _i, _i, _p, _i, _p], _i),
+    "qlib_dequant_rows": ([_i, _p, _i, _i, _p, _i, _p], _i),
     "qlib_attn_set_two_pass": ([_i], None),
     "qlib_attn_set_prefetch": ([_i], None),
     "qlib_attn_decode": ([_p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _i, _p], _i),
@@ -418,6 +420,62 @@ def kpanels_get(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
                               ids.data_ptr(), ids.numel(), out.data_ptr()):  # fmt: skip
         raise IndexError(f"kpanels_get: a row id outside 0..{w.n - 1}")
     return out
+
+
+ROW_TYPES = {**TYPE_CODES, **BLOCK_CODES}
+"""The types ``dequant_rows`` reads as GGUF blocks (ggml's type ids)."""
+
+
+def _rows_args(data: torch.Tensor, type_name: str, n: int, k: int, panels: bool) -> tuple:
+    """``qlib_dequant_rows``'s arguments before the ids: checked (ValueError)."""
+    _check(data, torch.uint8, "data")
+    code = ROW_TYPES.get(type_name)
+    if code is None:
+        raise ValueError(f"dequant_rows: {type_name} is not read by the C kernels")
+    if panels:
+        size = _panel_bytes(PackedWeight(type_name, n, k, data, None, None, panels=True))
+        code |= PANELS
+    else:
+        qk, nbytes = BLOCKS.get(type_name) or (32, _BLOCK_BYTES[type_name])
+        size = n * (k // qk) * nbytes if k % qk == 0 else None
+    if size is None or data.numel() != size:
+        what = "panels" if panels else "blocks"
+        raise ValueError(f"dequant_rows: {data.numel()} bytes are not {type_name} {what} of "
+                         f"[{n}, {k}]")  # fmt: skip
+    return code, data.data_ptr(), n, k
+
+
+def dequant_rows(data: torch.Tensor, type_name: str, n: int, k: int, ids: torch.Tensor, *,
+                 panels: bool = False) -> torch.Tensor:  # fmt: skip
+    """Rows ``ids`` of an ``[n, k]`` weight as float32 ``[len(ids), k]``, the values of
+    ggml's ``dequantize_row_*`` (rows.c): ``data`` holds its GGUF blocks row after row
+    (``ROW_TYPES``), or with ``panels`` its 16-row panels (Q4_0 / Q4_1 / Q8_0 / Q4_K)."""
+    args = _rows_args(data, type_name, n, k, panels)
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), k)
+    if _lib().qlib_dequant_rows(*args, ids.data_ptr(), ids.numel(), out.data_ptr()):
+        raise IndexError(f"dequant_rows: a row id outside 0..{n - 1}")
+    return out
+
+
+class RowLookup:
+    """``dequant_rows`` of one row into a fixed ``out`` (``k`` float32), prepared once: a
+    decode step's embedding row in one C call (``lookup(row)``)."""
+
+    def __init__(self, data: torch.Tensor, type_name: str, n: int, k: int, out: torch.Tensor,
+                 *, panels: bool = False):  # fmt: skip
+        _check(out, torch.float32, "out")
+        if out.numel() != k:
+            raise ValueError(f"RowLookup: out holds {out.numel()} floats, not k={k}")
+        self.n, self.keep = n, (data, out)
+        self._row = ctypes.c_int64(0)
+        self._call = partial(_lib().qlib_dequant_rows, *_rows_args(data, type_name, n, k, panels),
+                             ctypes.byref(self._row), 1, out.data_ptr())  # fmt: skip
+
+    def __call__(self, row: int) -> None:
+        self._row.value = row
+        if self._call():
+            raise IndexError(f"RowLookup: row {row} outside 0..{self.n - 1}")
 
 
 def dequantize_bf16(w: PackedWeight) -> torch.Tensor:

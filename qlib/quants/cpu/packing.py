@@ -18,10 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from ..api import dequantize_torch
 from ..base import FORMATS
 from . import build, ops
 from .layout import (
@@ -29,7 +27,6 @@ from .layout import (
     BLOCKS,
     K_PANEL_RECORD,
     M_WORDS,
-    PANEL_CODES,
     PANEL_RECORD,
     ROW_MULTIPLE,
     TYPE_CODES,
@@ -182,16 +179,12 @@ def _mins(pw: PackedWeight, rows) -> torch.Tensor:
 def dequantize_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of a packed weight as float32 ``[len(ids), k]``: the values
     ``QTensor.dequantize`` gives for those rows of the weight it was packed from (a tied
-    embedding looked up in the output layer's planes: ``q * d (+ m)``, the same float32
-    products; GGUF blocks are dequantized as they are)."""
+    embedding looked up in the output layer's weight: ``q * d (+ m)``, the same float32
+    products). Panels and GGUF blocks in one C call (``ops.dequant_rows``), planes in torch."""
     ids = ids.reshape(-1)
     t, k = ids.numel(), pw.k
-    if pw.blocks and pw.panels:  # Q4_K panels: the rows' blocks back, then as blocks
-        return dequantize_torch(ops.kpanels_get(pw, ids).reshape(-1), pw.type_name, (t, k))
-    if pw.panels:
-        return _panel_rows(pw, ids)
-    if pw.blocks:
-        return dequantize_torch(pw.codes[ids].reshape(-1), pw.type_name, (t, k))
+    if pw.blocks or pw.panels:
+        return ops.dequant_rows(pw.codes, pw.type_name, pw.n, k, ids, panels=pw.panels)
     q = _plane_codes(pw.codes[ids], pw.type_name, _qh(pw, ids))
     if pw.type_name == "Q4_0":
         q = q - 8
@@ -200,36 +193,6 @@ def dequantize_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     if pw.type_name in ("Q4_1", "Q5_1"):
         y = y + _mins(pw, ids).unsqueeze(-1)
     return y.reshape(t, k)
-
-
-def _panel_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
-    """``dequantize_rows`` of a weight packed as panels: row ``r`` of panel ``p`` is lane
-    ``r % 16`` of each record's code vectors (4 codes a lane), d and m. In numpy: the same
-    float32 products as torch's ops gave, a decode step's embedding row in ~30 us instead of
-    ~60 (docs/performance.md, "The embedding row in numpy")."""
-    G, nc = pw.k // 32, PANEL_CODES[pw.type_name]
-    ids_np = ids.reshape(-1).numpy()
-    t = len(ids_np)
-    rec = pw.codes.numpy().reshape(pw.n // 16, G, -1)[ids_np // 16]  # [t, G, record]
-    lane = (ids_np % 16)[:, None, None]
-    vectors = rec[:, :, :nc].reshape(t, G, nc // 64, 16, 4)  # [t, G, vector, lane, 4 codes]
-    at = np.ix_(np.arange(t), np.arange(G), np.arange(nc // 64))
-    q = vectors[(*at, lane)].reshape(t, G, nc // 16)
-
-    def scale(offset: int) -> np.ndarray:  # the row's f16 d (or m) of each block, [t, G, 1]
-        words = np.ascontiguousarray(rec[:, :, offset : offset + 32]).view(np.float16)
-        return np.take_along_axis(words, lane, axis=2).astype(np.float32)
-
-    if pw.type_name == "Q8_0":
-        y = (q.astype(np.int16) - 128).astype(np.float32) * scale(nc)
-    else:  # low nibbles: elements 4j + t, high: 4j + 16 + t (j, t: the bytes in order)
-        y = np.concatenate([q & 15, q >> 4], axis=2).astype(np.float32)
-        if pw.type_name == "Q4_0":
-            y -= 8
-        y *= scale(nc)
-        if pw.type_name == "Q4_1":
-            y += scale(nc + 32)
-    return torch.from_numpy(y.reshape(t, pw.k))
 
 
 def _tile_rows(n: int, interleave: bool) -> torch.Tensor | None:
