@@ -115,8 +115,8 @@ def generate(
     Stops early at ``eos_token_id`` when one is given (the EOS id is kept).
     Step times go into ``timings`` when given: the prefill (which yields the
     first new token) and each later decode step. Greedy decoding on an engine
-    that offers it (``GreedyOnDevice``: the fast CUDA engine) takes each step's
-    argmax on the device and reads back only the id, not the logits.
+    that offers it (``GreedyOnDevice``: the fast engines) takes each step's argmax
+    there and hands back only the id (on CUDA the logits stay on the device).
     """
     from .llama.engine import GreedyOnDevice
 

@@ -37,7 +37,7 @@ from synthetic import write_tiny_llama
 from qlib import models
 from qlib.gguf import Content
 from qlib.llama import fast_cpu as fast
-from qlib.llama.errors import IndexPosError
+from qlib.llama.errors import IndexPosError, InputError
 from qlib.llama.faithful import ModelWeights
 from qlib.quants import cpu, reference
 from qlib.quants.qtensor import QTensor
@@ -965,6 +965,28 @@ def test_mapped_fast_engine_embedding(tmp_path, tie):
     with torch.inference_mode():
         assert torch.equal(mapped.forward(x, 0), read.forward(x, 0))
         assert torch.equal(mapped.forward(x[:, :1], 5), read.forward(x[:, :1], 5))
+
+
+@needs_kernels
+def test_greedy_step_equals_forward_and_argmax(tiny):
+    """``greedy_step`` (``generate``'s greedy step: the C step's logits into a kept buffer,
+    the id handed back) gives the ids of ``forward`` and ``argmax``, and checks its input."""
+    from qlib.generate import generate
+    from qlib.llama.engine import GreedyOnDevice, load
+
+    fm, _ = load(tiny[1], engine="fast")
+    assert isinstance(fm, GreedyOnDevice) and fm.decode_chained
+    prompt, want = [1, 5, 7, 3], []
+    with torch.inference_mode():
+        token = int(fm.forward(torch.tensor([prompt]), 0).argmax())
+        for pos in range(len(prompt), len(prompt) + 6):
+            want.append(token)
+            token = int(fm.forward(torch.tensor([[token]]), pos).argmax())
+    assert generate(fm, prompt, 7) == [*want, token]
+    with pytest.raises(IndexPosError):
+        fm.greedy_step(3, 2)
+    with pytest.raises(InputError, match="vocabulary"):
+        fm.greedy_step(fm.vocab_size, fm.kv_len)
 
 
 @needs_kernels

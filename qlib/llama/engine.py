@@ -53,8 +53,9 @@ class Engine(Protocol):
 
 @runtime_checkable
 class GreedyOnDevice(Protocol):
-    """An engine that also decodes greedily without the logits leaving the device (the fast
-    CUDA engine): ``generate`` uses it for greedy decoding."""
+    """An engine that also decodes greedily without handing out the logits (the fast CUDA
+    engine: they stay on the device; the fast CPU engine: no tensor made per token):
+    ``generate`` and ``bench`` use it for greedy decoding."""
 
     def greedy_step(self, token: int, index_pos: int) -> int:
         """``forward`` of ``token`` at ``index_pos``; returns the argmax of its logits."""

@@ -107,6 +107,8 @@ from .checks import (
     StaticKVState,
     check_kv_type,
     check_max_seq_len,
+    check_positions,
+    check_token_ids,
     context_length,
 )
 from .config import MAX_SEQ_LEN, LlamaConfig, rope_tables
@@ -520,6 +522,7 @@ class FastModel(StaticKVState):
         gu = self._gu = torch.empty(2 * n_ff)
         self._pos = cpu.DecodePosition(self.cos, self.sin)  # set per token: _decode_c
         self._embed_row = self._embed_row_plan(h)
+        self._greedy_logits: torch.Tensor | None = None  # greedy_step's logits, made once
         eps = c.rms_norm_eps
         heads = dict(n_head=c.head_count, n_kv=c.head_count_kv, neox=c.rope_is_neox)
         plan = []
@@ -638,7 +641,7 @@ class FastModel(StaticKVState):
         """The C path for a forward of ``t`` rows (``f(ids, pos, all_logits)``), or None for the
         torch ops: the decode chain, the bf16 prefill (AMX or oneDNN), the int8 C prefill."""
         if t == 1 and self._plan is not None:
-            return lambda ids, pos, _all_logits: self._decode_c(ids, pos)
+            return lambda ids, pos, _all_logits: self._decode_c(int(ids), pos)
         if self._fused_prefill and t >= self.bf16_min_rows:
             return self._prefill_amx if self.amx_layers else self._prefill_fused
         if self._c_int8_prefill and t > 1:
@@ -713,27 +716,44 @@ class FastModel(StaticKVState):
             )  # fmt: skip
         return self._logits(h, 0 if all_logits else t - 1)
 
-    def _decode_c(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        """One token through the fused C kernels: 5 prepared calls per layer and the logits,
-        no torch ops; in one C call (``decode_mode``) or one ctypes call each."""
+    def _decode_c(self, token: int, pos: int, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """One token through the fused C kernels: 5 prepared calls per layer and the logits
+        (into ``logits`` when given), no torch ops; in one C call (``decode_mode``) or one
+        ctypes call each."""
         self._decode_inputs(token, pos)
         chain = self._chains.get(self._decode_mode)
         if chain is not None:  # the whole step in one C call
-            logits = chain()
-            return logits if logits is not None else self._logits_plan()
+            out = chain(logits)
+            return out if out is not None else self._logits_plan()
         for qkv, attn, wo, w13, w2 in self._plan:
             if qkv() or attn() or wo() or w13() or w2():
                 raise MemoryError("the C decode step: out of memory")
         return self._logits_plan()
 
-    def _decode_inputs(self, token: torch.Tensor, pos: int) -> None:
+    def _decode_inputs(self, token: int, pos: int) -> None:
         """The C decode step's inputs: the token's embedding row, the position and the RoPE
         rows every attention call reads."""
         if self._embed_row is not None:
-            self._embed_row(int(token))
+            self._embed_row(token)
         else:
-            self._h.copy_(self.embed(token))
+            self._h.copy_(self.embed(torch.tensor([token])))
         self._pos.at(pos)
+
+    def greedy_step(self, token: int, index_pos: int) -> int:
+        """``forward`` of one token at ``index_pos``, then the argmax of its logits (the next
+        greedy token; ``generate`` and ``bench`` take greedy steps so): with the C decode
+        step, the logits go into a buffer kept for it and no tensor is made per token."""
+        if self._plan is None:
+            return int(self.forward(torch.tensor([[token]]), index_pos).numpy().argmax())
+        check_positions(index_pos, 1, self._kv_len, self.max_seq_len)
+        check_token_ids(token, token, self.vocab_size)
+        self._grow_cache(index_pos + 1, keep=index_pos)
+        if self._greedy_logits is None:
+            self._greedy_logits = torch.empty(1, self.vocab_size)
+        with span("model"):
+            logits = self._decode_c(token, index_pos, self._greedy_logits)
+        self._kv_len = index_pos + 1
+        return int(logits.numpy().argmax())  # (numpy's: ~5 us where torch's took ~90)
 
     def _embed_row_plan(self, h: torch.Tensor) -> Callable[[int], None] | None:
         """``embed`` of one id into ``h`` in one C call (``cpu.RowLookup``): on the caches a
@@ -768,7 +788,7 @@ class FastModel(StaticKVState):
         chain = self._chains.get("region")
         if chain is None:
             raise ModelError("decode_step_times: this model has no one-region C decode step")
-        self._decode_inputs(token.reshape(-1), pos)
+        self._decode_inputs(int(token), pos)
         logits, seconds = chain.step_seconds()
         return logits, list(zip(chain.owners, seconds, strict=True))
 

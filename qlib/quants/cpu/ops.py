@@ -332,10 +332,16 @@ class DecodeChain:
     def __len__(self) -> int:
         return len(self._array)
 
-    def __call__(self) -> torch.Tensor | None:
+    def __call__(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run the chain: the output layer's result (into ``out`` when given, else a new
+        tensor), or None where the chain has no output step."""
         y = None
         if self._shape is not None:
-            y = torch.empty(self._shape)
+            if out is not None:
+                _check(out, torch.float32, "out")
+                if out.shape != self._shape:
+                    raise ValueError(f"DecodeChain: out {list(out.shape)}, not {list(self._shape)}")
+            y = out if out is not None else torch.empty(self._shape)
             self._last.y = y.data_ptr()
         if self._call():
             raise MemoryError("the C decode step: out of memory")
