@@ -24,7 +24,8 @@
  * bit-identical). Wider groups, and a float32 cache on AMD CPUs (two_pass_f32, below: their
  * prefetchers follow one stream at a time better than two side by side), take `attn_piece`:
  * three passes, scores of the piece into a buffer (a float32 cache's keys outer too), softmax,
- * then p v (a float32 cache's keys and values prefetched 16 rows ahead: pf_rows_f32). e^x is the vector exp16 (~1 ulp).
+ * then p v (a float32 cache's keys prefetched 16 rows ahead: pf_rows_f32; the values' pass
+ * left to the hardware's prefetchers). e^x is the vector exp16 (~1 ulp).
  * d % 16 == 0, d <= 128. Returns 0, or -1 (out of memory). */
 #include <cpuid.h>
 #include <immintrin.h>
@@ -122,16 +123,19 @@ static inline __attribute__((always_inline)) void block_scores_ko(
     for (int r = 0; r < REP; r++) sv[r] = _mm512_mul_ps(hs_l34(w[r][0], w[r][1]), vscale);
 }
 
-/* Rows ahead that the three passes' K and V streams of a float32 cache prefetch (software, a
- * 4 KB page = 16 rows of 64 ahead: the hardware's prefetchers stop at page ends). A/B at 2,800
+/* Rows ahead that the three passes' K stream of a float32 cache prefetches (software, a 4 KB
+ * page = 16 rows of 64 ahead: the hardware's prefetchers stop at page ends). A/B at 2,800
  * positions, SmolLM2's heads, 2 threads, 8 rounds alternating: the 30 layers' attention calls
  * alone 4.97 / 6.66 ms min / median without, 3.55 / 5.16 with 16 rows, 3.69 / 5.55 with 32;
  * inside the whole decode step 8.48 / 9.74 against 8.45 / 9.48 ms (neutral). The A/B hook:
- * qlib_attn_set_prefetch (0: none). */
+ * qlib_attn_set_prefetch (0: none). The values' pass (weighted_v) has none: its prefetch
+ * through prefetch_rows had compiled to nothing, and written out (the thirty-second session,
+ * one process alternating, the decode step at 64 / 256 / 1,024 / 2,800 / 4,096 positions) it
+ * measured x1.011 / 1.002 / 1.006 / 1.017 / 1.008, slower. */
 static int pf_rows_f32 = 16;
 void qlib_attn_set_prefetch(int rows) { pf_rows_f32 = rows < 0 ? 16 : rows; }
 
-/* Prefetch the bytes of rows [l, l + n) of a float32 K or V of rows of d (within l1) */
+/* Prefetch the bytes of rows [l, l + n) of a float32 K of rows of d (within l1) */
 static inline void prefetch_rows(const void *X, int l, int n, int l1, int d) {
     if (l + n > l1) return;
     const char *p = (const char *)((const float *)X + (size_t)l * d);
@@ -198,10 +202,8 @@ static inline __attribute__((always_inline)) void weighted_v(
     __m512 acc[4][8];
     for (int r = 0; r < RG; r++)
         for (int i = 0; i < ND; i++) acc[r][i] = _mm512_setzero_ps();
-    const int pf = f16 ? 0 : pf_rows_f32;
     for (int l = l0; l < l1; l++) {
         __m512 v[8];
-        if (pf) prefetch_rows(V, l + pf, 1, l1, d);
         for (int i = 0; i < ND; i++) v[i] = load_kv(V, (size_t)l * d + 16 * i, f16);
         for (int r = 0; r < RG; r++) {
             const __m512 w = _mm512_set1_ps(p[(size_t)r * ld + (l - l0)]);
