@@ -460,6 +460,18 @@ static inline __attribute__((always_inline)) void gemv_group(
 int qlib_panel_prefetch = 0;
 void qlib_gemv_set_panel_prefetch(int bytes) { qlib_panel_prefetch = bytes; }
 
+/* Whether the panels' GEMVs (here and kquants.c's Q4_K panels) prefetch the activation row's
+ * next codes and scales into L1 as they go (an A/B hook, qlib_gemv_set_act_prefetch; 1, the
+ * default). A panel of a long row streams more than L1 holds between two reads of the same
+ * activation bytes (a Q4_K panel of k = 8,192: 76 KB), so each super-block's codes came from
+ * L2 on the loads' critical path: in a fast minute (plain read 61-65 GB/s) the 1B shape's
+ * Q4_K ffn_down (2,048 x 8,192) ran at 43.7-45.1 GB/s against 60.6 with the prefetch
+ * (tools/harness/q4k_panels.c), the decode step's Q4_K down GEMVs 46.2 -> 58.4 GB/s, 210 ->
+ * 166 us a layer; k = 2,048 55-58 -> 59-60 GB/s; slow minutes and SmolLM2 (rows of 576 and
+ * 1,536) unchanged (docs/performance.md, "The activation row prefetched in the panels"). */
+int qlib_act_prefetch = 1;
+void qlib_gemv_set_act_prefetch(int on) { qlib_act_prefetch = on; }
+
 /* The exact offset term per block (Q4_0: -8, Q8_0: -128 x the sum of its 32 activation codes),
  * from act_row's per-4-code corrections. */
 static inline void block_corrections(const int32_t *corr, int G, int32_t *cb) {
@@ -481,6 +493,14 @@ static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *
     __m512 facc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
     for (int b = 0; b < G; b++, c += rec) {
         int32_t a4[8];
+        if (qlib_act_prefetch) { /* the activation codes two blocks on, the scales 16 on */
+            if (b % 2 == 0 && b + 2 < G) _mm_prefetch((const char *)(aq + 32 * (b + 2)), _MM_HINT_T0);
+            if (b % 16 == 0 && b + 16 < G) {
+                _mm_prefetch((const char *)(ad + b + 16), _MM_HINT_T0);
+                _mm_prefetch((const char *)(as + b + 16), _MM_HINT_T0);
+                _mm_prefetch((const char *)(cb + b + 16), _MM_HINT_T0);
+            }
+        }
         memcpy(a4, aq + 32 * b, 32);
         if (pf)
             for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)c + pf + o, _MM_HINT_T0);

@@ -644,6 +644,9 @@ int qlib_kpanel_get(int type, const uint8_t *panels, int n, int k, const int64_t
 static int qlib_kpanel_prefetch = 0;
 void qlib_kpanel_set_prefetch(int bytes) { qlib_kpanel_prefetch = bytes < 0 ? 0 : bytes; }
 
+extern int qlib_act_prefetch; /* kernels.c's A/B hook, qlib_gemv_set_act_prefetch */
+void qlib_gemv_set_act_prefetch(int on);
+
 /* The dots of one panel (16 rows, nb super-blocks; o: its first super-block) with one Q8_K
  * activation row (act_order codes, d, the Q4_K sums of 32 in lanes 8..15 of each 16). */
 static inline __attribute__((always_inline)) __m512 kpanel_dot(const uint8_t *o, int nb,
@@ -656,6 +659,12 @@ static inline __attribute__((always_inline)) __m512 kpanel_dot(const uint8_t *o,
         if (pf)
             for (int off = 0; off < KP_SB; off += 64)
                 _mm_prefetch((const char *)o + pf + off, _MM_HINT_T1);
+        if (qlib_act_prefetch && b + 1 < nb) { /* the next super-block's activation codes and sums */
+            const char *an = (const char *)(aq + 256 * (b + 1));
+            _mm_prefetch(an, _MM_HINT_T0), _mm_prefetch(an + 64, _MM_HINT_T0);
+            _mm_prefetch(an + 128, _MM_HINT_T0), _mm_prefetch(an + 192, _MM_HINT_T0);
+            _mm_prefetch((const char *)(abs_ + 16 * (b + 1)), _MM_HINT_T0);
+        }
         const int32_t *a32 = (const int32_t *)(aq + 256 * b);
         __m512i sumi = _mm512_setzero_si512();
         for (int q = 0; q < 8; q++) {

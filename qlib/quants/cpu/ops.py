@@ -61,6 +61,7 @@ _SIGNATURES = {
     "qlib_decode_set_prefetch": ([_i], None),
     "qlib_gemv_set_seq_k": ([_i], None),
     "qlib_gemv_set_panel_prefetch": ([_i], None),
+    "qlib_gemv_set_act_prefetch": ([_i], None),
     "qlib_kgemv_set_prefetch": ([_i], None),
     "qlib_kpanel_set_prefetch": ([_i], None),
     "qlib_kpanel_put": ([_i, _p, _i, _i, _p, _i], _i),
