@@ -494,7 +494,8 @@ static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *
     for (int b = 0; b < G; b++, c += rec) {
         int32_t a4[8];
         if (qlib_act_prefetch) { /* the activation codes two blocks on, the scales 16 on */
-            if (b % 2 == 0 && b + 2 < G) _mm_prefetch((const char *)(aq + 32 * (b + 2)), _MM_HINT_T0);
+            if (b % 2 == 0 && b + 2 < G)
+                _mm_prefetch((const char *)(aq + 32 * (b + 2)), _MM_HINT_T0);
             if (b % 16 == 0 && b + 16 < G) {
                 _mm_prefetch((const char *)(ad + b + 16), _MM_HINT_T0);
                 _mm_prefetch((const char *)(as + b + 16), _MM_HINT_T0);

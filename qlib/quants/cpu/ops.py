@@ -152,6 +152,12 @@ def set_panel_prefetch(distance: int = 0) -> None:
     _lib().qlib_gemv_set_panel_prefetch(int(distance))
 
 
+def set_act_prefetch(on: bool = True) -> None:
+    """Whether the GEMVs over panels prefetch the activation row's next codes and scales into
+    L1 as they go (an A/B hook; results are the same; on by default)."""
+    _lib().qlib_gemv_set_act_prefetch(int(on))
+
+
 def set_kgemv_prefetch(groups: int = 2) -> None:
     """How many groups of 4 rows ahead the decode step's K-quant GEMV prefetches into L2 (an
     A/B hook; results are the same; 0: none)."""
@@ -173,7 +179,7 @@ def set_attn_two_pass(on: int = -1) -> None:
 
 def set_attn_prefetch(rows: int = 16) -> None:
     """How many positions ahead the three-pass decode attention over a float32 cache
-    prefetches its keys and values (an A/B hook; results are the same; 0: none)."""
+    prefetches its keys (an A/B hook; results are the same; 0: none)."""
     _lib().qlib_attn_set_prefetch(int(rows))
 
 

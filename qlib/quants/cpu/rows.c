@@ -117,7 +117,7 @@ static void q3_k_block(const uint8_t *b, float *y) {
             }
 }
 
-/* Q4_K (q5 NULL) and Q5_K (q5: the qh bytes) */
+/* Q4_K (qh NULL) and Q5_K (qh: its high bits), the low 4 bits at ql */
 static void q45_k_block(const uint8_t *b, const uint8_t *qh, const uint8_t *ql, float *y) {
     const float d = f16(b), dmin = f16(b + 2);
     const uint8_t *packed = b + 4;
