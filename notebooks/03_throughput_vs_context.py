@@ -218,7 +218,9 @@ for dev in devices:
 # matmul weight once, and the KV cache over N positions in its type) at this machine's
 # measured memory bandwidth (`copy_bandwidth`: a read-only pass on CPU, a copy on GPU),
 # measured just before and just after that point (the higher of the two): a shared machine's
-# memory can change speed between points. llama.cpp keeps its default f16 cache.
+# memory can change speed between points, and a point whose two passes differ by more than
+# 25% is measured again (at most three times; `attempts`). llama.cpp keeps its default f16
+# cache.
 
 # %%
 from qlib.suite.experiments.speed import llama_cpp_available

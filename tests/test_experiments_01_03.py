@@ -267,7 +267,7 @@ def test_long_context_points_carry_their_own_memory_rate(tiny_path, monkeypatch)
     minute. The bench process is stubbed: the rows' rates and bytes are checked, not timings."""
     from qlib.suite import bench
 
-    rates = iter([30e9, 60e9, 45e9, 20e9, 50e9])  # bytes/s: before point 1, after each point
+    rates = iter([50e9, 60e9, 55e9, 48e9, 50e9])  # bytes/s: before point 1, after each point
     monkeypatch.setattr(common, "copy_bandwidth", lambda *a, **k: next(rates))
     argvs = []
 
@@ -283,9 +283,36 @@ def test_long_context_points_carry_their_own_memory_rate(tiny_path, monkeypatch)
     )
     assert [(r["context"], r["runtime"]) for r in rows] == [
         (8, "f32"), (8, "f16"), (16, "f32"), (16, "f16")]  # fmt: skip
-    assert [r["read_gbs"] for r in rows] == [60.0, 60.0, 45.0, 50.0]
+    assert [r["read_gbs"] for r in rows] == [60.0, 60.0, 55.0, 50.0]
+    assert [r["attempts"] for r in rows] == [1, 1, 1, 1]
     assert rows[0]["kv_bytes"] == 2 * rows[1]["kv_bytes"] == rows[3]["kv_bytes"]
     assert all("--context" in a and "--no-floor" in a for a in argvs)
+
+
+def test_a_long_context_point_across_a_change_of_memory_speed_is_measured_again(
+        tiny_path, monkeypatch):  # fmt: skip
+    """A point whose read passes before and after differ by more than ``MEMORY_STEADY`` (the
+    memory changed speed while it ran) is run again, up to ``LONG_CONTEXT_ATTEMPTS`` times, and
+    the last attempt is kept with its own passes."""
+    from qlib.suite import bench
+
+    # point 1: 30 -> 60 (unsteady), 60 -> 58 (steady: kept); point 2: 58 -> 20 -> 40 -> 25
+    # (never steady: the third attempt is kept)
+    rates = iter([30e9, 60e9, 58e9, 20e9, 40e9, 25e9])
+    monkeypatch.setattr(common, "copy_bandwidth", lambda *a, **k: next(rates))
+    decode = iter([9.0, 4.0, 8.0, 5.0, 7.0])  # each run's decode ms/token
+
+    def fake_bench(argv):
+        return {"prefill_ms": {"min": 1.0}, "decode_ms_per_token": {"min": next(decode),
+                "median": 1.0}, "peak_rss_mb": 10.0}  # fmt: skip
+
+    monkeypatch.setattr(bench, "run_in_subprocess", fake_bench)
+    rows = throughput.long_context_curve(str(tiny_path), [8, 16], steps=2, reps=1, threads=1,
+                                         configs=[("f32", ["--kv-type", "f32"])],
+                                         progress=False)  # fmt: skip
+    assert throughput.MEMORY_STEADY == 1.25 and throughput.LONG_CONTEXT_ATTEMPTS == 3
+    assert [(r["attempts"], r["read_gbs"], r["decode_ms"]) for r in rows] == [
+        (2, 60.0, 4.0), (3, 40.0, 7.0)]  # fmt: skip
 
 
 @pytest.mark.parametrize("cache, attention", throughput.DECODE_VARIANTS)
