@@ -768,7 +768,7 @@ class FastModel(StaticKVState):
         t = self.tok_embd
         if t.dtype.name not in cpu.ROW_TYPES:
             return None
-        rows = t.data.view(torch.uint8).reshape(t.shape[0], -1)  # a view of the mapped file
+        rows = self._embed_blocks()
         lookup = cpu.RowLookup(rows, t.dtype.name, t.shape[0], t.shape[-1], h)
 
         def embed_row(row: int) -> None:
@@ -902,14 +902,18 @@ class FastModel(StaticKVState):
 
     # -- the forward pass ----------------------------------------------------
 
+    def _embed_blocks(self) -> torch.Tensor:
+        """``token_embd``'s bytes as ``[vocab, row bytes]`` uint8 (a view of the mapped file)."""
+        t = self.tok_embd
+        return t.data.view(torch.uint8).reshape(t.shape[0], -1)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantize only the rows of ``token_embd`` that are looked up: ``[t, d]``."""
         if self._embed_rows is not None:
             return cpu.dequantize_rows(self._embed_rows, ids)
         t = self.tok_embd
         if cpu.available() and t.dtype.name in cpu.ROW_TYPES:
-            rows = t.data.view(torch.uint8).reshape(t.shape[0], -1)
-            x = cpu.dequant_rows(rows, t.dtype.name, t.shape[0], t.shape[-1], ids)
+            x = cpu.dequant_rows(self._embed_blocks(), t.dtype.name, t.shape[0], t.shape[-1], ids)
         else:
             x = dequantize_torch(t.data[ids].reshape(-1), t.dtype.name, (ids.numel(), t.shape[-1]))
         if self._embed_release is not None:

@@ -21,6 +21,8 @@
 
 #include "kblocks.h"
 
+void qlib_gemv_set_act_prefetch(int on); /* kernels.c */
+
 
 static void gemv_panels(const uint8_t *pw, int n, int k, const int8_t *aq, const float *ad,
                         const int16_t *abs_, float *y) {

@@ -645,7 +645,6 @@ static int qlib_kpanel_prefetch = 0;
 void qlib_kpanel_set_prefetch(int bytes) { qlib_kpanel_prefetch = bytes < 0 ? 0 : bytes; }
 
 extern int qlib_act_prefetch; /* kernels.c's A/B hook, qlib_gemv_set_act_prefetch */
-void qlib_gemv_set_act_prefetch(int on);
 
 /* The dots of one panel (16 rows, nb super-blocks; o: its first super-block) with one Q8_K
  * activation row (act_order codes, d, the Q4_K sums of 32 in lanes 8..15 of each 16). */
