@@ -114,7 +114,7 @@ def test_kernel_builds_without_spills(tmp_path, types):
                             types, n_embd=256, n_head=4, n_kv_head=2, n_ff=512,
                             weight_types=weight_types)  # fmt: skip
     variants = {"Q4_1": ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0", "KV_GROUP=0",
-                         "ATT_SPREAD=0", "KV_HALF=1", "PAIR_MERGE=0"],
+                         "ATT_SPREAD=0", "KV_HALF=1"],
                 "Q4_K_M": ["default", "X8_WIDE=0"],
                 "Q8_0": ["default", "Q8_AS_X8=0,X8_WIDE=0"]}[types]  # fmt: skip
     tool = Path(__file__).parents[1] / "tools" / "persistent_compile.py"
@@ -349,7 +349,6 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
         {"Q41_WIDE": 0},
         {"KV_GROUP": 0},
         {"GROUP_FROM": 0},
-        {"PAIR_MERGE": 0},
     ],
 )
 @pytest.mark.parametrize("shape", [(4, 2, 128, None), (2, 2, 128, 16)])
@@ -363,8 +362,7 @@ def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
     dots; the Q8_0 output layer read as its blocks, not as int8 rows and scales; Q4_1 parts
     by 16-bit loads; Q4_1 codes made floats by their bits; each query head's attention
     reading its KV head's rows itself; a KV head's query heads scored together from position
-    0 on, not from ``GROUP_FROM``; a head's splits merged through L2 at every length, not as
-    two splits on a cluster up to ``PAIR_MERGE`` positions) stay correct: decode steps from
+    0 on, not from ``GROUP_FROM``) stay correct: decode steps from
     position 0 as the f32 form, GQA 2:1 and MHA with ``split=16`` (several blocks a head past
     16 positions); a Q8_0 output layer, as SmolLM2's."""
     n_head, n_kv, n_embd, split = shape

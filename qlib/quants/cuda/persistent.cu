@@ -180,14 +180,6 @@ static_assert(SMAXPOS >= NSMAX * HPT * (HD + 2), "the splits' partials gathered 
 // atomics a layer, each word with half the addends.
 static_assert(!MLP_PAIR || (XRES && GRID % 2 == 0 && MLP_FIRST % 2 == 0 && MLP_BLOCKS % 2 == 0 &&
                             NMLP_T % 2 == 0), "MLP_PAIR: XRES, and even block and task counts");
-// PAIR_MERGE (positions, 0: off): up to that many positions a head runs as two attention splits
-// on the two blocks of one cluster (MLP_PAIR's clusters), which pass their partial softmaxes as
-// tagged words in each other's shared memory instead of through L2: the merge's hop becomes a
-// cluster's, for twice the positions a split.
-#ifndef PAIR_MERGE
-#define PAIR_MERGE 0
-#endif
-#define PM_ON (PAIR_MERGE > 0 && MLP_PAIR && XCHG)
 #define DOWN_ADDERS (MLP_PAIR ? NMLP_T / 2 : NMLP_T)  // addends of a layer's res(l + 1) from down
 #define PAIR_HALF ((DIM / 2 + 15) / 16 * 16)          // MLP_PAIR: rank 0's rows of down
 // silu(gate) * up: a task's CHUNK floats, or (MLP_PAIR) a pair's 2 CHUNK, then the pair's
@@ -1262,7 +1254,6 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     // on up to NSMAX blocks a head (then attention blocks run MLP tasks too)
     int ns = min(NS_FREE, (L + MIN_SPLIT - 1) / MIN_SPLIT);
     if ((L + SPLIT - 1) / SPLIT > ns) ns = min(NSMAX, (L + SPLIT - 1) / SPLIT);
-    if (PM_ON && L <= PAIR_MERGE && L < GROUP_FROM && ns > 2) ns = 2;  // (blocks 2h, 2h + 1)
     ns = max(ns, 1);
     // roles: attention task (head h, split s) on blocks < NH ns; MLP tasks on the last
     // MLP_BLOCKS blocks; q/k/v tasks b, b + grid, ... on every block
@@ -1315,13 +1306,6 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     __shared__ const u8* where[2][WHERE_MAX];
 #else
     const u8* where[2][NP];
-#endif
-#if PM_ON
-    // a head's two splits' partials (max, sum, HD weighted values), as tagged words written
-    // into both blocks of the cluster (persistent.py leaves their bytes out of the staging)
-    __shared__ u64 abox[2 * (HD + 2)];
-#define PM_NOW (nsg == 2 && L <= PAIR_MERGE && L < GROUP_FROM)  // (not grouped: head h's splits)
-#define PM_TAG (tag * NL + l)                 // a layer's words
 #endif
     auto stage_layer = [&](int l) {
         const u64* W = weights + (usize)l * W_PER_LAYER;
@@ -1386,9 +1370,6 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     // the pair's tagged words, two buffers by turns (an address computed where it is used)
 #define MBOX ((u64*)(gsm + 2 * CHUNK))
     for (int i = threadIdx.x; i < 4 * CHUNK; i += THREADS) MBOX[i] = 0ull;
-#if PM_ON
-    for (int i = threadIdx.x; i < 2 * (HD + 2); i += THREADS) abox[i] = 0ull;
-#endif
     cluster_arrive();  // (zeroed, and the other block started, before either writes)
 #endif
     stage_layer(0);
@@ -1680,10 +1661,6 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                     for (int w = 0; w < WARPS; w++) v += oacc[(w * NQ + i) * HD + d];
                     if (nsg == 1)
                         ovec[d] = v / sum[0];
-#if PM_ON
-                    else if (PM_NOW)  // (NQ 1: k is d)
-                        put_both(abox + s * (HD + 2) + 2 + d, ((u64)PM_TAG << 32) | __float_as_uint(v));
-#endif
                     else
                         put_tagged(PX + ((usize)(hq0 + i) * NSMAX * HPT + sg) * (HD + 2) + 2 + d, tag, v);
                 }
@@ -1693,17 +1670,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #pragma unroll
                     for (int i = 1; i < NQ; i++)
                         if (threadIdx.x == i) m = mx[i], z = sum[i];
-#if PM_ON
-                    if (PM_NOW) {
-                        const u64 at = (u64)PM_TAG << 32;
-                        put_both(abox + s * (HD + 2), at | __float_as_uint(m));
-                        put_both(abox + s * (HD + 2) + 1, at | __float_as_uint(z));
-                    } else
-#endif
-                    {
-                        put_tagged(P, tag, m);
-                        put_tagged(P + 1, tag, z);
-                    }
+                    put_tagged(P, tag, m);
+                    put_tagged(P + 1, tag, z);
                 }
 #else
                 for (int d = threadIdx.x; d < HD; d += THREADS) {
@@ -1738,11 +1706,6 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             if (nsg > 1) {  // head h's nsg partials gathered into S (free after the values), merged
                 const u64* PH = PX + (usize)h * NSMAX * HPT * (HD + 2);
                 const int n = nsg * (HD + 2);
-#if PM_ON
-                if (PM_NOW) {  // both splits' words in this block's shared memory
-                    for (int i = threadIdx.x; i < n; i += THREADS) S[i] = get_shared_tagged(abox + i, PM_TAG);
-                } else
-#endif
                 if (n <= THREADS) {  // (a word a thread: as before KV_GROUP, measured equal)
                     if (threadIdx.x < n) {
                         const u64* const w1[1] = {PH + threadIdx.x};

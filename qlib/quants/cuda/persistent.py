@@ -46,7 +46,6 @@ THREADS = 384  # threads per block (against 256, 320, 448 and 512 on the H200: d
 CHUNK = 16  # hidden units per MLP task (persistent.cu)
 SPLIT = 512  # cached positions per attention split at long context, at most NSMAX splits
 MIN_SPLIT = 64  # below that: splits of at least this many, on the blocks before the MLP blocks
-PAIR_MERGE = 384  # up to this many positions, two splits a head on one cluster (MLP_PAIR)
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 NORMS = ("attn_norm", "ffn_norm")
 # the spans of a layer that ``stage_times_ns`` reports, each ending at a mark of persistent.cu
@@ -356,8 +355,7 @@ def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: i
     floats = (2 * dim + (4 + hpt) * hd + smax_pos + warps * hpt * hd + 10 * CHUNK
               + warps * hpt + 7 * nl)  # fmt: skip
     # two staging areas, beside the floats and the static addresses (WHERE_BYTES)
-    # (and PAIR_MERGE's static array of 2 (hd + 2) tagged words)
-    wcap = (optin - 4 * floats - 256 - WHERE_BYTES - 16 * (hd + 2)) // 32 * 16
+    wcap = (optin - 4 * floats - 256 - WHERE_BYTES) // 32 * 16
     shared = 2 * wcap + 4 * floats
     # the layers' Q8_0 matrices as T_X8 blocks, read by whole words (X8_WIDE, on by default):
     # 261 against 282 us a step on the Q8_0 variant (docs/gpu.md); alone, slower (312)
@@ -387,8 +385,6 @@ def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: i
     if "MLP_PAIR" not in (given or {}):
         even = all(n % 2 == 0 for n in (blocks, mlp_blocks, n_ff // CHUNK))
         m["MLP_PAIR"] = int(major >= 9 and even and bool(m["XRES"]))
-    # up to PAIR_MERGE positions a head's two splits on one cluster, merging in shared memory
-    m.setdefault("PAIR_MERGE", PAIR_MERGE)
     return m, shared
 
 
