@@ -141,7 +141,7 @@ if runs_here:
             print(w.finding(f"argmax_on_device_{tag}",
                             "{name}: the argmax inside the step's graph, only the id read back "
                             "(as `qlib generate` decodes), takes {a:.3f} to {b:.3f} ms/token "
-                            "({x:.2f}x; {k:.0f} kernels per token against {k0:.0f}).",
+                            "({x:.2f}x; {k:.3g} kernels per token against {k0:.3g}).",
                             table="ladder", name=name, a=a["ms_per_token"], b=b["ms_per_token"],
                             x=b["ms_per_token"] / a["ms_per_token"], k=b["kernels_per_token"],
                             k0=a["kernels_per_token"]))
