@@ -72,8 +72,9 @@ class Chat:
         self.max_new_tokens = max_new_tokens
         self.system = system
         self.stop_ids = tokenizer.eog_token_ids  # EOS, EOT, and <|im_end|>-like tokens
-        rows = getattr(model, "max_seq_len", None) or MAX_SEQ_LEN
-        self.max_positions: int = min(int(rows), MAX_SEQ_LEN)
+        # the fast engines hold their max_seq_len (the file's context length by default), the
+        # faithful engine candle's RoPE table
+        self.max_positions: int = int(getattr(model, "max_seq_len", None) or MAX_SEQ_LEN)
         self.stop_reason: str | None = None  # why the last reply ended
         self.notice: str | None = None  # set by send() when it had to clear the history
         self.reset()

@@ -13,6 +13,7 @@ from synthetic import write_tiny_llama
 from qlib import models
 from qlib.chat import EOS, INTERRUPTED, MAX_NEW_TOKENS, POSITION_LIMIT, Chat
 from qlib.generate import generate
+from qlib.llama.config import MAX_SEQ_LEN
 from qlib.llama.engine import load
 from qlib.tokenizer import Tokenizer, read_metadata
 
@@ -274,6 +275,16 @@ def test_position_limit_clears_the_history(tiny):
     assert_cache_holds(model, chat)
     with pytest.raises(ValueError, match="position limit"):
         chat.send("word " * 50)
+
+
+def test_position_limit_is_the_engines(tiny_path):
+    """A chat holds what its engine holds: a fast engine's ``max_seq_len`` (here past candle's
+    4,096), the faithful engine's RoPE table."""
+    tok = Tokenizer.from_gguf(tiny_path)
+    fast, _ = load(tiny_path, "cpu", engine="fast", max_seq_len=6000)
+    assert Chat(fast, tok).max_positions == 6000
+    faithful, _ = load(tiny_path, "cpu", form="f32")
+    assert Chat(faithful, tok).max_positions == MAX_SEQ_LEN
 
 
 def test_fast_engine_keeps_the_cache_between_turns(tiny_path):

@@ -45,7 +45,11 @@ CASES = [  # argv (with {d} for the folder of bad files), words the message must
     (["generate", "-p", "hi", "--top-k", "-2"], "0 or more"),
     (["generate", "-p", ""], "must not be empty"),
     (["generate", "-p", "hi", "--device", "foo"], "unknown device 'foo'"),
-    (["generate", "-p", "hi", "-n", "5000"], "position limit"),
+    (["generate", "-p", "hi", "-n", "5000"], "--engine fast holds the file's 8192"),
+    (["generate", "-p", "hi", "-n", "9000", "--engine", "fast"], "position limit (8192"),
+    (["bench", "--context", "5000"], "--engine fast holds the file's 8192"),
+    (["bench", "--engine", "fast", "--context", "256,8100"], "--context 8100 and 128 steps"),
+    (["bench", "--prompt-tokens", "4000", "--steps", "200"], "lower --prompt-tokens or --steps"),
     (["generate", "-p", "hi", "--engine", "fast", "--form", "f32"], "keeps the weights quantized"),
     (["logits", "--text-file", "{d}/missing.txt", "--out", "{d}/x.npy"], "no such file"),
     (["logits", "--text-file", "", "--out", "{d}/x.npy"], "must not be empty"),
@@ -306,3 +310,18 @@ def test_lab_serves_the_notebooks(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_position_limit_is_the_chosen_engines():
+    """The faithful engine holds candle's 4,096 positions, the fast engines the file's
+    ``llama.context_length`` (8,192 for the embedded model): a prompt of ~4,200 tokens passes
+    ``generate``'s check with ``--engine fast`` and not without; the limit itself fits."""
+    from qlib import models
+    from qlib.cli.generate import preflight
+
+    path, prompt = models.path(), "word " * 4200
+    with pytest.raises(ValueError, match=r"position limit \(4096"):
+        preflight(path, prompt, False, 2, None, None)
+    preflight(path, prompt, False, 2, "fast", None)
+    with pytest.raises(ValueError, match=r"position limit \(8192"):
+        preflight(path, prompt, False, 4000, "fast", None)

@@ -26,6 +26,7 @@ from .common import (
     add_model_args,
     add_seed_arg,
     apply_seed_and_threads,
+    check_position_limit,
     existing_file,
     positive_int,
     positive_ints,
@@ -363,6 +364,14 @@ def main(args: argparse.Namespace) -> int:
     args.prompt_file = args.prompt_file or models.data_file("passage.txt")
     if args.context:
         args.prompt_tokens = args.context[0]
+    if args.runtime == "qlib":  # (a peer runtime says its own limit)
+        from ..gguf import Content
+
+        longest = max(args.context or [args.prompt_tokens])
+        flag = "--context" if args.context else "--prompt-tokens"
+        check_position_limit(Content.read_path(args.model).metadata, args.engine, args.form,
+                             longest + args.steps, f"{flag} {longest} and {args.steps} steps",
+                             f"lower {flag} or --steps")  # fmt: skip
     if not args.peers:
         apply_seed_and_threads(args)
         result = run_config(args)

@@ -165,6 +165,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_position_limit(metadata: dict, engine: str | None, form: str | None, need: int,
+                         what: str, fix: str) -> None:  # fmt: skip
+    """``need`` positions (``what``, e.g. "the prompt (N tokens) and S new tokens") fit the
+    engine chosen for a file with ``metadata``, else ``ValueError`` saying how to fit: the
+    faithful engine holds candle's RoPE table (``MAX_SEQ_LEN``), the fast engines the file's
+    ``llama.context_length``."""
+    from ..llama.checks import context_length
+    from ..llama.config import MAX_SEQ_LEN
+
+    held = context_length(metadata)
+    fast = resolve(engine, form)[0] == FAST
+    limit = held if fast else MAX_SEQ_LEN
+    if need <= limit:
+        return
+    whose = "the file's context length" if fast else "the faithful engine's, candle's RoPE table"
+    other = f"; --engine fast holds the file's {held}" if not fast and held > limit else ""
+    raise ValueError(f"{what} pass the position limit ({limit}: {whose}){other}: {fix}")
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine options the command line gave (``--attention``: the faithful engine's;
     ``--kv-type``, ``--decode``: the fast engines')."""

@@ -17,6 +17,7 @@ from .common import (
     add_model_args,
     add_seed_arg,
     apply_seed_and_threads,
+    check_position_limit,
     engine_options,
     existing_file,
     non_empty,
@@ -98,11 +99,12 @@ def _model_path(arg: str | None) -> Path:
     return Path(arg) if arg else models.path()
 
 
-def preflight(path: Path, prompt: str, chat: bool, steps: int) -> None:
+def preflight(path: Path, prompt: str, chat: bool, steps: int, engine: str | None,
+              form: str | None) -> None:  # fmt: skip
     """Check, before the model loads, the file's llama metadata and that the prompt plus the
-    new tokens fit the position limit."""
+    new tokens fit the chosen engine's position limit."""
     from ..gguf import Content
-    from ..llama.config import MAX_SEQ_LEN, LlamaConfig
+    from ..llama.config import LlamaConfig
     from ..tokenizer import Tokenizer
 
     metadata = Content.read_path(path).metadata
@@ -110,11 +112,9 @@ def preflight(path: Path, prompt: str, chat: bool, steps: int) -> None:
     tokenizer = Tokenizer.from_metadata(metadata)
     n = len(tokenizer.encode(tokenizer.chat_prompt(prompt) if chat else prompt,
                              add_special_tokens=False))  # fmt: skip
-    if n + steps > MAX_SEQ_LEN:
-        raise ValueError(
-            f"the prompt ({n} tokens) and {steps} new tokens pass the position limit "
-            f"({MAX_SEQ_LEN}): shorten the prompt or lower --steps"
-        )
+    check_position_limit(metadata, engine, form, n + steps,
+                         f"the prompt ({n} tokens) and {steps} new tokens",
+                         "shorten the prompt or lower --steps")  # fmt: skip
 
 
 class _Stream:
@@ -140,7 +140,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from ..generate import LogitsProcessor, generate_timed
 
     path = _model_path(args.model)
-    preflight(path, args.prompt, args.chat, args.steps)
+    preflight(path, args.prompt, args.chat, args.steps, args.engine, args.form)
     apply_seed_and_threads(args)
     stream = _Stream(path) if sys.stdout.isatty() and not args.json else None
     processor = LogitsProcessor(args.seed, args.temperature, args.top_k, args.top_p)
@@ -172,14 +172,15 @@ def run_generate(args: argparse.Namespace) -> int:
 def summary(result) -> str:
     """The stderr line: new tokens = the prefill's one + the decode steps, and their speeds."""
     t, n_prompt, steps = result.timings, len(result.prompt_ids), len(result.timings.decode_ms)
+    plural = "" if steps == 1 else "s"
     decode = (
-        f"decode {steps} steps {t.decode_ms_per_token:.2f} ms/token "
+        f"decode {steps} step{plural} {t.decode_ms_per_token:.2f} ms/token "
         f"({1e3 / t.decode_ms_per_token:.1f} tok/s)"
         if steps
         else "no decode step"
     )
     return (
-        f"\n{len(result.ids)} new tokens (1 from the prefill + {steps} decode steps) | "
+        f"\n{len(result.ids)} new tokens (1 from the prefill + {steps} decode step{plural}) | "
         f"read {t.read_ms:.1f} ms | build {t.build_ms:.1f} ms | "
         f"prefill {n_prompt} prompt tokens {t.prefill_ms:.1f} ms "
         f"({n_prompt / t.prefill_ms * 1e3:.1f} tok/s) | {decode}"
