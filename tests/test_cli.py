@@ -51,6 +51,7 @@ CASES = [  # argv (with {d} for the folder of bad files), words the message must
     (["bench", "--engine", "fast", "--context", "256,8100"], "--context 8100 and 128 steps"),
     (["bench", "--prompt-tokens", "4000", "--steps", "200"], "lower --prompt-tokens or --steps"),
     (["generate", "-p", "hi", "--engine", "fast", "--form", "f32"], "keeps the weights quantized"),
+    (["bench", "--engine", "fast", "--decode", "fused"], "takes no option 'decode'"),
     (["logits", "--text-file", "{d}/missing.txt", "--out", "{d}/x.npy"], "no such file"),
     (["logits", "--text-file", "", "--out", "{d}/x.npy"], "must not be empty"),
     (["quantize", "--in", "{d}/good.gguf", "--out", "{d}/q.gguf", "--type", "Q9"], "'Q9'"),

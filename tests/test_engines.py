@@ -96,6 +96,22 @@ def test_fast_elsewhere_is_a_clear_error(tiny, monkeypatch):
         engines.load(tiny, "mps", engine="fast")
 
 
+@pytest.mark.parametrize(
+    ("engine", "option", "words"),
+    [
+        ("fast", {"decode": "fused"}, "the fast CPU engine takes no option 'decode'"),
+        ("faithful", {"kv_type": "f16"}, "the faithful engine takes no option 'kv_type'"),
+        ("fast", {"kv_cache": "static"}, "its options: prefill"),
+    ],
+)
+def test_an_option_the_engine_does_not_take_is_named(tiny, engine, option, words):
+    """Another engine's option (the CUDA decode on the CPU, the fast engines' KV type on the
+    faithful engine) is a ``ModelError`` naming it and the options there are, not a
+    ``TypeError`` from deep inside."""
+    with pytest.raises(ModelError, match=words):
+        engines.load(tiny, "cpu", engine=engine, **option)
+
+
 def test_generate_cli_takes_the_fast_form(capsys):
     import json
 

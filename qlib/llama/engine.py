@@ -13,6 +13,7 @@ Every engine satisfies ``Engine``, checked in ``tests/test_engines.py``.
 
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
@@ -99,17 +100,31 @@ def from_gguf(
     if engine == "faithful":
         from .faithful import ModelWeights
 
+        check_options(ModelWeights.from_gguf, options, "the faithful engine")
         return ModelWeights.from_gguf(content, f, device, form=form, **options)
     dev = as_device(device)
     if dev.type == "cuda":
         from .fast_cuda import CudaFastModel
 
+        check_options(CudaFastModel.from_gguf, options, "the fast CUDA engine")
         return CudaFastModel.from_gguf(content, f, dev, **options)
     if dev.type == "cpu":
         from .fast_cpu import FastModel
 
+        check_options(FastModel.from_gguf, options, "the fast CPU engine")
         return FastModel.from_gguf(content, f, dev, **options)
     raise ModelError(f"no fast engine on {dev.type}: use engine faithful there")
+
+
+def check_options(build, options: dict[str, Any], engine: str) -> None:
+    """``options`` that ``build`` (an engine's ``from_gguf``) does not take: a ``ModelError``
+    naming them and the ones it does take (``decode=`` on the CPU, say), not a ``TypeError``."""
+    params = inspect.signature(build).parameters
+    unknown = sorted(set(options) - set(params))
+    if unknown:
+        known = [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY]
+        raise ModelError(f"{engine} takes no option {', '.join(map(repr, unknown))} "
+                         f"(its options: {', '.join(known)})")  # fmt: skip
 
 
 def load(
