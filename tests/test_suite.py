@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from qlib.cli import main
 from qlib.suite import report
 from qlib.suite.catalogue import discover
 from qlib.suite.cli import parse_value
+from qlib.suite.params import check_type
 from qlib.suite.results import ResultWriter, atomic_write_text
 from qlib.suite.runner import NotebookResult, resume_check, run_suite
 
@@ -229,6 +231,33 @@ def test_discover_only(notebooks):
 def test_unknown_parameter_rejected(notebooks, tmp_path):
     with pytest.raises(SystemExit, match="nope"):
         run_suite(discover(notebooks, ["03"]), tmp_path, {"nope": 1})
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "words"),
+    [
+        ("n", "x", "01_good's n: 'x' is not of its default's type (int: 3)"),
+        ("n", 2.5, "(int: 3)"),
+        ("n", True, "(int: 3)"),
+        ("flag", 1, "(bool: False)"),
+        ("label", 7, "quote it"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_before_any_run(notebooks, tmp_path, name, value,
+                                                             words):  # fmt: skip
+    """``-p n x`` for an int parameter (and a float, a bool for it; a number for a bool or a
+    string) stops before a kernel starts, so the last good results stay: nothing is written."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        run_suite(discover(notebooks, ["01"]), tmp_path, {name: value})
+    assert not any(tmp_path.iterdir())
+
+
+def test_values_that_fit_their_defaults_pass():
+    """An int for a float, a list for a tuple, None anywhere, anything for a default of
+    None or one that is not a literal."""
+    for value, default in ((3, "0.5"), ([1], "(1, 2)"), (None, "3"), ("x", "None"),
+                           (4, "os.cpu_count()"), ("cuda", '"cpu"'), (False, "True")):  # fmt: skip
+        check_type(value, default, "t")
 
 
 def test_list(notebooks, capsys):

@@ -8,10 +8,13 @@
   whose top-level ``grid:`` mapping (name -> list of values) holds sweep axes.
 - ``combine(...)``: the fixed parameters and the grid from the file and the command line
   (the command line wins over the file, name by name).
+- ``check_type(value, default, where)``: a value that cannot be what the notebook's default
+  is (``-p steps x``) refused before any kernel starts.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 from typing import Any
@@ -159,3 +162,27 @@ def combine(
     grid = {k: v for k, v in file_grid.items() if k not in cli_fixed and k not in cli_grid}
     grid.update(cli_grid)
     return fixed, grid
+
+
+# a default's type -> the value types it takes (an int is a float here; a bool is not an int)
+_TAKES = {bool: (bool,), int: (int,), float: (int, float), str: (str,), list: (list, tuple),
+          tuple: (list, tuple), dict: (dict,)}  # fmt: skip
+
+
+def check_type(value: Any, default: str | None, where: str) -> None:
+    """``value`` can be what a notebook parameter whose default's source is ``default`` is,
+    else ``ValueError`` naming both: run with ``-p steps x`` the notebook would fail in its
+    first cell (and its failed run replace the last good one in the results). ``None``, and
+    any value for a default that is ``None`` or not a literal, pass."""
+    try:
+        expected = ast.literal_eval(default) if default else None
+    except (ValueError, SyntaxError):
+        return
+    takes = _TAKES.get(type(expected))
+    if value is None or takes is None:
+        return
+    if isinstance(value, takes) and not (isinstance(value, bool) and bool not in takes):
+        return
+    quote = f" (a string: quote it, '\"{value}\"')" if isinstance(expected, str) else ""
+    raise ValueError(f"{where}: {value!r} is not of its default's type "
+                     f"({type(expected).__name__}: {default}){quote}")  # fmt: skip

@@ -39,6 +39,7 @@ from typing import Any
 
 from .catalogue import KERNEL_NAME, notebook_parameters, output_name
 from .machine import REPO_ROOT, git_commit
+from .params import check_type
 from .results import (
     NOTEBOOK_ENV,
     RESULTS_ENV,
@@ -412,6 +413,8 @@ def select_parameters(path: Path, given: dict[str, Any]) -> dict[str, Any]:
     if not declared:
         return dict(given)
     chosen = {k: v for k, v in given.items() if k in declared}
+    for k, v in chosen.items():
+        check_type(v, declared[k].get("default"), f"{path.stem}'s {k}")
     if "device" in declared and "device" not in chosen:
         try:
             default = ast.literal_eval(declared["device"].get("default") or "'cpu'")

@@ -46,7 +46,7 @@ from typing import Any
 from . import runner
 from .catalogue import notebook_parameters, output_name
 from .cluster import EXECUTORS, Job, run_dask, run_local
-from .params import parse_value
+from .params import check_type, parse_value
 from .results import atomic_write_bytes, atomic_write_text, device_tag, dump_json, now
 
 SWEEPS_DIR = "sweeps"  # under the output dir
@@ -219,6 +219,9 @@ def plan(
             notes.append(f"{path.stem}: declares none of {', '.join(grid)}; left out")
             continue
         base = runner.select_parameters(path, fixed)
+        for a in axes:
+            for v in grid[a]:
+                check_type(v, declared[path][a].get("default"), f"{path.stem}'s {a}")
         timing = is_timing(path)
         ids: set[str] = set()
         for combo in itertools.product(*(grid[a] for a in axes)):
