@@ -43,6 +43,8 @@ CASES = [  # argv (with {d} for the folder of bad files), words the message must
     (["generate", "-p", "hi", "--temperature", "-1"], "0 or more"),
     (["generate", "-p", "hi", "--top-p", "5"], "(0, 1]"),
     (["generate", "-p", "hi", "--top-k", "-2"], "0 or more"),
+    (["generate", "-p", "hi", "-t", "100000"], "this machine's CPUs"),
+    (["bench", "-t", "0"], "at least 1"),
     (["generate", "-p", ""], "must not be empty"),
     (["generate", "-p", "hi", "--device", "foo"], "unknown device 'foo'"),
     (["generate", "-p", "hi", "-n", "5000"], "--engine fast holds the file's 8192"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,6 +45,21 @@ def positive_ints(text: str) -> list[int]:
     if len(set(values)) < len(values):
         raise argparse.ArgumentTypeError(f"a value repeats in {text!r}")
     return values
+
+
+def thread_count(text: str) -> int:
+    """An argparse type: CPU threads, 1 up to the CPUs this process may run on (more would
+    only share them: slower, and no longer the measurement asked for)."""
+    value = positive_int(text)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cpus and value > cpus:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {cpus} (this machine's CPUs), got {value}"
+        )
+    return value
+
+
+thread_count.__name__ = "int"
 
 
 def non_negative_float(text: str) -> float:
@@ -104,7 +120,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device", type=available_device, default="cpu", help="cpu, cuda or mps (default: cpu)"
     )
-    p.add_argument("-t", "--threads", type=positive_int, default=None,
+    p.add_argument("-t", "--threads", type=thread_count, default=None,
                    help="CPU threads (default: torch's, one per core)")  # fmt: skip
 
 
