@@ -8,7 +8,8 @@
   whose top-level ``grid:`` mapping (name -> list of values) holds sweep axes.
 - ``combine(...)``: the fixed parameters and the grid from the file and the command line
   (the command line wins over the file, name by name).
-- ``check_type(value, default, where)``: a value that cannot be what the notebook's default
+- ``default_value(source)``: a parameter's default from its source text;
+  ``check_type(value, default, where)``: a value that cannot be what the notebook's default
   is (``-p steps x``) refused before any kernel starts.
 """
 
@@ -169,15 +170,21 @@ _TAKES = {bool: (bool,), int: (int,), float: (int, float), str: (str,), list: (l
           tuple: (list, tuple), dict: (dict,)}  # fmt: skip
 
 
+def default_value(source: str | None, fallback: Any = None) -> Any:
+    """A notebook parameter's default from its source (papermill's ``default``), or
+    ``fallback`` where there is none or it is not a literal (``os.cpu_count()``)."""
+    try:
+        return ast.literal_eval(source) if source else fallback
+    except (ValueError, SyntaxError):
+        return fallback
+
+
 def check_type(value: Any, default: str | None, where: str) -> None:
     """``value`` can be what a notebook parameter whose default's source is ``default`` is,
     else ``ValueError`` naming both: run with ``-p steps x`` the notebook would fail in its
     first cell (and its failed run replace the last good one in the results). ``None``, and
     any value for a default that is ``None`` or not a literal, pass."""
-    try:
-        expected = ast.literal_eval(default) if default else None
-    except (ValueError, SyntaxError):
-        return
+    expected = default_value(default)
     takes = _TAKES.get(type(expected))
     if value is None or takes is None:
         return

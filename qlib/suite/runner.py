@@ -18,7 +18,6 @@ run ended ok with the same three (``resume_check``) and runs the others.
 
 from __future__ import annotations
 
-import ast
 import concurrent.futures
 import contextlib
 import hashlib
@@ -39,7 +38,7 @@ from typing import Any
 
 from .catalogue import KERNEL_NAME, notebook_parameters, output_name
 from .machine import REPO_ROOT, git_commit
-from .params import check_type
+from .params import check_type, default_value
 from .results import (
     NOTEBOOK_ENV,
     RESULTS_ENV,
@@ -416,11 +415,8 @@ def select_parameters(path: Path, given: dict[str, Any]) -> dict[str, Any]:
     for k, v in chosen.items():
         check_type(v, declared[k].get("default"), f"{path.stem}'s {k}")
     if "device" in declared and "device" not in chosen:
-        try:
-            default = ast.literal_eval(declared["device"].get("default") or "'cpu'")
-        except (ValueError, SyntaxError):  # not a literal: leave the notebook's own
-            default = "cpu"
-        if device_tag(default) != "cpu":
+        # (a default that is not a literal: leave the notebook's own)
+        if device_tag(default_value(declared["device"].get("default"), "cpu")) != "cpu":
             chosen["device"] = "cpu"
     return chosen
 
