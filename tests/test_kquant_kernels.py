@@ -34,7 +34,7 @@ from qlib.quants.cpu import ops
 from qlib.quants.cpu.matmul import prepare, qmatmul, qmatmul_prepared
 from qlib.quants.qtensor import QTensor
 
-KTYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_1")
+KTYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_1")
 TOL = 1e-5  # x max |output|: float rounding of the per-block combination (see above)
 SHAPES = [(37, 256), (13, 512), (10, 2048), (6, 4096)]  # n not a multiple of 4 rows mostly
 

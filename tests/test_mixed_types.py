@@ -56,6 +56,7 @@ from qlib.quants import cpu
 from qlib.quants.cpu.matmul import prepare, qmatmul_prepared
 from qlib.quants.cuda import layout
 from qlib.quants.cuda import matmul as gpu
+from qlib.quants.iquants import KERNEL_TYPE
 from qlib.quants.qtensor import QTensor
 
 TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -114,6 +115,16 @@ MIXES: dict[str, tuple[str, dict[str, str], bool]] = {
             "token_embd.weight": "Q6_K",
         },
         True,
+    ),
+    # the non-linear 4-bit types (IQ4_XS, its IQ4_NL fallback) with an untied output
+    "IQ4_XS": (
+        "IQ4_XS",
+        {
+            "*.attn_k.weight": "IQ4_NL",
+            "blk.1.ffn_down.weight": "IQ4_NL",
+            "token_embd.weight": "IQ4_NL",
+        },
+        False,
     ),
 }
 FILES = [*TYPES, *MIXES]
@@ -178,7 +189,8 @@ def _stacks(name: str, layer: int) -> dict[str, list[str]]:
     wt, wts, _ = MIXES.get(name, (name, {}, True))
 
     def types(*names):
-        return [tensor_type(f"blk.{layer}.{n}.weight", wt, wts) for n in names]
+        file_types = [tensor_type(f"blk.{layer}.{n}.weight", wt, wts) for n in names]
+        return [KERNEL_TYPE.get(t, t) for t in file_types]  # (IQ4_NL runs as Q8_0)
 
     return {"wqkv": types("attn_q", "attn_k", "attn_v"), "w13": types("ffn_gate", "ffn_up")}
 

@@ -21,7 +21,16 @@ from qlib.quants import SUPPORTED, dequantize, dequantize_torch, quantize, refer
 from qlib.quants.types import ggml_type
 
 GGUF_QUANTIZE = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
-GGUF_DEQUANTIZE = GGUF_QUANTIZE + ["F32", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+GGUF_DEQUANTIZE = GGUF_QUANTIZE + [
+    "F32",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ4_NL",
+    "IQ4_XS",
+]
 
 # Largest |error| in a 256-value block over that block's max |x|. Closed forms for
 # the simple formats (half a step plus the f16 rounding of the scale; Q4_0 and
@@ -43,6 +52,8 @@ MAX_BLOCK_ERROR = {
     "Q4_K": 0.10,
     "Q5_K": 0.06,
     "Q6_K": 0.02,
+    "IQ4_NL": 0.11,
+    "IQ4_XS": 0.11,
 }
 # RMS error over RMS value on normal data: more bits, less error.
 MAX_RMS_ERROR = {
@@ -57,6 +68,8 @@ MAX_RMS_ERROR = {
     "Q5_0": 0.05,
     "Q5_K": 0.04,
     "Q4_K": 0.08,
+    "IQ4_NL": 0.085,
+    "IQ4_XS": 0.085,
     "Q4_1": 0.09,
     "Q4_0": 0.10,
     "Q3_K": 0.17,

@@ -38,6 +38,8 @@ BLOCK_TYPES = [
     "Q5_K",
     "Q6_K",
     "Q8_K",
+    "IQ4_NL",
+    "IQ4_XS",
 ]
 
 
@@ -170,7 +172,21 @@ def test_activations_match_ggml_cpu_from_float(ggml, data, dot):
 
 
 @pytest.mark.parametrize(
-    "t", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+    "t",
+    [
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "IQ4_NL",
+        "IQ4_XS",
+    ],  # fmt: skip
 )
 def test_qmatmul_matches_ggml_vec_dot(ggml, t):
     """qmatmul against the CPU backend's own (SIMD) vec_dot on its own quantized activations."""

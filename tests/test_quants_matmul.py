@@ -23,7 +23,7 @@ from qlib.quants.cpu.matmul import prepare
 from qlib.quants.qtensor import QMatMul, QTensor
 
 MATMUL_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
-MATMUL_TYPES += ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+MATMUL_TYPES += ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
 def weight(t: str, n: int, k: int, seed: int = 0) -> tuple[QTensor, np.ndarray]:

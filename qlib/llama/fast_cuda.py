@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from .. import progress
 from ..devices import DeviceLike, as_device
 from ..quants.cuda.layout import EPI_ADD, EPI_GATE, EPI_STORE, EPI_SWIGLU, NATIVE, Prepared, repack
+from ..quants.iquants import KERNEL_TYPE, kernel_form
 from ..quants.qtensor import QTensor
 from ..spans import span
 from .checks import (
@@ -412,7 +413,8 @@ class CudaFastModel(StaticKVState):
         kv_type = check_kv_type(kv_type)
         config = LlamaConfig.from_metadata(content.metadata)
         auto, note = decode == "auto", "as asked"
-        mats = {n: i.dtype.name for n, i in content.tensor_infos.items() if len(i.shape) == 2}
+        mats = {n: KERNEL_TYPE.get(i.dtype.name, i.dtype.name)
+                for n, i in content.tensor_infos.items() if len(i.shape) == 2}  # fmt: skip
         if auto:
             cc = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
             decode, note = auto_decode(mats, config, cc)
@@ -430,7 +432,7 @@ class CudaFastModel(StaticKVState):
             raise ModelError(f"unknown prefill mode {prefill!r}: {', '.join(PREFILL_MODES)}")
 
         def get(name: str) -> QTensor:
-            return content.tensor(f, name, dev)
+            return kernel_form(content.tensor(f, name, dev))
 
         dense = PREFILL_DTYPES.get(prefill)  # None: "packed"
         blocks = progress.layers(range(config.block_count), config.block_count)

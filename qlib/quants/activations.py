@@ -46,6 +46,8 @@ VEC_DOT_TYPE: dict[str, str] = {
     "Q4_K": "Q8_K",
     "Q5_K": "Q8_K",
     "Q6_K": "Q8_K",
+    "IQ4_NL": "Q8_0",
+    "IQ4_XS": "Q8_K",
 }
 
 ACT_BLOCK: dict[str, int] = {"Q8_0": 32, "Q8_1": 32, "Q8_K": 256, "F32": 1, "F16": 1, "BF16": 1}

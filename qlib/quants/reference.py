@@ -385,6 +385,41 @@ def vec_dot_bf16(n, x, y):
     return F32(total)
 
 
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def vec_dot_iq4_nl_q8_0(n, x, y):
+    sumf = F32(0)
+    for bx, by in zip(_blocks(x, 18), _blocks(y, 34), strict=True):
+        d = F32(_f16(by, 0) * _f16(bx, 0))
+        qy = _i8(by, 2, 32)
+        sumi1 = sum(qy[j] * KVALUES_IQ4NL[int(bx[2 + j]) & 0xF] for j in range(16))
+        sumi2 = sum(qy[j + 16] * KVALUES_IQ4NL[int(bx[2 + j]) >> 4] for j in range(16))
+        sumf += F32(d * F32(sumi1 + sumi2))
+    return sumf
+
+
+def vec_dot_iq4_xs_q8_K(n, x, y):
+    sumf = F32(0)
+    for bx, by in zip(_blocks(x, 136), _blocks(y, 292), strict=True):
+        dy, qy, _ = _q8k(by)
+        d4d8 = F32(_f16(bx, 0) * dy)
+        h = int(bx[2]) | int(bx[3]) << 8
+        for ib in range(0, 8, 2):
+            ls1 = (int(bx[4 + ib // 2]) & 0xF) | ((h << 4) & 0x30)
+            ls2 = (int(bx[4 + ib // 2]) >> 4) | ((h << 2) & 0x30)
+            h >>= 4
+            d1, d2 = F32(d4d8 * F32(ls1 - 32)), F32(d4d8 * F32(ls2 - 32))
+            qs, q8 = bx[8 + 16 * ib : 8 + 16 * ib + 32], qy[32 * ib : 32 * ib + 64]
+            sumi1 = sum(q8[j] * KVALUES_IQ4NL[int(qs[j]) & 0xF] for j in range(16))
+            sumi1 += sum(q8[j + 16] * KVALUES_IQ4NL[int(qs[j]) >> 4] for j in range(16))
+            sumi2 = sum(q8[j + 32] * KVALUES_IQ4NL[int(qs[j + 16]) & 0xF] for j in range(16))
+            sumi2 += sum(q8[j + 48] * KVALUES_IQ4NL[int(qs[j + 16]) >> 4] for j in range(16))
+            sumf += F32(d1 * F32(sumi1))
+            sumf += F32(d2 * F32(sumi2))
+    return sumf
+
+
 VEC_DOT = {
     "Q4_0": vec_dot_q4_0_q8_0,
     "Q4_1": vec_dot_q4_1_q8_1,
@@ -396,6 +431,8 @@ VEC_DOT = {
     "Q4_K": vec_dot_q4_K_q8_K,
     "Q5_K": vec_dot_q5_K_q8_K,
     "Q6_K": vec_dot_q6_K_q8_K,
+    "IQ4_NL": vec_dot_iq4_nl_q8_0,
+    "IQ4_XS": vec_dot_iq4_xs_q8_K,
     "F16": _vec_dot_float("<f2"),
     "F32": _vec_dot_float("<f4"),
     "BF16": vec_dot_bf16,
@@ -404,7 +441,7 @@ VEC_DOT = {
 DOT_TYPE = {
     "Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "Q4_1": "Q8_1", "Q5_1": "Q8_1",
     "Q2_K": "Q8_K", "Q3_K": "Q8_K", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K",
-    "F16": "F16", "BF16": "BF16", "F32": "F32",
+    "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_K", "F16": "F16", "BF16": "BF16", "F32": "F32",
 }  # fmt: skip
 
 

@@ -48,7 +48,11 @@ void qlib_fgemv_region(int type, const uint8_t *w, int n, int k, const float *x,
 
 /* ggml's type ids */
 enum { QLIB_Q2_K = 10, QLIB_Q3_K = 11, QLIB_Q4_K = 12, QLIB_Q5_K = 13,
-       QLIB_Q6_K = 14 };
+       QLIB_Q6_K = 14, QLIB_IQ4_XS = 23 };
+
+/* IQ4_XS's levels (ggml's kvalues_iq4nl) + 128: the unsigned codes of its dot products */
+static const uint8_t iq4_levels_u8[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                          129, 141, 153, 166, 181, 197, 217, 241};
 
 static int block_bytes(int type) {
     switch (type) {
@@ -57,6 +61,7 @@ static int block_bytes(int type) {
     case QLIB_Q4_K: return 144; /* d dmin scales[12] qs[128] */
     case QLIB_Q5_K: return 176; /* d dmin scales[12] qh[32] qs[128] */
     case QLIB_Q6_K: return 210; /* ql[128] qh[64] scales:i8[16] d */
+    case QLIB_IQ4_XS: return 136; /* d scales_h:u16 scales_l[4] qs[128] */
     default: return 0;
     }
 }
@@ -70,11 +75,13 @@ static inline float f16_at(const uint8_t *p) {
 /* The order of the 32-code chunks of an activation 256-block, as the weight unpacks:
  * Q4_K / Q5_K: the low nibbles of 64 bytes are elements 0..31 and 64..95, the high ones
  * 32..63 and 96..127 (then the same +128); Q2_K / Q3_K: bits 2j of 64 bytes are elements
- * 32j.. and 128 + 32j..; Q6_K: natural order. */
+ * 32j.. and 128 + 32j..; Q6_K and IQ4_XS: natural order. */
 static const int *act_order(int type) {
     static const int q45[8] = {0, 2, 1, 3, 4, 6, 5, 7}, q23[8] = {0, 4, 1, 5, 2, 6, 3, 7},
                      q6[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-    return type == QLIB_Q4_K || type == QLIB_Q5_K ? q45 : type == QLIB_Q6_K ? q6 : q23;
+    return type == QLIB_Q4_K || type == QLIB_Q5_K       ? q45
+           : type == QLIB_Q6_K || type == QLIB_IQ4_XS ? q6
+                                                      : q23;
 }
 
 /* One row of k floats -> Q8_K: codes (in act_order), d per 256 and, per 256, 16 int16 sums
@@ -139,6 +146,8 @@ static void scale_index(int type, int16_t idx[4][32]) {
                 s = (i / 2) * 4 + i % 2 + (l < 16 ? 0 : 2);
             else if (type == QLIB_Q6_K) /* natural order, 16 per sub-block */
                 s = 4 * i + l / 8;
+            else if (type == QLIB_IQ4_XS) /* int32 lanes (l / 2): 32 codes a scale, 2 copies */
+                s = l % 2 ? 0 : 2 * (2 * i + l / 16);
             else /* Q2_K / Q3_K: elements 32i.. and 128 + 32i.. */
                 s = (l < 16 ? 2 * i : 8 + 2 * i) + (l % 16) / 8;
             idx[i][l] = (int16_t)s;
@@ -242,6 +251,28 @@ static inline __attribute__((always_inline)) void kunpack(const int type, const 
                                                    _mm256_set1_epi8((char)(1 << (4 + j))), 1);
             v[j] = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit), low, four);
         }
+    } else if (type == QLIB_IQ4_XS) {
+        /* 8 scales ls - 32 of 32 codes (ls: a low nibble of scales_l, two bits of scales_h),
+         * each twice (16 scale lanes, as the other types); a vector of 64 codes from 32 qs
+         * bytes, natural order: their low nibbles are codes 0..15 and 32..47, their high ones
+         * 16..31 and 48..63; each index made its level + 128 (vpshufb) */
+        d = f16_at(w);
+        uint16_t h;
+        memcpy(&h, w + 2, 2);
+        _Alignas(32) int16_t sc[16];
+        for (int ib = 0; ib < 8; ib++)
+            sc[2 * ib] = sc[2 * ib + 1] =
+                (int16_t)((((w[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((h >> (2 * ib)) & 3) << 4)) - 32);
+        sc16 = _mm256_load_si256((const __m256i *)sc);
+        const __m512i lv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)iq4_levels_u8));
+        const __m256i m4y = _mm256_set1_epi8(0x0F);
+        for (int i = 0; i < 4; i++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(w + 8 + 32 * i));
+            const __m512i c = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_and_si256(x, m4y)),
+                _mm256_and_si256(_mm256_srli_epi16(x, 4), m4y), 1); /* lo 0-15 16-31, hi 0-15 16-31 */
+            v[i] = _mm512_shuffle_epi8(lv, _mm512_shuffle_i64x2(c, c, 0xD8));
+        }
     } else { /* Q2_K */
         d = f16_at(w + 80), dmin = f16_at(w + 82);
         const __m128i raw = _mm_loadu_si128((const __m128i *)w);
@@ -253,8 +284,13 @@ static inline __attribute__((always_inline)) void kunpack(const int type, const 
         v[2] = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m2);
         v[3] = _mm512_and_si512(_mm512_srli_epi16(qs, 6), m2);
     }
-    const __m512i s512 = _mm512_castsi256_si512(sc16); /* only lanes 0..15 are indexed */
-    for (int i = 0; i < 4; i++) u->s[i] = _mm512_permutexvar_epi16(idx[i], s512);
+    if (type == QLIB_IQ4_XS) { /* int32 scale lanes, for vpdpbusd's int32 sums of 4 */
+        const __m512i s32 = _mm512_cvtepi16_epi32(sc16);
+        for (int i = 0; i < 4; i++) u->s[i] = _mm512_permutexvar_epi32(idx[i], s32);
+    } else {
+        const __m512i s512 = _mm512_castsi256_si512(sc16); /* only lanes 0..15 are indexed */
+        for (int i = 0; i < 4; i++) u->s[i] = _mm512_permutexvar_epi16(idx[i], s512);
+    }
     u->sc16 = sc16, u->mn16 = mn16, u->d = d, u->dmin = dmin;
 }
 
@@ -263,10 +299,16 @@ static inline __attribute__((always_inline)) void kunpack(const int type, const 
 static inline __attribute__((always_inline)) void kdot(const int type, const kunpacked *u,
                                                         const __m512i a[4], __m256i bsv,
                                                         float da, __m512 *acc, __m256 *accm) {
-    const int off_shift = type == QLIB_Q6_K ? 5 : type == QLIB_Q3_K ? 2 : 0; /* offset 32, 4 */
+    /* offset 32, 4, 128 */
+    const int off_shift = type == QLIB_Q6_K ? 5 : type == QLIB_Q3_K ? 2 : type == QLIB_IQ4_XS ? 7 : 0;
     __m512i isum = _mm512_setzero_si512();
-    for (int i = 0; i < 4; i++)
-        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(u->v[i], a[i]), u->s[i]);
+    if (type == QLIB_IQ4_XS) /* codes up to 241: sums of 4 in int32 (vpmaddubsw would saturate) */
+        for (int i = 0; i < 4; i++)
+            isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_dpbusd_epi32(
+                                              _mm512_setzero_si512(), u->v[i], a[i]), u->s[i]));
+    else
+        for (int i = 0; i < 4; i++)
+            isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(u->v[i], a[i]), u->s[i]);
     if (off_shift) { /* - off * sum_s sc_s bsum_s, exact */
         const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(u->sc16, bsv), off_shift);
         isum = _mm512_sub_epi32(isum, _mm512_inserti64x4(_mm512_setzero_si512(), off, 0));
@@ -354,6 +396,7 @@ static void dot_rows_k(int rows, int type, const uint8_t *w, size_t row_bytes, i
         QLIB_K_CASE(QLIB_Q4_K)
         QLIB_K_CASE(QLIB_Q5_K)
         QLIB_K_CASE(QLIB_Q6_K)
+        QLIB_K_CASE(QLIB_IQ4_XS)
     }
 #undef QLIB_K_CASE
 }
@@ -374,6 +417,7 @@ static void dot_cols_k(int M, int type, const uint8_t *w, int k, const int8_t *a
         QLIB_K_CASE(QLIB_Q4_K)
         QLIB_K_CASE(QLIB_Q5_K)
         QLIB_K_CASE(QLIB_Q6_K)
+        QLIB_K_CASE(QLIB_IQ4_XS)
     }
 #undef QLIB_K_CASE
 }
@@ -407,7 +451,7 @@ static inline __attribute__((always_inline)) kgeom kgeometry(int type) {
     g.nsb = by32 ? 8 : 16, g.ss = by32 ? 8 : 4;
     for (int p = 0; p < g.nsb; p++)
         g.sub[p] = by32 ? order[p] : 2 * order[p / 2] + p % 2;
-    g.off = type == QLIB_Q6_K ? 32 : type == QLIB_Q3_K ? 4 : 0;
+    g.off = type == QLIB_Q6_K ? 32 : type == QLIB_Q3_K ? 4 : type == QLIB_IQ4_XS ? 128 : 0;
     g.mins = type == QLIB_Q2_K || by32;
     g.bs0 = by32 ? 8 : 0;
     return g;
@@ -542,6 +586,7 @@ static void krows_tiled_t(int MR, int type, const uint8_t *wt, const float *sc,
         QLIB_KT_CASE(QLIB_Q4_K)
         QLIB_KT_CASE(QLIB_Q5_K)
         QLIB_KT_CASE(QLIB_Q6_K)
+        QLIB_KT_CASE(QLIB_IQ4_XS)
     }
 #undef QLIB_KT_CASE
 }

@@ -25,12 +25,13 @@ M_WORDS = {"Q4_1": 1, "Q5_0": 2, "Q5_1": 3}
 # the weight types of kquants.c (ggml's type ids), read as GGUF blocks: (elements, bytes) a
 # block; the float types' rows (floats.c, through kquants.c's entry points) are blocks of one
 BLOCK_CODES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
-               "Q6_K": 14, "F32": 0, "F16": 1, "BF16": 30}  # fmt: skip
+               "Q6_K": 14, "IQ4_XS": 23, "F32": 0, "F16": 1, "BF16": 30}  # fmt: skip
 BLOCKS = {"Q2_K": (256, 84), "Q3_K": (256, 110),
-          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136),
           "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2)}  # fmt: skip
-# the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants: super-blocks of 256)
-ROW_MULTIPLE = {t: 256 if t.endswith("_K") else 64 for t in (*TYPE_CODES, *BLOCK_CODES)}
+# the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants, IQ4_XS: super-blocks of 256)
+ROW_MULTIPLE = {t: 256 if BLOCKS.get(t, (1,))[0] == 256 else 64
+                for t in (*TYPE_CODES, *BLOCK_CODES)}  # fmt: skip
 # Q4_0 / Q4_1 / Q8_0 as 16-row panels: kernels.c's type code | PANELS; per 16 rows and block
 # of 32 a record of PANEL_RECORD bytes (codes: Q4_* 256, Q8_0 512; then 16 f16 d, Q4_1: 16 f16 m)
 PANELS = 64
