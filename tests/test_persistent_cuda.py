@@ -148,7 +148,7 @@ def test_q8_output_rows_exactly():
     assert np.array_equal(bits.view(np.float32) - np.float32(8388736.0), c.numpy())
 
 
-@pytest.mark.parametrize("type_name", persistent.K_QUANTS)
+@pytest.mark.parametrize("type_name", persistent.EXPANDED)
 def test_kquants_expand_exactly(type_name):
     """The K-quant blocks expanded for the kernel give every weight bit for bit as ggml's
     dequantization (``QTensor.dequantize``), on the CPU: no GPU needed."""
@@ -429,7 +429,7 @@ def test_half_cache_decodes_as_the_fused_kernels(tmp_path, group_from):
 
 @needs_cuda
 @pytest.mark.parametrize("macros", [{}, {"X8_WIDE": 0}])
-@pytest.mark.parametrize("type_name", [*persistent.K_QUANTS, "Q4_K_M", "Q8_0"])
+@pytest.mark.parametrize("type_name", [*persistent.EXPANDED, "IQ4_NL", "Q4_K_M", "Q8_0"])
 def test_kquants_and_mixes_decode_as_f32_form(tmp_path, type_name, macros):
     """K-quant files (expanded for the kernel), a Q4_K_M-like mix (Q6_K on v and down, Q8_0
     embedding, Q4_K elsewhere) and Q8_0 layers, their ``T_X8`` blocks read by whole words

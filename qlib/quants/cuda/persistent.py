@@ -14,10 +14,11 @@ tasks pool their values through distributed shared memory), where
 ``cuOccupancyMaxActiveClusters`` says they all fit at once.
 
 The weights are the GGUF blocks as in the file (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0),
-each tensor a device copy of its bytes. The K-quants (Q2_K .. Q6_K) are expanded once, exactly,
-into the kernel's ``T_X8`` blocks (``expand_kquant``: per 16 weights a float32 scale and offset,
-int8 codes; 12 bits a weight, where Q4_K has 4.5): one code path for five formats, at the cost of
-bytes the step reads. ``unsupported(types)`` says why a model cannot run here.
+each tensor a device copy of its bytes. The K-quants (Q2_K .. Q6_K) and IQ4_XS are expanded
+once, exactly, into the kernel's ``T_X8`` blocks (``expand_kquant``: per 16 weights a float32
+scale and offset, int8 codes; 12 bits a weight, where Q4_K has 4.5): one code path for six
+formats, at the cost of bytes the step reads (an IQ4_NL file comes as Q8_0).
+``unsupported(types)`` says why a model cannot run here.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ from ..cpu.build import cache_dir
 
 SOURCE = Path(__file__).with_name("persistent.cu")
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+EXPANDED = (*K_QUANTS, "IQ4_XS")  # the types expanded into T_X8 blocks (``expand_kquant``)
 X8 = 20  # persistent.cu's T_X8: the expanded K-quant blocks
-# the kernel's type of each GGUF type it runs (GGUF's ids; the K-quants all run as T_X8)
+# the kernel's type of each GGUF type it runs (GGUF's ids; the K-quants and IQ4_XS all run as
+# T_X8; an IQ4_NL file comes as Q8_0, ``iquants.kernel_form``)
 TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7,
-            "Q8_0": 8} | dict.fromkeys(K_QUANTS, X8)  # fmt: skip
+            "Q8_0": 8} | dict.fromkeys(EXPANDED, X8)  # fmt: skip
 SUPPORTED = tuple(TYPE_IDS)
 THREADS = 384  # threads per block (against 256, 320, 448 and 512 on the H200: docs/gpu.md)
 CHUNK = 16  # hidden units per MLP task (persistent.cu)
@@ -239,9 +242,10 @@ class Kernel:
 
 
 def expand_kquant(t) -> torch.Tensor:
-    """K-quant matrix ``t`` (rows x k) as the kernel's ``T_X8`` blocks, ``[rows, k / 32 * 48]``
-    bytes: per 32 weights the scale and offset of each half (float32 a0 b0 a1 b1), then the 32
-    codes (int8): weight = a * q + b exactly as ggml dequantizes it (``BlockFormat.unpack``)."""
+    """K-quant or IQ4_XS matrix ``t`` (rows x k) as the kernel's ``T_X8`` blocks,
+    ``[rows, k / 32 * 48]`` bytes: per 32 weights the scale and offset of each half (float32
+    a0 b0 a1 b1), then the 32 codes (int8): weight = a * q + b exactly as ggml dequantizes it
+    (``BlockFormat.unpack``)."""
     rows, k = t.shape
     fmt = FORMATS[t.dtype.name]
     q, scale, offset = fmt.unpack(t.data.reshape(-1, fmt.type_size))
@@ -282,7 +286,7 @@ def kernel_matrix(t, q8_as_x8: bool = False) -> tuple[torch.Tensor, int]:
     """The bytes the kernel reads for matrix ``t`` (``[rows, row bytes]``) and their type
     (``q8_as_x8``: a Q8_0 matrix as ``T_X8`` blocks, ``expand_q8``)."""
     name, type_id = t.dtype.name, kernel_type(t.dtype.name, q8_as_x8)
-    if name in K_QUANTS:
+    if name in EXPANDED:
         return expand_kquant(t), type_id
     if type_id == X8:
         return expand_q8(t), type_id
