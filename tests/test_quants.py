@@ -21,16 +21,8 @@ from qlib.quants import SUPPORTED, dequantize, dequantize_torch, quantize, refer
 from qlib.quants.types import ggml_type
 
 GGUF_QUANTIZE = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
-GGUF_DEQUANTIZE = GGUF_QUANTIZE + [
-    "F32",
-    "Q2_K",
-    "Q3_K",
-    "Q4_K",
-    "Q5_K",
-    "Q6_K",
-    "IQ4_NL",
-    "IQ4_XS",
-]
+GGUF_DEQUANTIZE = [*GGUF_QUANTIZE, "F32", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+GGUF_DEQUANTIZE += ["IQ4_NL", "IQ4_XS"]
 
 # Largest |error| in a 256-value block over that block's max |x|. Closed forms for
 # the simple formats (half a step plus the f16 rounding of the scale; Q4_0 and

@@ -171,23 +171,7 @@ def test_activations_match_ggml_cpu_from_float(ggml, data, dot):
     np.testing.assert_array_equal(ours, ggml.from_float(x, dot))
 
 
-@pytest.mark.parametrize(
-    "t",
-    [
-        "Q4_0",
-        "Q4_1",
-        "Q5_0",
-        "Q5_1",
-        "Q8_0",
-        "Q2_K",
-        "Q3_K",
-        "Q4_K",
-        "Q5_K",
-        "Q6_K",
-        "IQ4_NL",
-        "IQ4_XS",
-    ],  # fmt: skip
-)
+@pytest.mark.parametrize("t", [t for t in BLOCK_TYPES if t != "Q8_K"])  # (storage types)
 def test_qmatmul_matches_ggml_vec_dot(ggml, t):
     """qmatmul against the CPU backend's own (SIMD) vec_dot on its own quantized activations."""
     from test_quants_matmul import tolerance, weight
