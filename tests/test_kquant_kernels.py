@@ -166,14 +166,16 @@ def test_kgemm_special_rows():
     _close(cpu.qgemm(x, pw), qmatmul_prepared(x, pr))
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "IQ4_XS"])
 @pytest.mark.parametrize("n,k", [(48, 256), (16, 512), (32, 2048)])
-def test_q4k_panels(n, k):
-    """Q4_K packed as 16-row panels against the same rows packed as their GGUF blocks: the
+def test_k_panels(n, k, type_name):
+    """Q4_K and IQ4_XS packed as 16-row panels against the same rows packed as their GGUF
+    blocks: the
     blocks come back exactly (``dequantize_rows``), the products agree to float rounding
     (``TOL``: the same exact integer sums, per super-block in another float order) on the
     GEMV, the decode region's GEMV and the tiled path (whose tiles are the same bytes: bit
     for bit), and rows stacked from parts that split panels equal one weight's."""
-    w = _weight("Q4_K", n, k, seed=n * k)
+    w = _weight(type_name, n, k, seed=n * k)
     panels, blocks = cpu.pack(w, panels=True), cpu.pack(w)
     assert panels.panels and not blocks.panels and panels.type_code == blocks.type_code | 64
     ids = torch.tensor([n - 1, 0, n // 2, n - 1])
@@ -184,13 +186,13 @@ def test_q4k_panels(n, k):
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(n)) * 2
     for rows in (1, 2, 6):  # GEMV, GEMV per row, the tiled path
         _close(cpu.qgemm(x[:rows], panels), cpu.qgemm(x[:rows], blocks))
-    assert torch.equal(cpu.qgemm(x, panels), cpu.qgemm(x, blocks))  # the same tiles
+    assert torch.equal(cpu.qgemm(x, panels), cpu.qgemm(x, blocks))  # the same tiles (bytes)
     region = cpu.DecodeChain([], "region", output=cpu.qgemm_alloc_plan(panels, x[:1]))
     assert torch.equal(region(), cpu.qgemm(x[:1], panels))  # the decode step's GEMV
-    parts = [QTensor(w.data[a:b].clone(), (b - a, k), "Q4_K") for a, b in ((0, 3), (3, n))]
+    parts = [QTensor(w.data[a:b].clone(), (b - a, k), type_name) for a, b in ((0, 3), (3, n))]
     stacked = cpu.pack(parts, panels=True)
     assert stacked.panels and torch.equal(stacked.codes, panels.codes)
-    odd = _weight("Q4_K", 20, 256, seed=1)  # not a multiple of 16 rows: its blocks
+    odd = _weight(type_name, 20, 256, seed=1)  # not a multiple of 16 rows: its blocks
     assert not cpu.pack(odd, panels=True).panels
 
 

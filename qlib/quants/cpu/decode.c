@@ -126,8 +126,9 @@ static int step_ok(const qlib_step *s) {
         if (s->type & PANELS) return s->k % 64 == 0 && s->n % 16 == 0 && (t == 2 || t == 3 || t == 8);
         return s->k % 64 == 0 && (t == 2 || t == 3 || t == 6 || t == 7 || t == 8);
     }
-    case STEP_KGEMV: /* GGUF blocks (Q2_K..Q6_K, IQ4_XS), or Q4_K panels (12 | PANELS) */
-        if (s->type == (12 | PANELS)) return s->k % 256 == 0 && s->n % 16 == 0;
+    case STEP_KGEMV: /* GGUF blocks (Q2_K..Q6_K, IQ4_XS), or Q4_K / IQ4_XS panels (| PANELS) */
+        if (s->type == (12 | PANELS) || s->type == (23 | PANELS))
+            return s->k % 256 == 0 && s->n % 16 == 0;
         return qlib_float_type(s->type) ? s->k % 64 == 0
                                         : ((s->type >= 10 && s->type <= 14) || s->type == 23) &&
                                               s->k % 256 == 0;

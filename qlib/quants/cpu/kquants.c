@@ -1,4 +1,4 @@
-/* qlib CPU kernels: y = x @ W.T for K-quant (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) weights,
+/* qlib CPU kernels: y = x @ W.T for K-quant (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4_XS weights,
  * with ggml semantics, reading the GGUF blocks as they are (no repacking), or Q4_K re-laid as
  * 16-row panels (below, "Q4_K as 16-row panels") where the fast engine packs it so.
  *
@@ -606,15 +606,68 @@ static void krows_tiled_t(int MR, int type, const uint8_t *wt, const float *sc,
  * bytes than the blocks (the scales decoded). */
 enum { QLIB_PANELS = 64 };
 enum { KP = 16, KP_SC = 2048, KP_MN = 2176, KP_D = 2304, KP_DM = 2336, KP_SB = 2368 };
+/* IQ4_XS as 16-row panels: per 16 rows and super-block XP_SB bytes: 32 vectors of 64 bytes,
+ * vector 4q + i, lane l, byte c = qs[16q + 4i + c] of row l's block (its low nibble the index
+ * of code 32q + 4i + c, its high one of code 32q + 16 + 4i + c: steps 8q + i and 8q + 4 + i in
+ * natural order, as the Q4_K panels' nibbles), the rows' scales ls - 32 (i8 [8][16]), d (f16
+ * [16]). A sub-block of 16 rows is then 8 vpshufb (index -> level + 128) and 8 vpdpbusd with
+ * broadcast activation codes, less 128 x its activation sum, times the rows' scales (vpmulld):
+ * the blocks' exact integer sums. 1.5% more bytes than the blocks. */
+enum { XP_SC = 2048, XP_D = 2176, XP_SB = 2208 };
 
-/* Bytes of the panels of an [n, k] Q4_K weight (n % 16 == 0) */
-size_t qlib_kpanel_bytes(int n, int k) { return (size_t)(n / KP) * (size_t)(k / 256) * KP_SB; }
+/* A panel record's bytes per super-block (0: no panels of that type) */
+static inline int panel_sb(int type) {
+    return type == QLIB_Q4_K ? KP_SB : type == QLIB_IQ4_XS ? XP_SB : 0;
+}
+
+/* IQ4_XS rows of blocks -> panel records (qlib_kpanel_put) and back (qlib_kpanel_get) */
+static void xpanel_put_row(const uint8_t *w, int nb, int j, uint8_t *panels) {
+    const int l = j % KP;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)b * 136;
+        uint8_t *o = panels + ((size_t)(j / KP) * nb + b) * XP_SB;
+        const int h = blk[2] | blk[3] << 8;
+        for (int q = 0; q < 8; q++) {
+            const int ls = ((blk[4 + q / 2] >> (4 * (q % 2))) & 0xF) | ((h >> (2 * q)) & 3) << 4;
+            o[XP_SC + 16 * q + l] = (uint8_t)(int8_t)(ls - 32);
+            for (int i = 0; i < 4; i++) memcpy(o + 64 * (4 * q + i) + 4 * l, blk + 8 + 16 * q + 4 * i, 4);
+        }
+        memcpy(o + XP_D + 2 * l, blk, 2);
+    }
+}
+static void xpanel_get_row(const uint8_t *panels, int nb, int j, uint8_t *w) {
+    const int l = j % KP;
+    for (int b = 0; b < nb; b++) {
+        uint8_t *blk = w + (size_t)b * 136;
+        const uint8_t *o = panels + ((size_t)(j / KP) * nb + b) * XP_SB;
+        memcpy(blk, o + XP_D + 2 * l, 2);
+        int h = 0;
+        memset(blk + 4, 0, 4);
+        for (int q = 0; q < 8; q++) {
+            const int ls = (int8_t)o[XP_SC + 16 * q + l] + 32;
+            blk[4 + q / 2] |= (uint8_t)((ls & 0xF) << (4 * (q % 2)));
+            h |= (ls >> 4) << (2 * q);
+            for (int i = 0; i < 4; i++) memcpy(blk + 8 + 16 * q + 4 * i, o + 64 * (4 * q + i) + 4 * l, 4);
+        }
+        blk[2] = (uint8_t)h, blk[3] = (uint8_t)(h >> 8);
+    }
+}
+
+/* Bytes of the panels of an [n, k] Q4_K or IQ4_XS weight (n % 16 == 0) */
+size_t qlib_kpanel_bytes(int type, int n, int k) {
+    return (size_t)(n / KP) * (size_t)(k / 256) * (size_t)panel_sb(type);
+}
 
 /* Rows j0 .. j0 + rows of a panel weight from their GGUF Q4_K blocks w (rows x k / 256
  * blocks); a panel's rows may come in several calls. Returns 0, or -1 (type, k). */
 int qlib_kpanel_put(int type, const uint8_t *w, int rows, int k, uint8_t *panels, int j0) {
-    if (type != QLIB_Q4_K || k % 256 || rows < 0 || j0 < 0) return -1;
+    if (!panel_sb(type) || k % 256 || rows < 0 || j0 < 0) return -1;
     const int nb = k / 256, *order = act_order(type);
+    if (type == QLIB_IQ4_XS) {
+#pragma omp parallel for schedule(static)
+        for (int r = 0; r < rows; r++) xpanel_put_row(w + (size_t)r * nb * 136, nb, j0 + r, panels);
+        return 0;
+    }
     int16_t idx_tab[4][32];
     scale_index(type, idx_tab);
     __m512i idx[4];
@@ -648,10 +701,14 @@ int qlib_kpanel_put(int type, const uint8_t *w, int rows, int k, uint8_t *panels
  * (count x k / 256 blocks): the inverse of qlib_kpanel_put. Returns 0, or -1 (type, k, id). */
 int qlib_kpanel_get(int type, const uint8_t *panels, int n, int k, const int64_t *ids,
                     int count, uint8_t *out) {
-    if (type != QLIB_Q4_K || k % 256) return -1;
+    if (!panel_sb(type) || k % 256) return -1;
     const int nb = k / 256, *order = act_order(type);
     for (int r = 0; r < count; r++) {
         if (ids[r] < 0 || ids[r] >= n) return -1;
+        if (type == QLIB_IQ4_XS) {
+            xpanel_get_row(panels, nb, (int)ids[r], out + (size_t)r * nb * 136);
+            continue;
+        }
         const int j = (int)ids[r], l = j % KP;
         for (int b = 0; b < nb; b++) {
             const uint8_t *o = panels + ((size_t)(j / KP) * nb + b) * KP_SB;
@@ -738,15 +795,60 @@ static inline __attribute__((always_inline)) __m512 kpanel_dot(const uint8_t *o,
     return acc;
 }
 
+/* The same for an IQ4_XS panel (activation sums of 16 in natural order) */
+static inline __attribute__((always_inline)) __m512 xpanel_dot(const uint8_t *o, int nb,
+                                                                const int8_t *aq,
+                                                                const float *ad,
+                                                                const int16_t *abs_, int pf) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i lv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)iq4_levels_u8));
+    __m512 acc = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++, o += XP_SB) {
+        if (pf)
+            for (int off = 0; off < XP_SB; off += 64)
+                _mm_prefetch((const char *)o + pf + off, _MM_HINT_T1);
+        if (qlib_act_prefetch && b + 1 < nb) {
+            const char *an = (const char *)(aq + 256 * (b + 1));
+            _mm_prefetch(an, _MM_HINT_T0), _mm_prefetch(an + 64, _MM_HINT_T0);
+            _mm_prefetch(an + 128, _MM_HINT_T0), _mm_prefetch(an + 192, _MM_HINT_T0);
+            _mm_prefetch((const char *)(abs_ + 16 * (b + 1)), _MM_HINT_T0);
+        }
+        const int32_t *a32 = (const int32_t *)(aq + 256 * b);
+        const int16_t *bs = abs_ + 16 * b;
+        __m512i sumi = _mm512_setzero_si512();
+        for (int q = 0; q < 8; q++) {
+            __m512i lo = _mm512_set1_epi32(-128 * (bs[2 * q] + bs[2 * q + 1]));
+            __m512i hi = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++) {
+                const __m512i z = _mm512_loadu_si512(o + 64 * (4 * q + i));
+                lo = _mm512_dpbusd_epi32(lo, _mm512_shuffle_epi8(lv, _mm512_and_si512(z, m4)),
+                                         _mm512_set1_epi32(a32[8 * q + i]));
+                hi = _mm512_dpbusd_epi32(
+                    hi, _mm512_shuffle_epi8(lv, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4)),
+                    _mm512_set1_epi32(a32[8 * q + 4 + i]));
+            }
+            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(o + XP_SC + 16 * q)));
+            sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), sc));
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + XP_D)));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, _mm512_set1_ps(ad[b])), acc);
+    }
+    return acc;
+}
+
 /* Panel p's 16 outputs (+)= into y + 16 p, for m activation rows (stride k codes) */
-static inline void kpanel_rows(const uint8_t *panels, int p, int n, int k, const int8_t *aq,
-                               const float *ad, const int16_t *abs_, int m, float *y,
-                               int accumulate) {
+static inline void kpanel_rows(int type, const uint8_t *panels, int p, int n, int k,
+                               const int8_t *aq, const float *ad, const int16_t *abs_, int m,
+                               float *y, int accumulate) {
     const int nb = k / 256;
-    const uint8_t *o = panels + (size_t)p * nb * KP_SB;
+    const uint8_t *o = panels + (size_t)p * nb * panel_sb(type);
     for (int i = 0; i < m; i++) {
-        const __m512 r = kpanel_dot(o, nb, aq + (size_t)i * k, ad + (size_t)i * nb,
-                                    abs_ + (size_t)i * 16 * nb, i ? 0 : qlib_kpanel_prefetch);
+        const int pf = i ? 0 : qlib_kpanel_prefetch;
+        const __m512 r = type == QLIB_IQ4_XS
+                             ? xpanel_dot(o, nb, aq + (size_t)i * k, ad + (size_t)i * nb,
+                                          abs_ + (size_t)i * 16 * nb, pf)
+                             : kpanel_dot(o, nb, aq + (size_t)i * k, ad + (size_t)i * nb,
+                                          abs_ + (size_t)i * 16 * nb, pf);
         float *yp = y + (size_t)i * n + KP * (size_t)p;
         _mm512_storeu_ps(yp, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yp), r) : r);
     }
@@ -800,7 +902,10 @@ static int kgemm_tiled(int type, int panels, const uint8_t *w, size_t row_bytes,
         uint8_t *wt = aligned_alloc(64, (size_t)KT * k);
         float *sc = aligned_alloc(64, sizeof(float) * (size_t)nb * 24 * KT);
         float *dt = aligned_alloc(64, sizeof(float) * (size_t)nb * 2 * KT);
-        if (!wt || !sc || !dt) {
+        /* IQ4_XS panels: the tile's rows as blocks again (ktile reads blocks) */
+        const int xp = panels && type == QLIB_IQ4_XS;
+        uint8_t *xb = xp ? malloc((size_t)KT * nb * 136) : NULL;
+        if (!wt || !sc || !dt || (xp && !xb)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -811,7 +916,10 @@ static int kgemm_tiled(int type, int panels, const uint8_t *w, size_t row_bytes,
 #pragma omp for schedule(static)
             for (int tj = 0; tj < ntiles; tj++) {
                 const int j0 = tj * KT, cols = n - j0 < KT ? n - j0 : KT;
-                if (panels)
+                if (xp) {
+                    for (int r = 0; r < cols; r++) xpanel_get_row(w, nb, j0 + r, xb + (size_t)r * nb * 136);
+                    ktile(type, &g, xb, (size_t)nb * 136, 0, cols, nb, idx, wt, sc, mn, dt, dmt);
+                } else if (panels)
                     ktile_panels(w, n / KP, tj, nb, wt, sc, mn, dt, dmt);
                 else
                     ktile(type, &g, w, row_bytes, j0, n, nb, idx, wt, sc, mn, dt, dmt);
@@ -825,7 +933,7 @@ static int kgemm_tiled(int type, int panels, const uint8_t *w, size_t row_bytes,
                 const int next_rows = n - j0 - KT < KT ? n - j0 - KT : KT;
                 /* a row's bytes: of its blocks, or its share of its panel (panels of 16 rows,
                  * in row order too) */
-                const size_t rb = panels ? (size_t)nb * KP_SB / KP : row_bytes;
+                const size_t rb = panels ? (size_t)nb * panel_sb(type) / KP : row_bytes;
                 const char *next = (const char *)w + (size_t)(j0 + KT) * rb;
                 const size_t next_bytes = next_rows > 0 ? (size_t)next_rows * rb : 0;
                 const size_t slice = (next_bytes / ((m + KMR - 1) / KMR) + 127) & ~(size_t)63;
@@ -847,7 +955,7 @@ static int kgemm_tiled(int type, int panels, const uint8_t *w, size_t row_bytes,
                 }
             }
         }
-        free(wt), free(sc), free(dt);
+        free(wt), free(sc), free(dt), free(xb);
     }
     return failed ? -1 : 0;
 }
@@ -894,7 +1002,7 @@ int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
     const int panels = (type & QLIB_PANELS) != 0;
     type &= ~QLIB_PANELS;
     const int bsize = block_bytes(type);
-    if (!bsize || k % 256 || (panels && (type != QLIB_Q4_K || n % KP))) return -1;
+    if (!bsize || k % 256 || (panels && (!panel_sb(type) || n % KP))) return -1;
     const size_t row_bytes = (size_t)(k / 256) * bsize;
     const int NB = k / 256;
     int8_t *aq = malloc((size_t)m * k);
@@ -923,7 +1031,7 @@ int qlib_kgemm(int type, const uint8_t *w, int n, int k, const float *x, int m, 
     }
     if (panels) { /* a few rows: each panel's dots with each row */
 #pragma omp parallel for schedule(static)
-        for (int p = 0; p < n / KP; p++) kpanel_rows(w, p, n, k, aq, ad, abs_, m, y, accumulate);
+        for (int p = 0; p < n / KP; p++) kpanel_rows(type, w, p, n, k, aq, ad, abs_, m, y, accumulate);
         free(aq), free(ad), free(abs_), free(row);
         return 0;
     }
@@ -1021,7 +1129,7 @@ void qlib_kgemv_region(int type, const uint8_t *w, int n, int k, const float *x,
     kact_row(type, x, k, 0, norm_w, eps, 0, row, aq, ad, abs_);
     if (panels) { /* Q4_K panels: the static schedule's contiguous panels, one stream a thread */
 #pragma omp for schedule(static)
-        for (int p = 0; p < n / KP; p++) kpanel_rows(w, p, n, k, aq, ad, abs_, 1, y, accumulate);
+        for (int p = 0; p < n / KP; p++) kpanel_rows(type, w, p, n, k, aq, ad, abs_, 1, y, accumulate);
         return;
     }
     int16_t idx_tab[4][32];

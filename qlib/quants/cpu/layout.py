@@ -36,9 +36,10 @@ ROW_MULTIPLE = {t: 256 if BLOCKS.get(t, (1,))[0] == 256 else 64
 # of 32 a record of PANEL_RECORD bytes (codes: Q4_* 256, Q8_0 512; then 16 f16 d, Q4_1: 16 f16 m)
 PANELS = 64
 PANEL_RECORD = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544}
-# Q4_K as 16-row panels: kquants.c's type code | PANELS; per 16 rows and super-block of 256
-# K_PANEL_RECORD bytes (the codes four at a time a lane, the decoded scales and mins, d, dmin)
-K_PANEL_RECORD = {"Q4_K": 2368}
+# Q4_K and IQ4_XS as 16-row panels: kquants.c's type code | PANELS; per 16 rows and super-block
+# of 256 K_PANEL_RECORD bytes (the codes (IQ4_XS: indices) four at a time a lane, the decoded
+# scales (and Q4_K's mins), d (and dmin))
+K_PANEL_RECORD = {"Q4_K": 2368, "IQ4_XS": 2208}
 AMX_KINDS = {"bf16": 0, "q4": 1, "q8": 2, "q4g16": 3, "q8g16": 4}  # amx_weight.kind of prefill.c
 
 

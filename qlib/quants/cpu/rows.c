@@ -200,7 +200,8 @@ int qlib_dequant_rows(int type, const uint8_t *w, int n, int k, const int64_t *i
     int qk, bytes;
     block_shape(base, &qk, &bytes);
     if (!qk || k <= 0 || k % qk) return -1;
-    if (panels && base != T_Q4_0 && base != T_Q4_1 && base != T_Q8_0 && base != T_Q4_K)
+    if (panels && base != T_Q4_0 && base != T_Q4_1 && base != T_Q8_0 && base != T_Q4_K &&
+        base != T_IQ4_XS)
         return -1;
     for (int r = 0; r < count; r++)
         if (ids[r] < 0 || ids[r] >= n) return -1;
@@ -210,7 +211,8 @@ int qlib_dequant_rows(int type, const uint8_t *w, int n, int k, const int64_t *i
     for (int r = 0; r < count; r++) {
         const uint8_t *row = w + (size_t)ids[r] * row_bytes;
         if (panels) {
-            const int got = base == T_Q4_K ? qlib_kpanel_get(base, w, n, k, ids + r, 1, blocks)
+            const int got = base == T_Q4_K || base == T_IQ4_XS
+                                ? qlib_kpanel_get(base, w, n, k, ids + r, 1, blocks)
                                            : qlib_panel_get(base, w, n, k, ids + r, 1, blocks);
             if (got) {
                 free(blocks);
