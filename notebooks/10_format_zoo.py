@@ -16,8 +16,8 @@
 # # The format zoo: one model in every GGUF type
 #
 # The seed measures one file in one type. People download the same model in many: F16, Q8_0,
-# the legacy 4- and 5-bit blocks, the K-quants and llama.cpp's mixes (Q4_K_M puts Q6_K on some
-# `attn_v` / `ffn_down` matrices and on the output). Here one model is re-quantized by qlib's
+# the legacy 4- and 5-bit blocks, the K-quants, the non-linear IQ4_NL / IQ4_XS and llama.cpp's
+# mixes (Q4_K_M puts Q6_K on some `attn_v` / `ffn_down` matrices and on the output). Here one model is re-quantized by qlib's
 # quantizer to each of them (the derived files come from the embedded Q4_1, so they are not the
 # files published upstream) and every variant gets the same three questions: how big (bits per
 # weight), how fast (the benchmark protocol, one process per configuration: qlib's faithful
@@ -28,7 +28,7 @@
 # %% tags=["parameters"]
 model_path = None  # source GGUF; None: the embedded SmolLM2 (its variants are derived from it)
 device = "cpu"  # cpu or cuda: the results tag; cuda also times the fast CUDA engine
-types = ["F32", "F16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_1", "Q4_0", "Q3_K", "Q2_K"]  # any of qlib.convert's types and recipes
+types = ["F32", "F16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_1", "IQ4_NL", "Q4_0", "IQ4_XS", "Q3_K", "Q2_K"]  # any of qlib.convert's types and recipes
 tokens = 192  # teacher-forced positions of data/passage.txt
 prompt_tokens = 64  # benchmark prompt (first tokens of data/passage.txt)
 steps = 32  # benchmark decode steps

@@ -192,12 +192,33 @@ def derive(
     if dest.resolve() == src.resolve():
         return src
     if dest.is_file() and not force:
-        return dest
+        stale = _stale_types(dest, src, spec)
+        if not stale:
+            return dest
+        if log:
+            log(
+                f"{dest.name}: {stale} tensors not of the types qlib chooses now; deriving it again"
+            )
     dest.parent.mkdir(parents=True, exist_ok=True)
     report = quantize_gguf(src, dest, spec, log=log)
     if log:
         log(f"derived {dest} from {src.name}")
     return report.path
+
+
+def _stale_types(dest: Path, src: Path, spec: str) -> int:
+    """How many tensors of the derived file ``dest`` differ in type from what re-quantizing
+    ``src`` to ``spec`` gives now (a file made before a change of qlib's choices: IQ4_NL
+    fallbacks, say), or were added or dropped; 0 when it is current."""
+    from .convert import requantize_plan
+    from .gguf import Content
+
+    try:
+        have = {n: i.dtype.name for n, i in Content.read_path(dest).tensor_infos.items()}
+    except (OSError, ValueError):
+        return 1  # unreadable: made again
+    want = {c.name: c.type for c in requantize_plan(Content.read_path(src), spec)}
+    return sum(have.get(n) != t for n, t in want.items()) + len(have.keys() - want.keys())
 
 
 def synthetic_shapes() -> list[str]:

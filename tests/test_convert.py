@@ -300,6 +300,15 @@ def test_derive_caches(tiny, tmp_path, monkeypatch):
     assert models.derive("Q8_0", str(src)) == p and p.stat().st_mtime_ns == mtime
     c = Content.read_path(p)
     assert c.metadata["general.file_type"] == 7
+    # a file made when qlib chose other types (here: Q4_0 where it now writes Q8_0) is stale:
+    # derived again, not returned as it is
+    stale = tmp_path / "tiny.Q8_0.gguf"
+    stale.unlink()
+    models.derive("Q4_0", str(src)).rename(stale)
+    lines = []
+    p = models.derive("Q8_0", str(src), log=lines.append)
+    assert {i.dtype.name for i in Content.read_path(p).tensor_infos.values()} == {"F32", "Q8_0"}
+    assert any("deriving it again" in line for line in lines)
 
 
 # ----------------------------------------------------------------------------- SmolLM2

@@ -15,11 +15,12 @@ from __future__ import annotations
 from .cli import add_parser, convert
 from .names import gguf_name, hf_name, permute, unpermute
 from .recipes import FALLBACK, PLAIN_TYPES, RECIPES, TensorChoice, normalize_spec, plan
-from .to_gguf import FROM_GGUF_KEYS, ConvertReport, hf_to_gguf, quantize_gguf
+from .to_gguf import FROM_GGUF_KEYS, ConvertReport, hf_to_gguf, quantize_gguf, requantize_plan
 from .to_hf import ExportReport, gguf_to_hf
 
 __all__ = [
     "FALLBACK", "FROM_GGUF_KEYS", "PLAIN_TYPES", "RECIPES", "ConvertReport", "ExportReport",
     "TensorChoice", "add_parser", "convert", "gguf_name", "gguf_to_hf", "hf_name",
-    "hf_to_gguf", "normalize_spec", "permute", "plan", "quantize_gguf", "unpermute",
+    "hf_to_gguf", "normalize_spec", "permute", "plan", "quantize_gguf", "requantize_plan",
+    "unpermute",
 ]  # fmt: skip

@@ -273,6 +273,16 @@ def _log_report(report: ConvertReport, log: Log) -> None:
 # ---------------------------------------------------------------------------- GGUF -> GGUF
 
 
+def requantize_plan(content: Content, spec: str) -> list[recipes.TensorChoice]:
+    """The type ``quantize_gguf`` gives each tensor of a file (its header, ``content``)."""
+    arch = content.metadata.get("general.architecture", "llama")
+    n_layer = int(content.metadata.get(f"{arch}.block_count", 0)) or 1 + max(
+        (layer_index(n) or 0) for n in content.tensor_infos
+    )
+    shapes = {n: i.shape for n, i in content.tensor_infos.items()}
+    return recipes.plan(shapes, recipes.normalize_spec(spec), n_layer)
+
+
 def quantize_gguf(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -295,12 +305,7 @@ def quantize_gguf(
         raise ValueError(f"--out {out} is the input file")
     with open(src, "rb") as f:
         content = Content.read(f)
-        arch = content.metadata.get("general.architecture", "llama")
-        n_layer = int(content.metadata.get(f"{arch}.block_count", 0)) or 1 + max(
-            (layer_index(n) or 0) for n in content.tensor_infos
-        )
-        shapes = {n: i.shape for n, i in content.tensor_infos.items()}
-        choices = recipes.plan(shapes, spec, n_layer)
+        choices = requantize_plan(content, spec)
         tensors: dict[str, Any] = {}
         copied = 0
         for c in choices:
