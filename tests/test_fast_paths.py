@@ -877,7 +877,7 @@ def test_index_pos_is_checked(tiny):
 
 # -- memory: pages released while packing, the embedding looked up once ---------------------
 
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
 @needs_kernels
@@ -889,7 +889,10 @@ def test_dequantize_rows_of_packed_weights(type_name, panels):
     g = torch.Generator().manual_seed(4)
     w = QTensor.quantize(torch.randn(48, 512, generator=g), type_name)
     pw = cpu.pack(w, panels=panels)
-    assert pw.panels == (panels and type_name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K"))
+    assert pw.panels == (
+        panels and type_name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q4_K", "IQ4_XS")
+    )
+    # (IQ4_NL without panels: Q8_0 planes of the same values)
     ids = torch.tensor([0, 47, 7, 7, 12, 16])
     assert torch.equal(cpu.dequantize_rows(pw, ids), w.dequantize()[ids])
 

@@ -189,8 +189,7 @@ def _stacks(name: str, layer: int) -> dict[str, list[str]]:
     wt, wts, _ = MIXES.get(name, (name, {}, True))
 
     def types(*names):
-        file_types = [tensor_type(f"blk.{layer}.{n}.weight", wt, wts) for n in names]
-        return [KERNEL_TYPE.get(t, t) for t in file_types]  # (IQ4_NL runs as Q8_0)
+        return [tensor_type(f"blk.{layer}.{n}.weight", wt, wts) for n in names]
 
     return {"wqkv": types("attn_q", "attn_k", "attn_v"), "w13": types("ffn_gate", "ffn_up")}
 
@@ -352,7 +351,7 @@ def test_cuda_parts_built_on_cpu(files, name, prefill):
         stacks = _stacks(name, i)
         for attr, types in stacks.items():
             lin = getattr(ly, attr)
-            assert lin.types == _runs(types)
+            assert lin.types == _runs([KERNEL_TYPE.get(t, t) for t in types])  # IQ4_NL: Q8_0
             for p in lin.parts:
                 native = p.type_name in layout.NATIVE
                 assert isinstance(p, layout.Prepared if native else fast_cuda.DenseWeight)

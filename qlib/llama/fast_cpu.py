@@ -99,7 +99,6 @@ from ..quants.api import dequantize_torch
 from ..quants.cpu import build
 from ..quants.cpu.matmul import PreparedWeight, prepare, qmatmul_prepared
 from ..quants.cpu.memory import reserve, resident_bytes
-from ..quants.iquants import kernel_form
 from ..quants.qtensor import QTensor
 from ..spans import span
 from .checks import (
@@ -849,7 +848,7 @@ class FastModel(StaticKVState):
         amx_layers = bf16 and amx_ok
 
         def get(name: str) -> QTensor:
-            return kernel_form(content.tensor(f, name, "cpu"))
+            return content.tensor(f, name, "cpu")
 
         # Mapped (``gguf.MappedFile``): the tensors are views of the file; packing drops the
         # pages of each piece it has read (``cpu.pack(release=)``), so at any time the file is

@@ -123,7 +123,8 @@ static int step_ok(const qlib_step *s) {
     switch (s->kind) {
     case STEP_QGEMV: { /* planes, or Q4_0 / Q4_1 / Q8_0 panels (type | PANELS) of n % 16 == 0 */
         const int t = s->type & ~PANELS;
-        if (s->type & PANELS) return s->k % 64 == 0 && s->n % 16 == 0 && (t == 2 || t == 3 || t == 8);
+        if (s->type & PANELS)
+            return s->k % 64 == 0 && s->n % 16 == 0 && (t == 2 || t == 3 || t == 8 || t == 20);
         return s->k % 64 == 0 && (t == 2 || t == 3 || t == 6 || t == 7 || t == 8);
     }
     case STEP_KGEMV: /* GGUF blocks (Q2_K..Q6_K, IQ4_XS), or Q4_K / IQ4_XS panels (| PANELS) */

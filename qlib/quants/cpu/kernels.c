@@ -34,7 +34,7 @@
 
 #include "simd.h"
 
-enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8 };
+enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8, QLIB_IQ4_NL = 20 };
 
 /* -- panels: Q4_0 / Q4_1 / Q8_0 weights as 16-row panels (type | QLIB_PANELS) -------------
  * Per 16 weight rows (a panel) and block b of 32 elements, one record of panel_rec bytes:
@@ -66,10 +66,26 @@ static inline const uint8_t *qh_words(int type, const uint16_t *m_row, int G) {
 }
 static inline int has_qh(int type) { return type == QLIB_Q5_0 || type == QLIB_Q5_1; }
 
-/* The unsigned offset of a type's stored codes (Q4_0: 8, Q5_0: 16, Q8_0's planes: 128), removed
- * exactly through the activation codes' sums; 0 for the types with minimums. */
+/* The unsigned offset of a type's stored codes (Q4_0: 8, Q5_0: 16, Q8_0's planes and IQ4_NL's
+ * levels: 128), removed exactly through the activation codes' sums; 0 for the types with
+ * minimums. */
 static inline int code_offset(int type) {
-    return type == QLIB_Q8_0 ? 128 : type == QLIB_Q5_0 ? 16 : type == QLIB_Q4_0 ? 8 : 0;
+    return type == QLIB_Q8_0 || type == QLIB_IQ4_NL ? 128
+           : type == QLIB_Q5_0                      ? 16
+           : type == QLIB_Q4_0                      ? 8
+                                                    : 0;
+}
+
+/* The panels' types: Q4_0, Q4_1, Q8_0 and IQ4_NL (panels only: its nibbles are indices into
+ * ggml's levels, looked up as they are read; Q4_0's layout otherwise) */
+static inline int panel_type(int type) {
+    return type == QLIB_Q4_0 || type == QLIB_Q4_1 || type == QLIB_Q8_0 || type == QLIB_IQ4_NL;
+}
+
+/* A panel vector's 64 low or high nibbles as unsigned codes (IQ4_NL: levels + 128) */
+static inline __m512i panel_nibbles(int type, __m512i v, int high) {
+    const __m512i q = _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
+    return type == QLIB_IQ4_NL ? iq4_levels(q) : q;
 }
 
 /* Dots of R consecutive repacked weight rows with one quantized activation row
@@ -155,7 +171,6 @@ static void panel_tile(int layout, const uint8_t *panels, int j0, int n, int k, 
                        float *dt, float *mt) {
     const int type = base_type(layout), G = k / 32, np = n / 16;
     const size_t rec = panel_rec(type);
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int v = 0; v < GT / 16; v++) {
         const int p = j0 / 16 + v < np ? j0 / 16 + v : np - 1; /* past n: the last panel again */
         const uint8_t *c = panels + (size_t)p * G * rec;
@@ -169,9 +184,9 @@ static void panel_tile(int layout, const uint8_t *panels, int j0, int n, int k, 
                     continue;
                 }
                 _mm512_store_si512(wt + ((size_t)(8 * b + j) * GT + v * 16) * 4,
-                                   _mm512_and_si512(x, m4));
+                                   panel_nibbles(type, x, 0));
                 _mm512_store_si512(wt + ((size_t)(8 * b + 4 + j) * GT + v * 16) * 4,
-                                   _mm512_and_si512(_mm512_srli_epi16(x, 4), m4));
+                                   panel_nibbles(type, x, 1));
             }
             const uint8_t *dm = c + panel_codes(type);
             _mm512_store_ps(dt + (size_t)b * GT + v * 16,
@@ -489,7 +504,6 @@ static inline void block_corrections(const int32_t *corr, int G, int32_t *cb) {
 static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *aq,
                                const float *ad, const float *as, const int32_t *cb, int pf) {
     const size_t rec = panel_rec(type);
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 facc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
     for (int b = 0; b < G; b++, c += rec) {
         int32_t a4[8];
@@ -515,9 +529,8 @@ static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *
                                          _mm512_set1_epi32(a4[j + 4]));
                 continue;
             }
-            lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, m4), _mm512_set1_epi32(a4[j]));
-            hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
-                                     _mm512_set1_epi32(a4[j + 4]));
+            lo = _mm512_dpbusd_epi32(lo, panel_nibbles(type, v, 0), _mm512_set1_epi32(a4[j]));
+            hi = _mm512_dpbusd_epi32(hi, panel_nibbles(type, v, 1), _mm512_set1_epi32(a4[j + 4]));
         }
         const uint8_t *dm = c + panel_codes(type);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dm));
@@ -553,10 +566,10 @@ int qlib_qgemm_ex(int layout, const uint8_t *codes, const uint16_t *dw, const ui
                   float eps, int swiglu, int accumulate) {
     const int type = base_type(layout);
     if (k % 64 || (type != QLIB_Q4_0 && type != QLIB_Q4_1 && type != QLIB_Q5_0 &&
-                   type != QLIB_Q5_1 && type != QLIB_Q8_0))
+                   type != QLIB_Q5_1 && type != QLIB_Q8_0 && type != QLIB_IQ4_NL))
         return -1;
-    if (is_panels(layout) && (n % 16 || (type != QLIB_Q4_0 && type != QLIB_Q4_1 &&
-                                         type != QLIB_Q8_0)))
+    if ((is_panels(layout) && (n % 16 || !panel_type(type))) ||
+        (!is_panels(layout) && type == QLIB_IQ4_NL))
         return -1;
     const int G = k / 32;
     const size_t row_bytes = type == QLIB_Q8_0 ? (size_t)k : (size_t)k / 2;
@@ -656,7 +669,7 @@ void qlib_qgemv_region(int layout, const uint8_t *codes, const uint16_t *dw, con
 void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, uint16_t *d,
                  uint16_t *m) {
     const int G = k / 32;
-    if (is_panels(type)) { /* Q4_0 / Q4_1 / Q8_0 blocks -> panels (n % 16): codes holds them */
+    if (is_panels(type)) { /* Q4_0 / Q4_1 / Q8_0 / IQ4_NL blocks -> panels (n % 16): codes holds them */
         const int bt = base_type(type), q4_1 = bt == QLIB_Q4_1, q8 = bt == QLIB_Q8_0;
         const int bsize = q8 ? 34 : q4_1 ? 20 : 18, dm = q4_1 ? 4 : 2, vecs = q8 ? 8 : 4;
         const size_t rec = panel_rec(type), cbytes = panel_codes(type);
@@ -709,8 +722,7 @@ void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, 
  * k, an id outside 0..n-1). */
 int qlib_panel_get(int type, const uint8_t *panels, int n, int k, const int64_t *ids,
                    int count, uint8_t *out) {
-    if ((type != QLIB_Q4_0 && type != QLIB_Q4_1 && type != QLIB_Q8_0) || k % 32 || n % 16)
-        return -1;
+    if (!panel_type(type) || k % 32 || n % 16) return -1;
     const int G = k / 32, q4_1 = type == QLIB_Q4_1, q8 = type == QLIB_Q8_0;
     const int bsize = q8 ? 34 : q4_1 ? 20 : 18, dm = q4_1 ? 4 : 2, vecs = q8 ? 8 : 4;
     const size_t rec = panel_rec(type), cbytes = panel_codes(type);

@@ -50,9 +50,6 @@ void qlib_fgemv_region(int type, const uint8_t *w, int n, int k, const float *x,
 enum { QLIB_Q2_K = 10, QLIB_Q3_K = 11, QLIB_Q4_K = 12, QLIB_Q5_K = 13,
        QLIB_Q6_K = 14, QLIB_IQ4_XS = 23 };
 
-/* IQ4_XS's levels (ggml's kvalues_iq4nl) + 128: the unsigned codes of its dot products */
-static const uint8_t iq4_levels_u8[16] = {1,   24,  45,  63,  79,  93,  106, 118,
-                                          129, 141, 153, 166, 181, 197, 217, 241};
 
 static int block_bytes(int type) {
     switch (type) {
@@ -264,14 +261,13 @@ static inline __attribute__((always_inline)) void kunpack(const int type, const 
             sc[2 * ib] = sc[2 * ib + 1] =
                 (int16_t)((((w[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((h >> (2 * ib)) & 3) << 4)) - 32);
         sc16 = _mm256_load_si256((const __m256i *)sc);
-        const __m512i lv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)iq4_levels_u8));
         const __m256i m4y = _mm256_set1_epi8(0x0F);
         for (int i = 0; i < 4; i++) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(w + 8 + 32 * i));
             const __m512i c = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_and_si256(x, m4y)),
                 _mm256_and_si256(_mm256_srli_epi16(x, 4), m4y), 1); /* lo 0-15 16-31, hi 0-15 16-31 */
-            v[i] = _mm512_shuffle_epi8(lv, _mm512_shuffle_i64x2(c, c, 0xD8));
+            v[i] = iq4_levels(_mm512_shuffle_i64x2(c, c, 0xD8));
         }
     } else { /* Q2_K */
         d = f16_at(w + 80), dmin = f16_at(w + 82);
@@ -801,7 +797,6 @@ static inline __attribute__((always_inline)) __m512 xpanel_dot(const uint8_t *o,
                                                                 const float *ad,
                                                                 const int16_t *abs_, int pf) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __m512i lv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)iq4_levels_u8));
     __m512 acc = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++, o += XP_SB) {
         if (pf)
@@ -821,11 +816,10 @@ static inline __attribute__((always_inline)) __m512 xpanel_dot(const uint8_t *o,
             __m512i hi = _mm512_setzero_si512();
             for (int i = 0; i < 4; i++) {
                 const __m512i z = _mm512_loadu_si512(o + 64 * (4 * q + i));
-                lo = _mm512_dpbusd_epi32(lo, _mm512_shuffle_epi8(lv, _mm512_and_si512(z, m4)),
+                lo = _mm512_dpbusd_epi32(lo, iq4_levels(_mm512_and_si512(z, m4)),
                                          _mm512_set1_epi32(a32[8 * q + i]));
-                hi = _mm512_dpbusd_epi32(
-                    hi, _mm512_shuffle_epi8(lv, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4)),
-                    _mm512_set1_epi32(a32[8 * q + 4 + i]));
+                hi = _mm512_dpbusd_epi32(hi, iq4_levels(_mm512_and_si512(_mm512_srli_epi16(z, 4), m4)),
+                                         _mm512_set1_epi32(a32[8 * q + 4 + i]));
             }
             const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(o + XP_SC + 16 * q)));
             sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), sc));

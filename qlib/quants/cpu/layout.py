@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}  # kernels.c's (its enum)
+TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20}  # kernels.c's
+# kernels.c's types with panels and no planes: IQ4_NL (Q4_0's panel layout, its nibbles looked up
+# in ggml's levels); ``pack`` makes Q8_0 planes of the same values where panels do not fit
+PANELS_ONLY = ("IQ4_NL",)
 # int16 words of the m plane per block: Q4_1 its minimum; Q5_0 its qh word; Q5_1 both (the
 # row's minimums, then its qh words)
 M_WORDS = {"Q4_1": 1, "Q5_0": 2, "Q5_1": 3}
@@ -35,7 +38,7 @@ ROW_MULTIPLE = {t: 256 if BLOCKS.get(t, (1,))[0] == 256 else 64
 # Q4_0 / Q4_1 / Q8_0 as 16-row panels: kernels.c's type code | PANELS; per 16 rows and block
 # of 32 a record of PANEL_RECORD bytes (codes: Q4_* 256, Q8_0 512; then 16 f16 d, Q4_1: 16 f16 m)
 PANELS = 64
-PANEL_RECORD = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544}
+PANEL_RECORD = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544, "IQ4_NL": 288}
 # Q4_K and IQ4_XS as 16-row panels: kquants.c's type code | PANELS; per 16 rows and super-block
 # of 256 K_PANEL_RECORD bytes (the codes (IQ4_XS: indices) four at a time a lane, the decoded
 # scales (and Q4_K's mins), d (and dmin))

@@ -41,7 +41,6 @@ import torch
 
 from ..activations import VEC_DOT_TYPE, quantize_activations
 from ..api import block_format, dequantize_torch
-from ..iquants import KERNEL_TYPE, kernel_form
 from .ops import qgemm
 from .packing import pack, supports
 
@@ -119,13 +118,13 @@ def _packed(w):
     """The C kernel's ``PackedWeight`` for ``w``, or None when the kernel cannot take it."""
     if isinstance(w, PreparedWeight) or len(w.shape) != 2:
         return None
-    if not supports(KERNEL_TYPE.get(w.dtype.name, w.dtype.name), int(w.shape[-1])):
+    if not supports(w.dtype.name, int(w.shape[-1])):
         return None
     key = id(w.data)
     hit = _PACKED.get(key)
     if hit is not None and hit[0]() is w.data:
         return hit[1]
-    pw = pack(kernel_form(w))  # (IQ4_NL: as Q8_0, the same sums)
+    pw = pack(w)  # (IQ4_NL: Q8_0 planes of its values, ``pack``)
     _PACKED[key] = (weakref.ref(w.data, lambda _, key=key: _PACKED.pop(key, None)), pw)
     return pw
 

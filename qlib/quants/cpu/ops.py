@@ -48,7 +48,14 @@ KernelCall = Callable[[], int]
 """A prepared C call: all arguments bound; returns the kernel's status (0: done)."""
 
 AMX_EPILOGUES = {"bf16": 0, "add": 1, "swiglu": 2}  # amx_gemm's epilogues in prefill.c
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # GGUF, 32 values
+_BLOCK_BYTES = {
+    "Q4_0": 18,
+    "Q4_1": 20,
+    "Q5_0": 22,
+    "Q5_1": 24,
+    "Q8_0": 34,
+    "IQ4_NL": 18,
+}  # GGUF, 32 values
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # name: (argument types, result type); the qlib_amx_* / qlib_prefill_layer entries exist

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import FORMATS
+from ..iquants import kernel_form
 from . import build, ops
 from .layout import (
     BLOCK_CODES,
@@ -28,6 +29,7 @@ from .layout import (
     K_PANEL_RECORD,
     M_WORDS,
     PANEL_RECORD,
+    PANELS_ONLY,
     ROW_MULTIPLE,
     TYPE_CODES,
     AmxWeight,
@@ -101,6 +103,12 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
     n = sum(rows for rows, _ in weights)
     G = k // 32
     panels = panels and name in PANEL_RECORD and all(r % 16 == 0 for r, _ in weights)
+    if name in PANELS_ONLY and not (panels and build.available()):  # Q8_0 planes of its values
+        packed = pack([kernel_form(q) for q in qtensors], panels=panels)
+        if release is not None:
+            for _, data in weights:
+                release(data)
+        return packed
     if panels and build.available():
         codes = weights_empty((n // 16, G * PANEL_RECORD[name]), torch.uint8)
         j = 0

@@ -14,7 +14,8 @@
 
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_XS = 23, T_BF16 = 30,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
+    T_IQ4_XS = 23, T_BF16 = 30,
     PANELS = 64,
 };
 
@@ -29,7 +30,7 @@ static void block_shape(int type, int *qk, int *bytes) {
         {T_F32, 1, 4}, {T_F16, 1, 2}, {T_BF16, 1, 2}, {T_Q4_0, 32, 18}, {T_Q4_1, 32, 20},
         {T_Q5_0, 32, 22}, {T_Q5_1, 32, 24}, {T_Q8_0, 32, 34}, {T_Q2_K, 256, 84},
         {T_Q3_K, 256, 110}, {T_Q4_K, 256, 144}, {T_Q5_K, 256, 176}, {T_Q6_K, 256, 210},
-        {T_IQ4_XS, 256, 136},
+        {T_IQ4_NL, 32, 18}, {T_IQ4_XS, 256, 136},
     };
     *qk = *bytes = 0;
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
@@ -153,10 +154,21 @@ static void q6_k_block(const uint8_t *b, float *y) {
         }
 }
 
+/* ggml's kvalues_iq4nl */
+static const int8_t iq4_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
+
+/* IQ4_NL: d times the level of each index (element j low nibble, j + 16 high) */
+static void iq4_nl_block(const uint8_t *b, float *y) {
+    const float d = f16(b);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)iq4_levels[b[2 + j] & 0xF];
+        y[j + 16] = d * (float)iq4_levels[b[2 + j] >> 4];
+    }
+}
+
 /* IQ4_XS: sub-block ib's scale d * (ls - 32) times the level of each index */
 static void iq4_xs_block(const uint8_t *b, float *y) {
-    static const int8_t levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                      1, 13, 25, 38, 53, 69, 89, 113};
     const float d = f16(b);
     const int h = b[2] | b[3] << 8;
     for (int ib = 0; ib < 8; ib++, y += 32) {
@@ -164,8 +176,8 @@ static void iq4_xs_block(const uint8_t *b, float *y) {
         const float dl = d * (float)(ls - 32);
         const uint8_t *qs = b + 8 + 16 * ib;
         for (int j = 0; j < 16; j++) {
-            y[j] = dl * (float)levels[qs[j] & 0xF];
-            y[j + 16] = dl * (float)levels[qs[j] >> 4];
+            y[j] = dl * (float)iq4_levels[qs[j] & 0xF];
+            y[j + 16] = dl * (float)iq4_levels[qs[j] >> 4];
         }
     }
 }
@@ -184,6 +196,7 @@ static void dequant_row(int type, const uint8_t *row, int k, float *y) {
         case T_Q4_K: q45_k_block(row, NULL, row + 16, y); break;
         case T_Q5_K: q45_k_block(row, row + 16, row + 48, y); break;
         case T_Q6_K: q6_k_block(row, y); break;
+        case T_IQ4_NL: iq4_nl_block(row, y); break;
         case T_IQ4_XS: iq4_xs_block(row, y); break;
         default: legacy_block(type, row, y);
         }
@@ -200,8 +213,8 @@ int qlib_dequant_rows(int type, const uint8_t *w, int n, int k, const int64_t *i
     int qk, bytes;
     block_shape(base, &qk, &bytes);
     if (!qk || k <= 0 || k % qk) return -1;
-    if (panels && base != T_Q4_0 && base != T_Q4_1 && base != T_Q8_0 && base != T_Q4_K &&
-        base != T_IQ4_XS)
+    if (panels && base != T_Q4_0 && base != T_Q4_1 && base != T_Q8_0 && base != T_IQ4_NL &&
+        base != T_Q4_K && base != T_IQ4_XS)
         return -1;
     for (int r = 0; r < count; r++)
         if (ids[r] < 0 || ids[r] >= n) return -1;

@@ -10,6 +10,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* ggml's kvalues_iq4nl + 128: the unsigned codes of IQ4_NL / IQ4_XS dot products */
+static const uint8_t iq4_levels_u8[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                          129, 141, 153, 166, 181, 197, 217, 241};
+
+/* Four indices (0..15) a byte lane -> their levels + 128 (vpshufb in each 128-bit lane) */
+static inline __m512i iq4_levels(__m512i idx) {
+    return _mm512_shuffle_epi8(
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)iq4_levels_u8)), idx);
+}
+
 static inline __m512 bf16x16_load(const uint16_t *p) {
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
