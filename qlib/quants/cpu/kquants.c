@@ -444,9 +444,10 @@ static inline __attribute__((always_inline)) kgeom kgeometry(int type) {
     kgeom g;
     const int *order = act_order(type);
     const int by32 = type == QLIB_Q4_K || type == QLIB_Q5_K;
-    g.nsb = by32 ? 8 : 16, g.ss = by32 ? 8 : 4;
+    const int runs32 = by32 || type == QLIB_IQ4_XS; /* a scale per 32 codes (IQ4_XS: no mins) */
+    g.nsb = runs32 ? 8 : 16, g.ss = runs32 ? 8 : 4;
     for (int p = 0; p < g.nsb; p++)
-        g.sub[p] = by32 ? order[p] : 2 * order[p / 2] + p % 2;
+        g.sub[p] = runs32 ? order[p] : 2 * order[p / 2] + p % 2;
     g.off = type == QLIB_Q6_K ? 32 : type == QLIB_Q3_K ? 4 : type == QLIB_IQ4_XS ? 128 : 0;
     g.mins = type == QLIB_Q2_K || by32;
     g.bs0 = by32 ? 8 : 0;
@@ -473,8 +474,9 @@ static void ktile(int type, const kgeom *g, const uint8_t *w, size_t row_bytes, 
                 dt[(size_t)b * KT + r] = u.d, dmt[(size_t)b * KT + r] = u.dmin;
             }
             transpose16(S); /* S[s]: scale s of the 16 rows */
-            for (int t = 0; t < g->nsb; t++)
-                _mm512_store_ps(sc + ((size_t)b * 16 + t) * KT + v * 16, _mm512_cvtepi32_ps(S[t]));
+            for (int t = 0; t < g->nsb; t++) /* (IQ4_XS: scale lanes 2t, 2t + 1 are the same) */
+                _mm512_store_ps(sc + ((size_t)b * 16 + t) * KT + v * 16,
+                                _mm512_cvtepi32_ps(S[type == QLIB_IQ4_XS ? 2 * t : t]));
             if (g->mins) { /* pairs of int16 mins (non-negative), low: the even one */
                 const __m512i *mm = S + 8;
                 if (type == QLIB_Q2_K) transpose16(M), mm = M;
@@ -512,7 +514,10 @@ static inline __attribute__((always_inline)) void krows_tiled(
             const int s = g->sub[p];
             __m512i iacc[KMR][KNV];
             for (int i = 0; i < MR; i++) {
-                const int c0 = g->off ? -g->off * abs_[((size_t)i * nb + b) * 16 + s] : 0;
+                const int16_t *bs = abs_ + ((size_t)i * nb + b) * 16; /* sums of 16 codes */
+                const int c0 = !g->off ? 0
+                               : type == QLIB_IQ4_XS ? -g->off * (bs[2 * s] + bs[2 * s + 1])
+                                                     : -g->off * bs[s];
                 for (int v = 0; v < KNV; v++) iacc[i][v] = _mm512_set1_epi32(c0);
             }
 #pragma GCC unroll 8
@@ -608,7 +613,8 @@ enum { KP = 16, KP_SC = 2048, KP_MN = 2176, KP_D = 2304, KP_DM = 2336, KP_SB = 2
  * natural order, as the Q4_K panels' nibbles), the rows' scales ls - 32 (i8 [8][16]), d (f16
  * [16]). A sub-block of 16 rows is then 8 vpshufb (index -> level + 128) and 8 vpdpbusd with
  * broadcast activation codes, less 128 x its activation sum, times the rows' scales (vpmulld):
- * the blocks' exact integer sums. 1.5% more bytes than the blocks. */
+ * the blocks' exact integer sums; the tiled GEMM's tiles are made from the panels directly
+ * (ktile_xpanels: the same bytes as ktile's from the blocks). 1.5% more bytes than the blocks. */
 enum { XP_SC = 2048, XP_D = 2176, XP_SB = 2208 };
 
 /* A panel record's bytes per super-block (0: no panels of that type) */
@@ -880,6 +886,33 @@ static void ktile_panels(const uint8_t *panels, int np, int tj, int nb, uint8_t 
     }
 }
 
+/* The same for IQ4_XS panels: the indices looked up (levels + 128), the scales of the 8 runs
+ * of 32 (natural order) and d */
+static void ktile_xpanels(const uint8_t *panels, int np, int tj, int nb, uint8_t *wt, float *sc,
+                          float *dt) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int v = 0; v < KNV; v++) {
+        const int p = 2 * tj + v < np ? 2 * tj + v : np - 1;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *o = panels + ((size_t)p * nb + b) * XP_SB;
+            for (int u = 0; u < 32; u++) {
+                const int st = 8 * (u / 4) + u % 4;
+                const __m512i z = _mm512_loadu_si512(o + 64 * u);
+                _mm512_store_si512(wt + (((size_t)b * 64 + st) * KT + v * 16) * 4,
+                                   iq4_levels(_mm512_and_si512(z, m4)));
+                _mm512_store_si512(wt + (((size_t)b * 64 + st + 4) * KT + v * 16) * 4,
+                                   iq4_levels(_mm512_and_si512(_mm512_srli_epi16(z, 4), m4)));
+            }
+            for (int q = 0; q < 8; q++)
+                _mm512_store_ps(sc + ((size_t)b * 16 + q) * KT + v * 16,
+                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                    _mm_loadu_si128((const __m128i *)(o + XP_SC + 16 * q)))));
+            _mm512_store_ps(dt + (size_t)b * KT + v * 16,
+                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + XP_D))));
+        }
+    }
+}
+
 /* The tiled path of qlib_kgemm (K-quants), on the quantized activations: 0 or -1 (memory). */
 static int kgemm_tiled(int type, int panels, const uint8_t *w, size_t row_bytes, int n,
                        int k, const int8_t *aq, const float *ad, const int16_t *abs_, int m,
@@ -896,10 +929,7 @@ static int kgemm_tiled(int type, int panels, const uint8_t *w, size_t row_bytes,
         uint8_t *wt = aligned_alloc(64, (size_t)KT * k);
         float *sc = aligned_alloc(64, sizeof(float) * (size_t)nb * 24 * KT);
         float *dt = aligned_alloc(64, sizeof(float) * (size_t)nb * 2 * KT);
-        /* IQ4_XS panels: the tile's rows as blocks again (ktile reads blocks) */
-        const int xp = panels && type == QLIB_IQ4_XS;
-        uint8_t *xb = xp ? malloc((size_t)KT * nb * 136) : NULL;
-        if (!wt || !sc || !dt || (xp && !xb)) {
+        if (!wt || !sc || !dt) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -910,10 +940,9 @@ static int kgemm_tiled(int type, int panels, const uint8_t *w, size_t row_bytes,
 #pragma omp for schedule(static)
             for (int tj = 0; tj < ntiles; tj++) {
                 const int j0 = tj * KT, cols = n - j0 < KT ? n - j0 : KT;
-                if (xp) {
-                    for (int r = 0; r < cols; r++) xpanel_get_row(w, nb, j0 + r, xb + (size_t)r * nb * 136);
-                    ktile(type, &g, xb, (size_t)nb * 136, 0, cols, nb, idx, wt, sc, mn, dt, dmt);
-                } else if (panels)
+                if (panels && type == QLIB_IQ4_XS)
+                    ktile_xpanels(w, n / KP, tj, nb, wt, sc, dt);
+                else if (panels)
                     ktile_panels(w, n / KP, tj, nb, wt, sc, mn, dt, dmt);
                 else
                     ktile(type, &g, w, row_bytes, j0, n, nb, idx, wt, sc, mn, dt, dmt);
@@ -949,7 +978,7 @@ static int kgemm_tiled(int type, int panels, const uint8_t *w, size_t row_bytes,
                 }
             }
         }
-        free(wt), free(sc), free(dt), free(xb);
+        free(wt), free(sc), free(dt);
     }
     return failed ? -1 : 0;
 }
