@@ -27,7 +27,7 @@ void qlib_gemv_set_act_prefetch(int on); /* kernels.c */
 static void gemv_panels(const uint8_t *pw, int n, int k, const int8_t *aq, const float *ad,
                         const int16_t *abs_, float *y) {
 #pragma omp for schedule(static)
-    for (int p = 0; p < n / KP; p++) kpanel_rows(pw, p, n, k, aq, ad, abs_, 1, y, 0);
+    for (int p = 0; p < n / KP; p++) kpanel_rows(QLIB_Q4_K, pw, p, n, k, aq, ad, abs_, 1, y, 0);
 }
 
 
@@ -37,7 +37,7 @@ int main(int argc, char **argv) {
     const int nb = k / 256, NM = argc > 1 ? atoi(argv[1]) : 16;
     qlib_kpanel_set_prefetch(argc > 3 ? atoi(argv[3]) : 0);
     qlib_gemv_set_act_prefetch(argc > 5 ? atoi(argv[5]) : 1);
-    const size_t wb = (size_t)n * nb * 144, pb = qlib_kpanel_bytes(n, k);
+    const size_t wb = (size_t)n * nb * 144, pb = qlib_kpanel_bytes(QLIB_Q4_K, n, k);
     uint8_t **w = malloc(NM * sizeof(void *)), **pw = malloc(NM * sizeof(void *));
     srand(1);
     for (int i = 0; i < NM; i++) {
