@@ -137,8 +137,9 @@ def nl_as_q8_0(blocks: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
     """IQ4_NL blocks ``(B, 18)`` as Q8_0 blocks ``(B, 34)`` of the same values: the same f16
     ``d`` and each index's level as the int8 code (every level is in -127..113). ggml's
     IQ4_NL dot product is Q8_0's with those codes (Q8_0 activations, ``d_w d_a`` times the
-    block's integer sum), so the fast engines run IQ4_NL on their Q8_0 kernels, exactly, at
-    34 bytes a block instead of 18. ``chunk`` blocks at a time (the byte indices are int64)."""
+    block's integer sum), so kernels without an IQ4_NL layout run it on their Q8_0 ones,
+    exactly, at 34 bytes a block instead of 18 (the CUDA engine; the CPU's where 16-row panels
+    do not fit). ``chunk`` blocks at a time (the byte indices are int64)."""
     out = torch.empty((blocks.shape[0], 34), dtype=torch.uint8, device=blocks.device)
     out[:, :2] = blocks[:, :2]
     lut = _pair_levels(blocks.device)
@@ -156,7 +157,7 @@ def _pair_levels(device) -> torch.Tensor:
     )
 
 
-# Types the C and CUDA kernels run as another type holding the same values (``kernel_form``)
+# Types the CUDA kernels (and the C kernels' planes) run as another type of the same values
 KERNEL_TYPE: dict[str, str] = {"IQ4_NL": "Q8_0"}
 
 
