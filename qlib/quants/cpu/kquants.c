@@ -750,6 +750,22 @@ void qlib_kpanel_set_prefetch(int bytes) { qlib_kpanel_prefetch = bytes < 0 ? 0 
 
 extern int qlib_act_prefetch; /* kernels.c's A/B hook, qlib_gemv_set_act_prefetch */
 
+/* A panel GEMV's prefetches at super-block b of nb (record o of sb bytes): the record pf bytes
+ * ahead (pf > 0) and the next super-block's activation codes and sums */
+static inline __attribute__((always_inline)) void panel_prefetch(const uint8_t *o, int sb,
+                                                                  int pf, const int8_t *aq,
+                                                                  const int16_t *abs_, int b,
+                                                                  int nb) {
+    if (pf)
+        for (int off = 0; off < sb; off += 64) _mm_prefetch((const char *)o + pf + off, _MM_HINT_T1);
+    if (qlib_act_prefetch && b + 1 < nb) {
+        const char *an = (const char *)(aq + 256 * (b + 1));
+        _mm_prefetch(an, _MM_HINT_T0), _mm_prefetch(an + 64, _MM_HINT_T0);
+        _mm_prefetch(an + 128, _MM_HINT_T0), _mm_prefetch(an + 192, _MM_HINT_T0);
+        _mm_prefetch((const char *)(abs_ + 16 * (b + 1)), _MM_HINT_T0);
+    }
+}
+
 /* The dots of one panel (16 rows, nb super-blocks; o: its first super-block) with one Q8_K
  * activation row (act_order codes, d, the Q4_K sums of 32 in lanes 8..15 of each 16). */
 static inline __attribute__((always_inline)) __m512 kpanel_dot(const uint8_t *o, int nb,
@@ -759,15 +775,7 @@ static inline __attribute__((always_inline)) __m512 kpanel_dot(const uint8_t *o,
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++, o += KP_SB) {
-        if (pf)
-            for (int off = 0; off < KP_SB; off += 64)
-                _mm_prefetch((const char *)o + pf + off, _MM_HINT_T1);
-        if (qlib_act_prefetch && b + 1 < nb) { /* the next super-block's activation codes and sums */
-            const char *an = (const char *)(aq + 256 * (b + 1));
-            _mm_prefetch(an, _MM_HINT_T0), _mm_prefetch(an + 64, _MM_HINT_T0);
-            _mm_prefetch(an + 128, _MM_HINT_T0), _mm_prefetch(an + 192, _MM_HINT_T0);
-            _mm_prefetch((const char *)(abs_ + 16 * (b + 1)), _MM_HINT_T0);
-        }
+        panel_prefetch(o, KP_SB, pf, aq, abs_, b, nb);
         const int32_t *a32 = (const int32_t *)(aq + 256 * b);
         __m512i sumi = _mm512_setzero_si512();
         for (int q = 0; q < 8; q++) {
@@ -805,15 +813,7 @@ static inline __attribute__((always_inline)) __m512 xpanel_dot(const uint8_t *o,
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++, o += XP_SB) {
-        if (pf)
-            for (int off = 0; off < XP_SB; off += 64)
-                _mm_prefetch((const char *)o + pf + off, _MM_HINT_T1);
-        if (qlib_act_prefetch && b + 1 < nb) {
-            const char *an = (const char *)(aq + 256 * (b + 1));
-            _mm_prefetch(an, _MM_HINT_T0), _mm_prefetch(an + 64, _MM_HINT_T0);
-            _mm_prefetch(an + 128, _MM_HINT_T0), _mm_prefetch(an + 192, _MM_HINT_T0);
-            _mm_prefetch((const char *)(abs_ + 16 * (b + 1)), _MM_HINT_T0);
-        }
+        panel_prefetch(o, XP_SB, pf, aq, abs_, b, nb);
         const int32_t *a32 = (const int32_t *)(aq + 256 * b);
         const int16_t *bs = abs_ + 16 * b;
         __m512i sumi = _mm512_setzero_si512();
