@@ -36,12 +36,13 @@
 
 enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8, QLIB_IQ4_NL = 20 };
 
-/* -- panels: Q4_0 / Q4_1 / Q8_0 weights as 16-row panels (type | QLIB_PANELS) -------------
+/* -- panels: Q4_0 / Q4_1 / Q8_0 / IQ4_NL weights as 16-row panels (type | QLIB_PANELS) ------
  * Per 16 weight rows (a panel) and block b of 32 elements, one record of panel_rec bytes:
  * the codes, 64-byte vectors whose lane r (row 16p + r) holds 4 consecutive codes, then the
  * 16 rows' d (f16), then (Q4_1) their m (f16). Q4_*: 4 vectors, vector j lane r = bytes
  * 4j .. 4j + 3 of the row's GGUF block's qs (the codes of elements 4j .. 4j + 3 in the low
- * nibbles, of 4j + 16 .. in the high ones); Q8_0: 8 vectors, vector j lane r = the codes of
+ * nibbles, of 4j + 16 .. in the high ones; IQ4_NL as Q4_0, its nibbles indices into ggml's
+ * levels, looked up as read); Q8_0: 8 vectors, vector j lane r = the codes of
  * elements 4j .. 4j + 3 (+ 128, as its planes). A block of 16 rows is then 8 vpdpbusd with
  * broadcast activation codes, one conversion and one FMA (lane = weight row), where the
  * planes take 16 x (unpack, vpdpbusd, conversion, permute, FMA); a thread's rows are one
@@ -669,7 +670,7 @@ void qlib_qgemv_region(int layout, const uint8_t *codes, const uint16_t *dw, con
 void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, uint16_t *d,
                  uint16_t *m) {
     const int G = k / 32;
-    if (is_panels(type)) { /* Q4_0 / Q4_1 / Q8_0 / IQ4_NL blocks -> panels (n % 16): codes holds them */
+    if (is_panels(type)) { /* Q4_0 / Q4_1 / Q8_0 / IQ4_NL blocks -> panels (n % 16) in codes */
         const int bt = base_type(type), q4_1 = bt == QLIB_Q4_1, q8 = bt == QLIB_Q8_0;
         const int bsize = q8 ? 34 : q4_1 ? 20 : 18, dm = q4_1 ? 4 : 2, vecs = q8 ? 8 : 4;
         const size_t rec = panel_rec(type), cbytes = panel_codes(type);

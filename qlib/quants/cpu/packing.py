@@ -40,8 +40,8 @@ from .memory import weights_copy, weights_empty
 
 def supports(type_name: str, k: int) -> bool:
     """Whether the C kernels handle a weight of this type and row length (``kernels.c``:
-    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, k % 64 == 0; ``kquants.c``: Q2_K..Q6_K, IQ4_XS, k % 256 == 0;
-    ``floats.c``: F32, F16, BF16, k % 64)."""
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (panels, else Q8_0 planes), k % 64 == 0;
+    ``kquants.c``: Q2_K..Q6_K, IQ4_XS, k % 256 == 0; ``floats.c``: F32, F16, BF16, k % 64)."""
     multiple = ROW_MULTIPLE.get(type_name)
     return multiple is not None and k % multiple == 0 and build.available()
 
