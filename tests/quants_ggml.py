@@ -3,6 +3,7 @@
 * ``ggml_quantize(x, type)``: ``ggml_quantize_chunk`` from libggml-base, the
   function ``llama_model_quantize`` calls per tensor (no importance matrix ->
   ``quantize_row_*_ref``); Q8_K goes through ``quantize_row_q8_K_ref``.
+* ``to_float(blocks, type, k)``: ggml's own dequantization (``dequantize_row_*``).
 * ``ggml_from_float(x, type)``: the CPU backend's ``from_float`` for a dot type
   (the x86 SIMD ``quantize_row_q8_0`` etc. that a matmul runs on activations).
 * ``ggml_vec_dot(w_bytes, a_bytes, type, k)``: the CPU backend's ``vec_dot``.
@@ -21,6 +22,18 @@ import os
 import numpy as np
 
 from qlib.quants.types import ggml_type
+
+
+class _Traits(ctypes.Structure):  # ggml.h's ggml_type_traits (libggml-base)
+    _fields_ = [
+        ("type_name", ctypes.c_char_p),
+        ("blck_size", ctypes.c_int64),
+        ("blck_size_interleave", ctypes.c_int64),
+        ("type_size", ctypes.c_size_t),
+        ("is_quantized", ctypes.c_bool),
+        ("to_float", ctypes.c_void_p),
+        ("from_float_ref", ctypes.c_void_p),
+    ]
 
 
 class _TraitsCPU(ctypes.Structure):
@@ -55,20 +68,43 @@ class GGML:
         b.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         b.ggml_quantize_chunk.argtypes += [ctypes.c_int64] * 3 + [ctypes.c_void_p]
         b.quantize_row_q8_K_ref.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        b.ggml_get_type_traits.restype = ctypes.POINTER(_Traits)
+        b.ggml_get_type_traits.argtypes = [ctypes.c_int]
+        b.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
+        b.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
         self.cpu.ggml_cpu_init()
         self.cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_TraitsCPU)
         self.cpu.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
 
-    def quantize(self, x: np.ndarray, type_name: str) -> np.ndarray:
+    def quantize(self, x: np.ndarray, type_name: str, imatrix: np.ndarray | None = None
+                 ) -> np.ndarray:  # fmt: skip
+        """``ggml_quantize_chunk`` of the rows of ``x`` (``imatrix``: one weight per column;
+        the types that need one, ``requires_imatrix``, assert without it)."""
         t = ggml_type(type_name)
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.zeros((x.shape[0], t.row_bytes(x.shape[1])), dtype=np.uint8)
         if t.name == "Q8_K":  # not a storage type: ggml_quantize_chunk refuses it
             self.base.quantize_row_q8_K_ref(x.ctypes.data, out.ctypes.data, x.size)
         else:
+            imatrix = None if imatrix is None else np.ascontiguousarray(imatrix, np.float32)
+            if imatrix is None and self.requires_imatrix(t.name):
+                raise ValueError(f"ggml quantizes {t.name} only with an importance matrix")
             self.base.ggml_quantize_chunk(
-                t.id, x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1], None
-            )
+                t.id, x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1],
+                None if imatrix is None else imatrix.ctypes.data,
+            )  # fmt: skip
+        return out
+
+    def requires_imatrix(self, type_name: str) -> bool:
+        return bool(self.base.ggml_quantize_requires_imatrix(ggml_type(type_name).id))
+
+    def to_float(self, blocks: np.ndarray, type_name: str, k: int) -> np.ndarray:
+        """ggml's ``to_float`` (``dequantize_row_*``) of each row of ``blocks``."""
+        fn = _FROM_FLOAT(self.base.ggml_get_type_traits(ggml_type(type_name).id).contents.to_float)
+        blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
+        out = np.zeros((blocks.shape[0], k), dtype=np.float32)
+        for i in range(blocks.shape[0]):
+            fn(blocks[i].ctypes.data, out[i].ctypes.data, k)
         return out
 
     def traits(self, type_name: str) -> _TraitsCPU:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from qlib.gguf import GGUFValueType, Typed, write
+from qlib.quants.api import READ_ONLY
 from qlib.quants.types import ggml_type
 
 U32, F32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
@@ -113,8 +114,39 @@ def _encode(name: str, w: np.ndarray, weight_type: str) -> tuple[Any, np.ndarray
             f"{name}: last dim {w.shape[-1]} is not a multiple of the {t.name} block size "
             f"{t.block_size}; choose larger sizes"
         )
-    q = QTensor.quantize(w, t.name, device="cpu")
+    if t.name in READ_ONLY:
+        q = random_blocks(w, t.name, seed=sum(name.encode()))
+    else:
+        q = QTensor.quantize(w, t.name, device="cpu")
     return q, q.dequantize().numpy().astype(np.float32)
+
+
+def random_blocks(w: np.ndarray, type_name: str, seed: int = 0):
+    """A QTensor of ``w``'s shape in a type qlib reads but does not write (``READ_ONLY``):
+    random bytes (every pattern is a valid block of these types) with one f16 ``d`` for all
+    blocks, chosen so that the values' rms is ``w``'s: a random weight like ``w``."""
+    import torch
+
+    from qlib.quants.qtensor import QTensor
+
+    t = ggml_type(type_name)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (w.size // t.block_size, t.type_size), dtype=np.uint8)
+
+    def with_d(d: float) -> QTensor:
+        bits = int(np.float16(d).view(np.uint16))
+        if t.name == "IQ1_M":  # d's four nibbles are the top nibbles of the 4 scale words
+            sc = raw[:, 48:56].view("<u2")
+            for i in range(4):
+                sc[:, i] = (sc[:, i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+        else:
+            at = {"TQ1_0": 52, "TQ2_0": 64}.get(t.name, 0)
+            raw[:, at : at + 2] = np.frombuffer(np.uint16(bits).tobytes(), np.uint8)
+        return QTensor(torch.from_numpy(raw.copy().reshape(-1)), w.shape, t.name)
+
+    unit = with_d(1.0).dequantize().numpy()
+    rms = float(np.sqrt(np.mean(np.square(w, dtype=np.float64))))
+    return with_d(rms / float(np.sqrt(np.mean(np.square(unit, dtype=np.float64)))))
 
 
 def tensor_type(name: str, weight_type: str, weight_types: Mapping[str, str] | None) -> str:

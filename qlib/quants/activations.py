@@ -48,6 +48,9 @@ VEC_DOT_TYPE: dict[str, str] = {
     "Q6_K": "Q8_K",
     "IQ4_NL": "Q8_0",
     "IQ4_XS": "Q8_K",
+    **dict.fromkeys(("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"), "Q8_K"),
+    "TQ1_0": "Q8_K",
+    "TQ2_0": "Q8_K",
 }
 
 ACT_BLOCK: dict[str, int] = {"Q8_0": 32, "Q8_1": 32, "Q8_K": 256, "F32": 1, "F16": 1, "BF16": 1}

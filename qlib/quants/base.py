@@ -32,7 +32,9 @@ class BlockFormat:
 
     @classmethod
     def quantize_blocks(cls, x: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"qlib reads {cls.name} but does not write it (llama.cpp's llama-quantize does)"
+        )
 
     @classmethod
     def unpack(cls, blocks: torch.Tensor):

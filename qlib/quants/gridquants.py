@@ -1,0 +1,238 @@
+"""The i-quants whose codes index a grid (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+IQ3_S) and the ternary types (TQ1_0, TQ2_0): read, dequantized, multiplied; not written.
+
+Every one is a super-block of 256 weights whose value is ``scale * code`` with an integer
+code and a float32 scale per group of 16, 32 or 256 weights, so the engines take them as
+they take the K-quants (``BlockFormat.unpack``):
+
+* **IQ2_XXS / IQ2_XS / IQ2_S, IQ3_XXS / IQ3_S**: eight (IQ3: four) magnitudes at a time are
+  one entry of a fixed grid (``GRIDS``: 256 to 1024 entries of values 8 / 25 / 43, 4..62 or
+  1..15), with a sign bit each; IQ2_XXS, IQ2_XS and IQ3_XXS store seven sign bits and take
+  the eighth from their parity (``KSIGNS``). Scales: ``d * (0.5 + ls) / 4`` (IQ2, per 32 or
+  16), ``d * (0.5 + ls) / 2`` (IQ3_XXS, per 32), ``d * (1 + 2 ls)`` (IQ3_S, per 32).
+* **IQ1_S / IQ1_M**: eight values from a grid of -1 / 0 / +1 plus a shift of +-1/8 (one
+  sign per 32, IQ1_S; per 8, IQ1_M): the code here is ``8 g +- 1`` and the scale
+  ``d (2 s + 1) / 8`` (per 32 or 16; IQ1_M keeps its f16 ``d`` in its scales' top nibbles).
+  ``dl * (g + delta)`` and ``(dl / 8) * (8 g + 1)`` are the same real product, rounded once.
+* **TQ1_0 / TQ2_0**: codes -1 / 0 / +1 (five a byte in base 3, or four a byte in 2 bits)
+  and one f16 ``d`` a block.
+
+Field layouts and arithmetic follow ggml's ``dequantize_row_*`` (ggml-quants.c); the tests
+hold the values to ggml's own ``to_float`` (llama-cpp-python) and to gguf-py. The grids are
+data of the format (ggml-common.h's ``iq2xxs_grid`` ...): read from the ``gguf`` package,
+which carries them. ggml quantizes these types with a search that needs an importance matrix
+for most of them; qlib does not write them (``llama-quantize`` does).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from .base import BlockFormat
+from .common import t_f16
+
+GRID_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
+TERNARY_TYPES = ("TQ1_0", "TQ2_0")
+IQ1_DELTA = 0.125  # ggml's IQ1S_DELTA and IQ1M_DELTA
+
+
+@functools.cache
+def _grid_np(type_name: str) -> np.ndarray:
+    """``(entries, 8 or 4)`` int8: the type's grid, as the ``gguf`` package holds it."""
+    try:
+        from gguf import quants
+    except ImportError as e:  # a core dependency; only a broken install lacks it
+        raise NotImplementedError(
+            f"{type_name} needs the grid tables of the 'gguf' package (pip install gguf)"
+        ) from e
+    cls = getattr(quants, "IQ1_S" if type_name == "IQ1_M" else type_name)
+    cls.init_grid()
+    return np.asarray(cls.grid, dtype=np.float32).reshape(cls.grid_shape).astype(np.int8)
+
+
+@functools.cache
+def _tables(type_name: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grid ``(entries, w)`` int32, sign table ``(256, 8)`` int32) on ``device``."""
+    grid = torch.from_numpy(_grid_np(type_name)).to(device, torch.int32)
+    bits = (np.arange(256)[:, None] >> np.arange(8)) & 1
+    signs = torch.from_numpy(1 - 2 * bits).to(device, torch.int32)  # bit j set: element j < 0
+    return grid, signs
+
+
+def _ksigns(index: torch.Tensor) -> torch.Tensor:
+    """ggml's ``ksigns_iq2xs``: seven stored sign bits and an eighth that makes their count
+    even."""
+    parity = torch.zeros_like(index)
+    for bit in range(7):
+        parity ^= (index >> bit) & 1
+    return index | (parity << 7)
+
+
+def _u16(b: torch.Tensor, offset: int, count: int) -> torch.Tensor:
+    """``count`` little-endian uint16 at byte ``offset`` of each block, as int32."""
+    raw = b[:, offset : offset + 2 * count].to(torch.int32).view(b.shape[0], count, 2)
+    return raw[..., 0] | (raw[..., 1] << 8)
+
+
+def _words(raw: torch.Tensor) -> torch.Tensor:
+    """``(..., 4)`` bytes -> ``(...)``: their little-endian uint32, as int64."""
+    w = raw.to(torch.int64)
+    return w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
+
+
+def _signed(grid: torch.Tensor, signs: torch.Tensor, index, sign_bytes) -> torch.Tensor:
+    """Grid rows ``index`` times the signs of ``sign_bytes`` (same leading shape)."""
+    return grid[index.long()] * signs[sign_bytes.long()]
+
+
+def _scales(d: torch.Tensor, ls: torch.Tensor, factor: float) -> torch.Tensor:
+    """``d * (0.5 + ls) * factor`` in float32, as ggml orders it."""
+    return d * (0.5 + ls.float()) * factor
+
+
+class IQ2_XXS(BlockFormat, type_name="IQ2_XXS"):
+    """``d:f16 qs:u16[32]``; per 32 weights two words: four grid indices (bytes), then four
+    7-bit sign indices and the scale's 4 bits (top)."""
+
+    @classmethod
+    def unpack(cls, b: torch.Tensor):
+        grid, signs = _tables(cls.name, b.device.type)
+        q = b[:, 2:66].reshape(-1, 8, 8)
+        aux = _words(q[:, :, 4:8])  # (B, 8): the second word of each 32
+        shifts = torch.arange(0, 28, 7, device=b.device)
+        codes = _signed(grid, signs, q[:, :, :4], _ksigns((aux[..., None] >> shifts) & 127))
+        return codes.reshape(-1, 256), _scales(t_f16(b, 0), aux >> 28, 0.25), None
+
+
+class IQ2_XS(BlockFormat, type_name="IQ2_XS"):
+    """``d:f16 qs:u16[32] scales[8]``; each word a 9-bit grid index and a 7-bit sign index,
+    a 4-bit scale per 16."""
+
+    @classmethod
+    def unpack(cls, b: torch.Tensor):
+        grid, signs = _tables(cls.name, b.device.type)
+        qs = _u16(b, 2, 32)
+        codes = _signed(grid, signs, qs & 511, _ksigns(qs >> 9))
+        return codes.reshape(-1, 256), _scales(t_f16(b, 0), _nibble_scales(b[:, 66:74]), 0.25), None
+
+
+class IQ2_S(BlockFormat, type_name="IQ2_S"):
+    """``d:f16 qs[32] signs[32] qh[8] scales[8]``; 10-bit grid indices (2 high bits each
+    from ``qh``), a full sign byte per 8, a 4-bit scale per 16."""
+
+    @classmethod
+    def unpack(cls, b: torch.Tensor):
+        grid, signs = _tables(cls.name, b.device.type)
+        low = b[:, 2:34].to(torch.int32).view(-1, 8, 4)
+        qh = b[:, 66:74].to(torch.int32)[..., None]
+        shifts = torch.arange(8, 0, -2, device=b.device)
+        index = low | ((qh << shifts) & 0x300)
+        codes = _signed(grid, signs, index, b[:, 34:66].view(-1, 8, 4))
+        return codes.reshape(-1, 256), _scales(t_f16(b, 0), _nibble_scales(b[:, 74:82]), 0.25), None
+
+
+class IQ3_XXS(BlockFormat, type_name="IQ3_XXS"):
+    """``d:f16 qs[64] scales_signs:u32[8]``; per 32 weights eight grid indices (4 values
+    each) and one word: four 7-bit sign indices, the scale's 4 bits (top)."""
+
+    @classmethod
+    def unpack(cls, b: torch.Tensor):
+        grid, signs = _tables(cls.name, b.device.type)
+        aux = _words(b[:, 66:98].reshape(-1, 8, 4))
+        shifts = torch.arange(0, 28, 7, device=b.device)
+        sign_bytes = _ksigns((aux[..., None] >> shifts) & 127)  # (B, 8, 4)
+        values = grid[b[:, 2:66].long()].view(-1, 8, 4, 8)  # two grid rows per sign byte
+        codes = values * signs[sign_bytes.long()]
+        return codes.reshape(-1, 256), _scales(t_f16(b, 0), aux >> 28, 0.5), None
+
+
+class IQ3_S(BlockFormat, type_name="IQ3_S"):
+    """``d:f16 qs[64] qh[8] signs[32] scales[4]``; 9-bit grid indices (the ninth from
+    ``qh``), a sign byte per 8, a 4-bit scale ``1 + 2 ls`` per 32."""
+
+    @classmethod
+    def unpack(cls, b: torch.Tensor):
+        grid, signs = _tables(cls.name, b.device.type)
+        low = b[:, 2:66].to(torch.int32).view(-1, 8, 8)
+        qh = b[:, 66:74].to(torch.int32)[..., None]
+        shifts = 8 - torch.arange(8, device=b.device)  # index 2l: 8 - 2l; 2l + 1: 7 - 2l
+        index = low | ((qh << shifts) & 256)
+        values = grid[index.long()].view(-1, 8, 4, 8)
+        codes = values * signs[b[:, 74:106].view(-1, 8, 4).long()]
+        ls = _nibble_scales(b[:, 106:110])
+        scale = t_f16(b, 0) * (1 + 2 * ls).float()
+        return codes.reshape(-1, 256), scale, None
+
+
+class IQ1_S(BlockFormat, type_name="IQ1_S"):
+    """``d:f16 qs[32] qh:u16[8]``; 11-bit grid indices (3 high bits from ``qh``), per 32
+    a 3-bit scale and the shift's sign (``qh``'s top bits)."""
+
+    @classmethod
+    def unpack(cls, b: torch.Tensor):
+        grid, _ = _tables(cls.name, b.device.type)
+        qh = _u16(b, 34, 8)  # (B, 8)
+        shifts = torch.arange(0, 12, 3, device=b.device)
+        index = b[:, 2:34].to(torch.int32).view(-1, 8, 4) | (((qh[..., None] >> shifts) & 7) << 8)
+        shift = 1 - 2 * ((qh >> 15) & 1)  # +1 or -1: the shift's eighths
+        codes = 8 * grid[index.long()] + shift[..., None, None]
+        dl = t_f16(b, 0) * (2 * ((qh >> 12) & 7) + 1).float()
+        return codes.reshape(-1, 256), dl * IQ1_DELTA, None
+
+
+class IQ1_M(BlockFormat, type_name="IQ1_M"):
+    """``qs[32] qh[16] scales:u16[4]``; 11-bit grid indices (3 high bits from ``qh``), the
+    shift's sign per 8, 3-bit scales per 16, and ``d`` (f16) in the scales' top nibbles."""
+
+    @classmethod
+    def unpack(cls, b: torch.Tensor):
+        grid, _ = _tables(cls.name, b.device.type)
+        sc = _u16(b, 48, 4)  # (B, 4)
+        d_bits = (sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0xF0) | ((sc[:, 2] >> 4) & 0xF00)
+        d_bits = d_bits | (sc[:, 3] & 0xF000)
+        d_bits = torch.where(d_bits >= 1 << 15, d_bits - (1 << 16), d_bits)  # as int16
+        d = d_bits.to(torch.int16).view(torch.float16).float()[:, None]
+        qh = b[:, 32:48].to(torch.int32).view(-1, 8, 2, 1)  # two bytes per 32
+        halves = torch.tensor([8, 4], device=b.device).view(1, 1, 1, 2)
+        index = b[:, 0:32].to(torch.int32).view(-1, 8, 2, 2) | ((qh << halves) & 0x700)
+        shift = 1 - 2 * ((qh >> torch.tensor([3, 7], device=b.device)) & 1)  # (B, 8, 2, 2)
+        codes = 8 * grid[index.long()] + shift[..., None]
+        s = sc.repeat_interleave(2, dim=1) >> torch.tensor([0, 6], device=b.device).repeat(4)
+        ls = torch.stack([s & 7, (s >> 3) & 7], dim=2).reshape(-1, 16)  # per 16
+        return codes.reshape(-1, 256), d * (2 * ls + 1).float() * IQ1_DELTA, None
+
+
+class TQ1_0(BlockFormat, type_name="TQ1_0"):
+    """``qs[48] qh[4] d:f16``: 240 codes five a byte in base 3 (``qs``; the top digit first,
+    read as ``(byte * 3^n mod 256) * 3 >> 8``), 16 four a byte (``qh``); values ``d (t - 1)``."""
+
+    @classmethod
+    def unpack(cls, b: torch.Tensor):
+        pow3 = torch.tensor([1, 3, 9, 27, 81], device=b.device, dtype=torch.int32)
+
+        def digits(raw: torch.Tensor, n: int) -> torch.Tensor:  # (B, bytes) -> (B, n * bytes)
+            q = (raw.to(torch.int32)[:, None, :] * pow3[:n, None]) & 255
+            return ((q * 3) >> 8).reshape(raw.shape[0], -1)
+
+        t = torch.cat([digits(b[:, 0:32], 5), digits(b[:, 32:48], 5), digits(b[:, 48:52], 4)], 1)
+        return t - 1, t_f16(b, 52), None
+
+
+class TQ2_0(BlockFormat, type_name="TQ2_0"):
+    """``qs[64] d:f16``: 2-bit codes ``t``, four a byte (element ``128 h + 32 l + m`` in
+    bits ``2l`` of byte ``32 h + m``); values ``d (t - 1)``."""
+
+    @classmethod
+    def unpack(cls, b: torch.Tensor):
+        shifts = torch.arange(0, 8, 2, device=b.device, dtype=torch.uint8).view(1, 1, 4, 1)
+        t = (b[:, 0:64].view(-1, 2, 1, 32) >> shifts) & 3
+        return t.reshape(-1, 256).to(torch.int32) - 1, t_f16(b, 64), None
+
+
+def _nibble_scales(raw: torch.Tensor) -> torch.Tensor:
+    """Bytes of two 4-bit scales (low nibble first) -> ``(B, 2 * bytes)`` int32."""
+    s = raw.to(torch.int32)
+    return torch.stack([s & 0xF, s >> 4], dim=2).reshape(raw.shape[0], -1)

@@ -1,0 +1,153 @@
+"""The types qlib reads but does not write: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+IQ3_S (grid i-quants) and TQ1_0, TQ2_0 (ternary), ``qlib.quants.gridquants``.
+
+* dequantization bit for bit as gguf-py's (random blocks: every byte pattern is a valid
+  block) and as ggml's own ``to_float`` (rows ggml quantized, with an importance matrix of
+  ones where ggml requires one; peers);
+* ``qmatmul`` as ggml's ``vec_dot`` on its own Q8_K activations (peers);
+* a tiny llama of each type (random blocks, ``synthetic.random_blocks``) in every CPU engine
+  and form; its position-0 logits against llama.cpp's (peers).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from synthetic import random_blocks, write_tiny_llama
+
+from qlib.gguf import GGUFValueType, Typed
+from qlib.llama.engine import load
+from qlib.quants import VEC_DOT_TYPE, dequantize, qmatmul, quantize
+from qlib.quants.api import READ_ONLY
+from qlib.quants.gridquants import GRID_TYPES, TERNARY_TYPES
+from qlib.quants.qtensor import QTensor
+
+TYPES = [*GRID_TYPES, *TERNARY_TYPES]
+SIZES = dict(n_embd=256, n_head=4, n_kv_head=2, n_ff=512, vocab=256)  # rows of 256: one block
+# The quantized form (Q8_K activations) against the dequantized f32 form of the same file,
+# largest |logit diff| / largest |logit|: measured 0.001-0.024 over these types (the
+# activations' 8-bit rounding through two layers); 0.05 leaves room for the seeds' spread.
+QUANTIZED_TOL = 0.05
+
+
+def test_every_type_is_read_and_none_written():
+    assert set(TYPES) == set(READ_ONLY)
+    with pytest.raises(NotImplementedError, match="reads IQ3_S but does not write it"):
+        quantize(np.zeros((1, 256), np.float32), "IQ3_S")
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_dequantize_matches_gguf_py(t):
+    gquants = pytest.importorskip("gguf.quants")
+    import gguf
+
+    w = np.random.default_rng(3).standard_normal((16, 512)).astype(np.float32)
+    q = random_blocks(w, t, seed=5)
+    raw = q.data.numpy().reshape(16, -1)
+    expected = gquants.dequantize(raw, getattr(gguf.GGMLQuantizationType, t))
+    np.testing.assert_array_equal(dequantize(raw, t, (16, 512)), expected.reshape(16, 512))
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_random_blocks_have_the_weights_rms(t):
+    w = np.random.default_rng(4).standard_normal((8, 512)).astype(np.float32) * 0.05
+    values = random_blocks(w, t).dequantize().numpy()
+    assert np.isfinite(values).all()
+    assert abs(np.sqrt(np.mean(values**2)) / np.sqrt(np.mean(w**2)) - 1) < 1e-3  # f16 d
+
+
+@pytest.fixture(scope="module")
+def ggml():
+    from quants_ggml import load as load_ggml
+
+    lib = load_ggml()
+    if lib is None:
+        pytest.skip("needs llama-cpp-python's ggml (peers extra)")
+    return lib
+
+
+def _ggml_rows(ggml, t: str, rows: int = 8, k: int = 512, seed: int = 1) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32) * 0.02
+    imatrix = np.ones(k, np.float32) if ggml.requires_imatrix(t) else None
+    return ggml.quantize(x, t, imatrix=imatrix)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("t", TYPES)
+def test_dequantize_matches_ggml_to_float(ggml, t):
+    blocks = _ggml_rows(ggml, t)
+    np.testing.assert_array_equal(dequantize(blocks, t, (8, 512)), ggml.to_float(blocks, t, 512))
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("t", TYPES)
+def test_qmatmul_matches_ggml_vec_dot(ggml, t):
+    """Against the CPU backend's own vec_dot on its own Q8_K activations: the same integer
+    sums per group, summed in another float32 order (measured <= 1.7e-7 of the largest
+    output); 1e-6 of it."""
+    blocks = _ggml_rows(ggml, t)
+    w = QTensor(torch.from_numpy(blocks.reshape(-1)), (8, 512), t)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
+    expected = ggml.matmul(blocks, ggml.from_float(x.numpy(), VEC_DOT_TYPE[t]), t, 512)
+    assert np.abs(qmatmul(x, w).numpy() - expected).max() <= 1e-6 * np.abs(expected).max()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("grid")
+    return {
+        t: write_tiny_llama(
+            d / f"{t}.gguf",
+            weight_type=t,
+            tie_output=False,
+            **SIZES,
+            weight_types={"token_embd.weight": "Q8_0"},
+        )  # fmt: skip
+        for t in TYPES
+    }
+
+
+def _logits(path, **kw) -> torch.Tensor:
+    model, _ = load(path, "cpu", **kw)
+    with torch.inference_mode():
+        return model.forward(torch.tensor([[1, 5, 9, 33, 7]]), 0)[0].float()
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_every_cpu_engine_runs_them(files, t):
+    """The faithful engine's f32 and quantized forms and the fast engine: the quantized
+    form within ``QUANTIZED_TOL`` of the f32 form, the fast engine as the quantized form
+    (the same Q8_K activations and integer group sums; float32 order apart)."""
+    f32 = _logits(files[t], form="f32")
+    quantized = _logits(files[t], form="quantized")
+    fast = _logits(files[t], engine="fast")
+    scale = f32.abs().max()
+    assert (quantized - f32).abs().max() <= QUANTIZED_TOL * scale
+    assert (fast - quantized).abs().max() <= 1e-5 * scale
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("t", TYPES)
+def test_position0_matches_llama_cpp(tmp_path, t):
+    """Each token alone at position 0 (nothing mixed by attention), faithful quantized form
+    against llama.cpp: within 1e-5 on most tokens (measured 1e-6 at the median; 94-100% of
+    the tokens, the rest an activation block's f16 scale one step apart, as
+    test_position0.py explains), as on the other types."""
+    import test_position0 as pos0
+
+    path = write_tiny_llama(
+        tmp_path / f"{t}.gguf", weight_type=t, tie_output=False, **SIZES,
+        weight_types={"token_embd.weight": "Q8_0"},
+        extra_metadata={"tokenizer.ggml.model": "none",
+                        "llama.vocab_size": Typed(GGUFValueType.UINT32, SIZES["vocab"])},
+    )  # fmt: skip
+    tokens = range(0, SIZES["vocab"], 4)
+    llm = pos0.llama_cpp_model(path)
+    try:
+        ref = pos0.llama_cpp_pos0(llm, tokens)
+    finally:
+        llm.close()
+    model, _ = load(path, "cpu", form="quantized")
+    d = np.abs(pos0.qlib_pos0(model, tokens) - ref).max(axis=1)
+    assert (d <= pos0.FAITHFUL_TOL).mean() >= pos0.FAITHFUL_SHARE, (np.median(d), d.max())
