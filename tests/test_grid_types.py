@@ -20,7 +20,8 @@ from qlib.gguf import GGUFValueType, Typed
 from qlib.llama.engine import load
 from qlib.quants import VEC_DOT_TYPE, dequantize, qmatmul, quantize
 from qlib.quants.api import READ_ONLY
-from qlib.quants.gridquants import GRID_TYPES, TERNARY_TYPES
+from qlib.quants.forms import kernel_form
+from qlib.quants.gridquants import GRID_TYPES, Q6_K_FORM, TERNARY_TYPES
 from qlib.quants.qtensor import QTensor
 
 TYPES = [*GRID_TYPES, *TERNARY_TYPES]
@@ -151,3 +152,43 @@ def test_position0_matches_llama_cpp(tmp_path, t):
     model, _ = load(path, "cpu", form="quantized")
     d = np.abs(pos0.qlib_pos0(model, tokens) - ref).max(axis=1)
     assert (d <= pos0.FAITHFUL_TOL).mean() >= pos0.FAITHFUL_SHARE, (np.median(d), d.max())
+
+
+@pytest.mark.parametrize("t", list(Q6_K_FORM))
+def test_q6_k_form_holds_the_same_values(t):
+    """The types Q6_K holds exactly come to the fast engines as Q6_K (``forms.kernel_form``):
+    every value equal, bit for bit."""
+    w = np.random.default_rng(6).standard_normal((4, 512)).astype(np.float32) * 0.05
+    q = random_blocks(w, t, seed=7)
+    q6 = kernel_form(q, Q6_K_FORM)
+    assert q6.dtype.name == "Q6_K"
+    np.testing.assert_array_equal(q6.dequantize().numpy(), q.dequantize().numpy())
+
+
+def test_q6_k_form_keeps_blocks_that_do_not_fit():
+    """IQ3_XXS needs d / 2 as Q6_K's d: where that falls below f16's normal range and loses
+    a bit, the tensor stays IQ3_XXS (the generic paths run it)."""
+    w = np.full((1, 256), 1e-3, np.float32)
+    q = random_blocks(w, "IQ3_XXS")
+    q.data.view(-1)[:2] = torch.tensor([0x01, 0x04], dtype=torch.uint8)  # d = 2^-14 (1 + 2^-10)
+    assert kernel_form(q, Q6_K_FORM) is q
+    assert kernel_form(q).dtype.name == "IQ3_XXS"
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("t", [t for t in Q6_K_FORM if t != "IQ3_XXS"])
+def test_q6_k_form_of_ggml_rows(ggml, t):
+    blocks = _ggml_rows(ggml, t)
+    q = QTensor(torch.from_numpy(blocks.reshape(-1)), (8, 512), t)
+    q6 = kernel_form(q)
+    assert q6.dtype.name == "Q6_K"
+    np.testing.assert_array_equal(q6.dequantize().numpy(), q.dequantize().numpy())
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_fast_engine_kernel_types(files, t):
+    """The fast CPU engine's layers: Q6_K (its C kernels) for the types Q6_K holds, the type
+    itself (the torch group sums) for the IQ2 family."""
+    model, _ = load(files[t], "cpu", engine="fast")
+    expected = "Q6_K" if t in Q6_K_FORM else t
+    assert {ty for layer in model.layers for ty in layer.wqkv.types} == {expected}

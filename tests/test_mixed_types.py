@@ -56,7 +56,7 @@ from qlib.quants import cpu
 from qlib.quants.cpu.matmul import prepare, qmatmul_prepared
 from qlib.quants.cuda import layout
 from qlib.quants.cuda import matmul as gpu
-from qlib.quants.iquants import KERNEL_TYPE
+from qlib.quants.forms import KERNEL_TYPE
 from qlib.quants.qtensor import QTensor
 
 TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",

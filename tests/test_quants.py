@@ -17,7 +17,8 @@ import pytest
 import torch
 from quants_data import kinds, stacked
 
-from qlib.quants import SUPPORTED, dequantize, dequantize_torch, quantize, reference
+from qlib.quants import dequantize, dequantize_torch, quantize, reference
+from qlib.quants.api import WRITABLE
 from qlib.quants.types import ggml_type
 
 GGUF_QUANTIZE = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
@@ -82,7 +83,7 @@ def data() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def packed(data) -> dict[str, np.ndarray]:
-    return {t: quantize(data, t) for t in SUPPORTED}
+    return {t: quantize(data, t) for t in WRITABLE}
 
 
 @pytest.mark.parametrize("t", GGUF_QUANTIZE)
@@ -114,14 +115,14 @@ def test_dot_types_match_literal_reference(t, data, packed):
     np.testing.assert_array_equal(quantize(rows, t), expected)
 
 
-@pytest.mark.parametrize("t", SUPPORTED)
+@pytest.mark.parametrize("t", WRITABLE)
 def test_layout(t, packed, data):
     tt = ggml_type(t)
     assert packed[t].dtype == np.uint8
     assert packed[t].shape == (data.shape[0], tt.row_bytes(data.shape[1]))
 
 
-@pytest.mark.parametrize("t", SUPPORTED)
+@pytest.mark.parametrize("t", WRITABLE)
 def test_round_trip_error(t):
     for name in ROUND_TRIP_KINDS:
         x = kinds()[name]
@@ -153,7 +154,7 @@ def test_more_bits_less_error():
     assert errors == sorted(errors, reverse=True)
 
 
-@pytest.mark.parametrize("t", SUPPORTED)
+@pytest.mark.parametrize("t", WRITABLE)
 def test_dequantize_torch_equals_dequantize(t, packed, data):
     expected = dequantize(packed[t], t, data.shape)
     flat = torch.from_numpy(packed[t].reshape(-1).copy())
@@ -174,7 +175,7 @@ def test_dequantize_torch_3d_shape(packed, data):
     )
 
 
-@pytest.mark.parametrize("t", [t for t in SUPPORTED if ggml_type(t).block_size > 1])
+@pytest.mark.parametrize("t", [t for t in WRITABLE if ggml_type(t).block_size > 1])
 def test_row_length_not_multiple_of_block(t):
     size = ggml_type(t).block_size
     with pytest.raises(ValueError, match=rf"{t}.*\b{size + 16}\b.*block size {size}"):

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from .. import progress
 from ..devices import DeviceLike, as_device
 from ..quants.cuda.layout import EPI_ADD, EPI_GATE, EPI_STORE, EPI_SWIGLU, NATIVE, Prepared, repack
-from ..quants.iquants import KERNEL_TYPE, kernel_form
+from ..quants.forms import KERNEL_TYPE, kernel_form
 from ..quants.qtensor import QTensor
 from ..spans import span
 from .checks import (

@@ -20,6 +20,7 @@ SUPPORTED: tuple[str, ...] = (
 )  # fmt: skip
 # types qlib reads and computes with but does not write (their quantizers need ggml's search)
 READ_ONLY: tuple[str, ...] = (*gridquants.GRID_TYPES, *gridquants.TERNARY_TYPES)
+WRITABLE: tuple[str, ...] = tuple(t for t in SUPPORTED if t not in READ_ONLY)  # ``quantize``
 
 # Quantize in chunks of about this many floats: small enough to stay in cache
 # through the many passes of the K-quant searches, large enough to amortize NumPy.

@@ -191,10 +191,7 @@ class IQ1_M(BlockFormat, type_name="IQ1_M"):
     def unpack(cls, b: torch.Tensor):
         grid, _ = _tables(cls.name, b.device.type)
         sc = _u16(b, 48, 4)  # (B, 4)
-        d_bits = (sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0xF0) | ((sc[:, 2] >> 4) & 0xF00)
-        d_bits = d_bits | (sc[:, 3] & 0xF000)
-        d_bits = torch.where(d_bits >= 1 << 15, d_bits - (1 << 16), d_bits)  # as int16
-        d = d_bits.to(torch.int16).view(torch.float16).float()[:, None]
+        d = _iq1_m_d(sc)
         qh = b[:, 32:48].to(torch.int32).view(-1, 8, 2, 1)  # two bytes per 32
         halves = torch.tensor([8, 4], device=b.device).view(1, 1, 1, 2)
         index = b[:, 0:32].to(torch.int32).view(-1, 8, 2, 2) | ((qh << halves) & 0x700)
@@ -203,6 +200,14 @@ class IQ1_M(BlockFormat, type_name="IQ1_M"):
         s = sc.repeat_interleave(2, dim=1) >> torch.tensor([0, 6], device=b.device).repeat(4)
         ls = torch.stack([s & 7, (s >> 3) & 7], dim=2).reshape(-1, 16)  # per 16
         return codes.reshape(-1, 256), d * (2 * ls + 1).float() * IQ1_DELTA, None
+
+
+def _iq1_m_d(sc: torch.Tensor) -> torch.Tensor:
+    """IQ1_M's f16 ``d`` from the top nibbles of its four scale words, float32 ``(B, 1)``."""
+    bits = (sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0xF0) | ((sc[:, 2] >> 4) & 0xF00)
+    bits = bits | (sc[:, 3] & 0xF000)
+    bits = torch.where(bits >= 1 << 15, bits - (1 << 16), bits)  # as int16
+    return bits.to(torch.int16).view(torch.float16).float()[:, None]
 
 
 class TQ1_0(BlockFormat, type_name="TQ1_0"):
@@ -236,3 +241,59 @@ def _nibble_scales(raw: torch.Tensor) -> torch.Tensor:
     """Bytes of two 4-bit scales (low nibble first) -> ``(B, 2 * bytes)`` int32."""
     s = raw.to(torch.int32)
     return torch.stack([s & 0xF, s >> 4], dim=2).reshape(raw.shape[0], -1)
+
+
+# The types whose values Q6_K holds exactly, and how: ``d`` / 2^shift as Q6_K's ``d``, the
+# codes divided by ``div`` as its 6-bit codes, each group's scale x ``div`` / that ``d`` as
+# its int8 scale (IQ3_XXS: codes 4..62 even, scale d (2 ls + 1) / 4 -> d / 2, 2 ls + 1, code
+# / 2; IQ1_*: d (2 s + 1) / 8 -> d / 8, 2 s + 1; IQ3_S: d (2 ls + 1) as it is; TQ*: d, 1)
+Q6_K_FORM: dict[str, tuple[int, int]] = {
+    "IQ3_XXS": (1, 2), "IQ3_S": (0, 1), "IQ1_S": (3, 1), "IQ1_M": (3, 1),
+    "TQ1_0": (0, 1), "TQ2_0": (0, 1),
+}  # fmt: skip
+_D_AT = {"TQ1_0": 52, "TQ2_0": 64}  # byte offset of d (else 0; IQ1_M: in its scales)
+
+
+def as_q6_k(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
+    """Blocks ``(B, bytes)`` of a ``Q6_K_FORM`` type as Q6_K blocks ``(B, 210)`` of exactly
+    the same values (ggml dequantizes both as ``d * scale * code``), or None where a block
+    does not fit (a ``d`` / 2^shift below f16's normal range): the C and CUDA kernels of
+    Q6_K then run it, at 6.56 bits a weight."""
+    shift, div = Q6_K_FORM[type_name]
+    from .base import FORMATS
+
+    codes, scale, _ = FORMATS[type_name].unpack(blocks)
+    d = (
+        _iq1_m_d(_u16(blocks, 48, 4))
+        if type_name == "IQ1_M"
+        else t_f16(blocks, _D_AT.get(type_name, 0))
+    )
+    d6 = (d / 2**shift).to(torch.float16)
+    scale = scale.repeat_interleave(16 // scale.shape[1], dim=1)  # per 16, as Q6_K's
+    sc = (scale * div).double() / d6.double()
+    sc = torch.where(d6 == 0, torch.zeros_like(sc), sc)
+    q = codes.to(torch.int32)
+    if div > 1:
+        if (q % div).any():
+            return None
+        q = q // div
+    scale_ok = (sc == sc.round()) & (sc.abs() <= 127)
+    if not (
+        scale_ok.all() and (d6.float() * 2**shift == d).all() and q.min() >= -32 and q.max() <= 31
+    ):
+        return None
+    return q6_k_blocks(q, sc.to(torch.int8), d6)
+
+
+def q6_k_blocks(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks ``(B, 210)`` from codes ``(B, 256)`` in -32..31, int8 scales ``(B, 16)``
+    and f16 ``d`` ``(B, 1)``: ``ql[128] qh[64] scales[16] d`` (element ``128 h + 32 k + l``:
+    its low nibble in byte ``64 h + 32 (k % 2) + l`` of ``ql``, low half when ``k < 2``; its
+    two high bits at bit ``2 k`` of byte ``32 h + l`` of ``qh``)."""
+    q6 = (q + 32).to(torch.uint8).view(-1, 2, 4, 32)  # [block, h, k, l]
+    low = q6 & 0xF
+    ql = torch.stack([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], 2)
+    shifts = torch.tensor([0, 2, 4, 6], device=q.device, dtype=torch.uint8).view(1, 1, 4, 1)
+    qh = ((q6 >> 4) << shifts).sum(dim=2, dtype=torch.uint8)  # disjoint bits: a sum is an or
+    return torch.cat([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(torch.uint8),
+                      d.view(torch.uint8).reshape(-1, 2)], 1)  # fmt: skip

@@ -155,15 +155,3 @@ def _pair_levels(device) -> torch.Tensor:
     return torch.from_numpy(np.stack([KVALUES[b & 15], KVALUES[b >> 4]], 1).view(np.uint8)).to(
         device
     )
-
-
-# Types the CUDA kernels (and the C kernels' planes) run as another type of the same values
-KERNEL_TYPE: dict[str, str] = {"IQ4_NL": "Q8_0"}
-
-
-def kernel_form(q):
-    """QTensor ``q``, or the same values in the type the kernels take (``KERNEL_TYPE``):
-    IQ4_NL as Q8_0 blocks (``nl_as_q8_0``)."""
-    if q.dtype.name == "IQ4_NL":
-        return type(q)(nl_as_q8_0(q.data.reshape(-1, q.dtype.type_size)), q.shape, "Q8_0")
-    return q

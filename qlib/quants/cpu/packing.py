@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import FORMATS
-from ..iquants import kernel_form
+from ..forms import kernel_form
 from . import build, ops
 from .layout import (
     BLOCK_CODES,

@@ -33,15 +33,19 @@ from pathlib import Path
 import torch
 
 from ... import progress
+from ..api import READ_ONLY
 from ..base import FORMATS
 from ..cpu.build import cache_dir
 
 SOURCE = Path(__file__).with_name("persistent.cu")
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-EXPANDED = (*K_QUANTS, "IQ4_XS")  # the types expanded into T_X8 blocks (``expand_kquant``)
+# the types expanded into T_X8 blocks (``expand_kquant``): a float32 scale and offset per 16
+# weights and int8 codes hold every one of them exactly (the grid i-quants and the ternary
+# types too, where they did not come as Q6_K, ``forms.kernel_form``)
+EXPANDED = (*K_QUANTS, "IQ4_XS", *READ_ONLY)
 X8 = 20  # persistent.cu's T_X8: the expanded K-quant blocks
-# the kernel's type of each GGUF type it runs (GGUF's ids; the K-quants and IQ4_XS all run as
-# T_X8; an IQ4_NL file comes as Q8_0, ``iquants.kernel_form``)
+# the kernel's type of each GGUF type it runs (GGUF's ids; the K-quants and the i-quants run as
+# T_X8; an IQ4_NL file comes as Q8_0, ``forms.kernel_form``)
 TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7,
             "Q8_0": 8} | dict.fromkeys(EXPANDED, X8)  # fmt: skip
 SUPPORTED = tuple(TYPE_IDS)
@@ -242,7 +246,7 @@ class Kernel:
 
 
 def expand_kquant(t) -> torch.Tensor:
-    """K-quant or IQ4_XS matrix ``t`` (rows x k) as the kernel's ``T_X8`` blocks,
+    """K-quant or i-quant matrix ``t`` (rows x k) as the kernel's ``T_X8`` blocks,
     ``[rows, k / 32 * 48]`` bytes: per 32 weights the scale and offset of each half (float32
     a0 b0 a1 b1), then the 32 codes (int8): weight = a * q + b exactly as ggml dequantizes it
     (``BlockFormat.unpack``)."""

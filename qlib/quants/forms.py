@@ -1,0 +1,31 @@
+"""Kernel forms: types the kernels run as another type that holds exactly the same values.
+
+* IQ4_NL as Q8_0 (``iquants.nl_as_q8_0``: its levels are int8 codes under the same f16
+  ``d``): the CUDA engine and the C kernels' planes, which have no IQ4_NL layout (the fast
+  CPU layers run IQ4_NL panels of their own);
+* IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0 as Q6_K (``gridquants.as_q6_k``: a tensor
+  whose every block fits, else it stays as it is and runs on the generic paths): both fast
+  engines, whose Q6_K kernels are C and Triton code.
+
+The faithful engine keeps each type's own dot product (``cpu.matmul``'s group sums).
+"""
+
+from __future__ import annotations
+
+from .gridquants import Q6_K_FORM, as_q6_k
+from .iquants import nl_as_q8_0
+
+KERNEL_TYPE: dict[str, str] = {"IQ4_NL": "Q8_0", **dict.fromkeys(Q6_K_FORM, "Q6_K")}
+
+
+def kernel_form(q, types=KERNEL_TYPE):
+    """QTensor ``q``, or the same values in its kernel type where ``q``'s type is in
+    ``types`` (``KERNEL_TYPE`` or some of its keys) and every block fits."""
+    name = q.dtype.name
+    if name not in types:
+        return q
+    blocks = q.data.reshape(-1, q.dtype.type_size)
+    if name == "IQ4_NL":
+        return type(q)(nl_as_q8_0(blocks), q.shape, "Q8_0")
+    q6 = as_q6_k(blocks, name)
+    return q if q6 is None else type(q)(q6.reshape(-1), q.shape, "Q6_K")
