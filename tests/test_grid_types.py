@@ -192,3 +192,24 @@ def test_fast_engine_kernel_types(files, t):
     model, _ = load(files[t], "cpu", engine="fast")
     expected = "Q6_K" if t in Q6_K_FORM else t
     assert {ty for layer in model.layers for ty in layer.wqkv.types} == {expected}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t", TYPES)
+def test_fast_cuda_fused_as_f32_form(files, t):
+    """The fast CUDA engine's fused kernels (Q6_K planes where the type fits them, float32
+    weights for the rest; exact values, float32 accumulation) against the f32 form: 1e-4 of
+    the logits' scale, as for the other types (the persistent kernel: test_persistent_cuda's
+    ``test_kquants_and_mixes_decode_as_f32_form``)."""
+    from qlib.gguf import Content
+    from qlib.llama.faithful import ModelWeights
+    from qlib.llama.fast_cuda import CudaFastModel
+
+    with open(files[t], "rb") as f:
+        content = Content.read(f)
+        ref = ModelWeights.from_gguf(content, f, "cuda", form="f32")
+        fast = CudaFastModel.from_gguf(content, f, "cuda", decode="fused")
+    ids = torch.tensor([[1, 5, 9, 33, 7]])
+    for pos, x in ((0, ids), (5, torch.tensor([[44]]))):
+        want, got = ref.forward(x, pos)[0], fast.forward(x, pos)[0]
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
