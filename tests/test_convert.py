@@ -187,6 +187,8 @@ def test_detect_pre_by_behaviour(expected, pre):
 def test_unknown_spec():
     with pytest.raises(ValueError, match="unknown type or recipe 'Q7_K'"):
         plan(SMOL_SHAPES, "Q7_K", 30)
+    with pytest.raises(ValueError, match="qlib reads IQ2_XS but does not write it"):
+        plan(SMOL_SHAPES, "iq2_xs", 30)
 
 
 # ----------------------------------------------------------------------------- tiny model

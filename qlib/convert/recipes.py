@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..quants.api import READ_ONLY
 from ..quants.types import ggml_type
 from .names import layer_index
 
@@ -54,6 +55,12 @@ class TensorChoice:
 def normalize_spec(spec: str) -> str:
     """Upper-case a type or recipe name and check it (``q4_k_m`` -> ``Q4_K_M``)."""
     s = spec.strip().upper()
+    if s in READ_ONLY:
+        raise ValueError(
+            f"qlib reads {s} but does not write it (llama.cpp's llama-quantize does, with an "
+            f"importance matrix for most such types): types {', '.join(PLAIN_TYPES)}; "
+            f"recipes {', '.join(RECIPES)}"
+        )
     if s not in PLAIN_TYPES and s not in RECIPES:
         raise ValueError(
             f"unknown type or recipe {spec!r}: types {', '.join(PLAIN_TYPES)}; "
