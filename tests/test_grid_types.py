@@ -18,7 +18,7 @@ from synthetic import random_blocks, write_tiny_llama
 
 from qlib.gguf import GGUFValueType, Typed
 from qlib.llama.engine import load
-from qlib.quants import VEC_DOT_TYPE, dequantize, qmatmul, quantize
+from qlib.quants import VEC_DOT_TYPE, cpu, dequantize, qmatmul, quantize
 from qlib.quants.api import READ_ONLY
 from qlib.quants.forms import kernel_form
 from qlib.quants.gridquants import GRID_TYPES, Q6_K_FORM, TERNARY_TYPES
@@ -187,11 +187,13 @@ def test_q6_k_form_of_ggml_rows(ggml, t):
 
 @pytest.mark.parametrize("t", TYPES)
 def test_fast_engine_kernel_types(files, t):
-    """The fast CPU engine's layers: Q6_K (its C kernels) for the types Q6_K holds, the type
-    itself (the torch group sums) for the IQ2 family."""
+    """The fast CPU engine's layers run C kernels on every type: Q6_K's for the types Q6_K
+    holds (``forms.kernel_form``), X8 blocks for the others (``packing.pack``)."""
     model, _ = load(files[t], "cpu", engine="fast")
-    expected = "Q6_K" if t in Q6_K_FORM else t
-    assert {ty for layer in model.layers for ty in layer.wqkv.types} == {expected}
+    parts = [p for layer in model.layers for p in layer.wqkv.parts + layer.w2.parts]
+    expected = "Q6_K" if t in Q6_K_FORM else "X8"
+    assert {p.packed.type_name for p in parts if p.packed is not None} == {expected}
+    assert all(p.packed is not None for p in parts) or not cpu.available()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -213,3 +215,28 @@ def test_fast_cuda_fused_as_f32_form(files, t):
     for pos, x in ((0, ids), (5, torch.tensor([[44]]))):
         want, got = ref.forward(x, pos)[0], fast.forward(x, pos)[0]
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+needs_kernels = pytest.mark.skipif(not cpu.available(), reason="needs the C kernels")
+
+
+@needs_kernels
+@pytest.mark.parametrize("t", TYPES)
+def test_x8_blocks(t):
+    """``pack`` makes X8 blocks of these types (``gridquants.as_x8``): their rows read back
+    (``rows.c``) are the type's values bit for bit; the C GEMV (1 row) and the tiled GEMM
+    (prefill, 40 rows) against the torch path's exact integer group sums (``prepare``): the
+    same integers, float32 order apart (measured <= 2e-7 of the largest output; 1e-6)."""
+    from qlib.quants.cpu.matmul import prepare, qmatmul_prepared
+
+    w = np.random.default_rng(8).standard_normal((48, 512)).astype(np.float32) * 0.05
+    q = random_blocks(w, t, seed=9)
+    packed = cpu.pack(q)
+    assert packed.type_name == "X8"
+    rows = cpu.dequantize_rows(packed, torch.arange(48))
+    assert torch.equal(rows, q.dequantize())
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))
+    want = qmatmul_prepared(x, prepare(q))
+    for m in (1, 40):
+        got = cpu.qgemm(x[:m], packed)
+        assert (got - want[:m]).abs().max() <= 1e-6 * want[:m].abs().max()

@@ -254,35 +254,65 @@ Q6_K_FORM: dict[str, tuple[int, int]] = {
 _D_AT = {"TQ1_0": 52, "TQ2_0": 64}  # byte offset of d (else 0; IQ1_M: in its scales)
 
 
-def as_q6_k(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
+def block_d(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
+    """Each block's f16 ``d`` as float32 ``(B, 1)``."""
+    if type_name == "IQ1_M":
+        return _iq1_m_d(_u16(blocks, 48, 4))
+    return t_f16(blocks, _D_AT.get(type_name, 0))
+
+
+def as_q6_k(blocks: torch.Tensor, type_name: str, chunk: int = 1 << 15) -> torch.Tensor | None:
     """Blocks ``(B, bytes)`` of a ``Q6_K_FORM`` type as Q6_K blocks ``(B, 210)`` of exactly
     the same values (ggml dequantizes both as ``d * scale * code``), or None where a block
-    does not fit (a ``d`` / 2^shift below f16's normal range): the C and CUDA kernels of
-    Q6_K then run it, at 6.56 bits a weight."""
+    does not fit (a ``d`` / 2^shift below f16's normal range: IQ3_XXS's small d, which is the
+    common case there): the C and CUDA kernels of Q6_K then run it, at 6.56 bits a weight.
+    ``chunk`` blocks at a time (the codes are unpacked as int32)."""
+    from .base import FORMATS
+
     shift, div = Q6_K_FORM[type_name]
+    d = block_d(blocks, type_name)
+    d6 = (d / 2**shift).to(torch.float16)
+    if not (d6.float() * 2**shift == d).all():  # (checked first: it needs no unpacking)
+        return None
+    out = torch.empty((blocks.shape[0], 210), dtype=torch.uint8, device=blocks.device)
+    for i in range(0, blocks.shape[0], chunk):
+        codes, scale, _ = FORMATS[type_name].unpack(blocks[i : i + chunk])
+        unit = d6[i : i + chunk].float()
+        scale = scale.repeat_interleave(16 // scale.shape[1], dim=1)  # per 16, as Q6_K's
+        sc = torch.where(unit == 0, torch.zeros_like(scale), scale * div / unit)
+        q = codes // div
+        fits = ((sc == sc.round()) & (sc.abs() <= 127)).all() and (unit * sc == scale * div).all()
+        if not (fits and (q * div == codes).all() and q.min() >= -32 and q.max() <= 31):
+            return None
+        out[i : i + chunk] = q6_k_blocks(q, sc.to(torch.int8), d6[i : i + chunk])
+    return out
+
+
+# Every type here as qlib's X8 blocks (the C kernels', ``kquants.c``): ``qs[256]`` (code + 64,
+# natural order), an int8 scale per 16, float32 ``d`` = the block's d x ``X8_UNIT``, so that
+# d x scale is each group's scale exactly (IQ2: d (2 ls + 1) / 8; IQ3_XXS: d (2 ls + 1) / 4;
+# IQ3_S: d (2 ls + 1); IQ1: d (2 s + 1) / 8; ternary: d x 1). 8.6 bits a weight.
+X8_UNIT: dict[str, float] = {
+    "IQ2_XXS": 0.125, "IQ2_XS": 0.125, "IQ2_S": 0.125, "IQ3_XXS": 0.25, "IQ3_S": 1.0,
+    "IQ1_S": 0.125, "IQ1_M": 0.125, "TQ1_0": 1.0, "TQ2_0": 1.0,
+}  # fmt: skip
+X8_BYTES = 276
+
+
+def as_x8(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
+    """Blocks ``(B, bytes)`` of an ``X8_UNIT`` type as X8 blocks ``(B, 276)`` of exactly the
+    same values (None if a scale were not an integer multiple of the unit: not for blocks
+    ggml writes)."""
     from .base import FORMATS
 
     codes, scale, _ = FORMATS[type_name].unpack(blocks)
-    d = (
-        _iq1_m_d(_u16(blocks, 48, 4))
-        if type_name == "IQ1_M"
-        else t_f16(blocks, _D_AT.get(type_name, 0))
-    )
-    d6 = (d / 2**shift).to(torch.float16)
-    scale = scale.repeat_interleave(16 // scale.shape[1], dim=1)  # per 16, as Q6_K's
-    sc = (scale * div).double() / d6.double()
-    sc = torch.where(d6 == 0, torch.zeros_like(sc), sc)
-    q = codes.to(torch.int32)
-    if div > 1:
-        if (q % div).any():
-            return None
-        q = q // div
-    scale_ok = (sc == sc.round()) & (sc.abs() <= 127)
-    if not (
-        scale_ok.all() and (d6.float() * 2**shift == d).all() and q.min() >= -32 and q.max() <= 31
-    ):
+    unit = block_d(blocks, type_name) * X8_UNIT[type_name]  # exact: a power of 2 (or 1)
+    scale = scale.repeat_interleave(16 // scale.shape[1], dim=1)
+    sc = torch.where(unit == 0, torch.zeros_like(scale), scale / unit)
+    if not ((sc == sc.round()) & (sc.abs() <= 127)).all() or (unit * sc != scale).any():
         return None
-    return q6_k_blocks(q, sc.to(torch.int8), d6)
+    return torch.cat([(codes + 64).to(torch.uint8), sc.to(torch.int8).view(torch.uint8),
+                      unit.view(torch.uint8).reshape(-1, 4)], 1)  # fmt: skip
 
 
 def q6_k_blocks(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
