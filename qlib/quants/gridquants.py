@@ -55,20 +55,21 @@ def _grid_np(type_name: str) -> np.ndarray:
 
 @functools.cache
 def _tables(type_name: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grid ``(entries, w)`` int32, sign table ``(256, 8)`` int32) on ``device``."""
-    grid = torch.from_numpy(_grid_np(type_name)).to(device, torch.int32)
+    """(grid ``(entries, w)``, sign table ``(256, 8)``) on ``device``, int8 (a code is at most
+    62 in magnitude)."""
+    grid = torch.from_numpy(_grid_np(type_name)).to(device)
     bits = (np.arange(256)[:, None] >> np.arange(8)) & 1
-    signs = torch.from_numpy(1 - 2 * bits).to(device, torch.int32)  # bit j set: element j < 0
+    signs = torch.from_numpy((1 - 2 * bits).astype(np.int8)).to(device)  # bit j: element j < 0
     return grid, signs
+
+
+_KSIGNS = np.array([i | (bin(i).count("1") & 1) << 7 for i in range(128)])
 
 
 def _ksigns(index: torch.Tensor) -> torch.Tensor:
     """ggml's ``ksigns_iq2xs``: seven stored sign bits and an eighth that makes their count
-    even."""
-    parity = torch.zeros_like(index)
-    for bit in range(7):
-        parity ^= (index >> bit) & 1
-    return index | (parity << 7)
+    even (a table of 128 sign bytes)."""
+    return torch.from_numpy(_KSIGNS).to(index.device)[index.long()]
 
 
 def _u16(b: torch.Tensor, offset: int, count: int) -> torch.Tensor:
