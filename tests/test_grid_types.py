@@ -240,3 +240,13 @@ def test_x8_blocks(t):
     for m in (1, 40):
         got = cpu.qgemm(x[:m], packed)
         assert (got - want[:m]).abs().max() <= 1e-6 * want[:m].abs().max()
+
+
+@needs_kernels
+def test_a_non_finite_scale_is_refused_with_its_reason():
+    """A block whose d is NaN has no X8 form: the fast engine says so in one line."""
+    w = np.random.default_rng(2).standard_normal((4, 256)).astype(np.float32)
+    q = random_blocks(w, "IQ2_XS")
+    q.data.view(-1)[:2] = torch.from_numpy(np.array([np.nan], np.float16).view(np.uint8))
+    with pytest.raises(ValueError, match="IQ2_XS blocks with a scale .* non-finite or corrupt d"):
+        cpu.pack(q)

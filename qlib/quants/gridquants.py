@@ -6,9 +6,9 @@ code and a float32 scale per group of 16, 32 or 256 weights, so the engines take
 they take the K-quants (``BlockFormat.unpack``):
 
 * **IQ2_XXS / IQ2_XS / IQ2_S, IQ3_XXS / IQ3_S**: eight (IQ3: four) magnitudes at a time are
-  one entry of a fixed grid (``GRIDS``: 256 to 1024 entries of values 8 / 25 / 43, 4..62 or
+  one entry of a fixed grid (``_grid_np``: 256 to 1024 entries of values 8 / 25 / 43, 4..62 or
   1..15), with a sign bit each; IQ2_XXS, IQ2_XS and IQ3_XXS store seven sign bits and take
-  the eighth from their parity (``KSIGNS``). Scales: ``d * (0.5 + ls) / 4`` (IQ2, per 32 or
+  the eighth from their parity (``_ksigns``). Scales: ``d * (0.5 + ls) / 4`` (IQ2, per 32 or
   16), ``d * (0.5 + ls) / 2`` (IQ3_XXS, per 32), ``d * (1 + 2 ls)`` (IQ3_S, per 32).
 * **IQ1_S / IQ1_M**: eight values from a grid of -1 / 0 / +1 plus a shift of +-1/8 (one
   sign per 32, IQ1_S; per 8, IQ1_M): the code here is ``8 g +- 1`` and the scale
@@ -31,7 +31,7 @@ import functools
 import numpy as np
 import torch
 
-from .base import BlockFormat
+from .base import FORMATS, BlockFormat
 from .common import t_f16
 
 GRID_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
@@ -267,9 +267,7 @@ def as_q6_k(blocks: torch.Tensor, type_name: str, chunk: int = 1 << 15) -> torch
     the same values (ggml dequantizes both as ``d * scale * code``), or None where a block
     does not fit (a ``d`` / 2^shift below f16's normal range: IQ3_XXS's small d, which is the
     common case there): the C and CUDA kernels of Q6_K then run it, at 6.56 bits a weight.
-    ``chunk`` blocks at a time (the codes are unpacked as int32)."""
-    from .base import FORMATS
-
+    ``chunk`` blocks at a time."""
     shift, div = Q6_K_FORM[type_name]
     d = block_d(blocks, type_name)
     d6 = (d / 2**shift).to(torch.float16)
@@ -304,8 +302,6 @@ def as_x8(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
     """Blocks ``(B, bytes)`` of an ``X8_UNIT`` type as X8 blocks ``(B, 276)`` of exactly the
     same values (None if a scale were not an integer multiple of the unit: not for blocks
     ggml writes)."""
-    from .base import FORMATS
-
     codes, scale, _ = FORMATS[type_name].unpack(blocks)
     unit = block_d(blocks, type_name) * X8_UNIT[type_name]  # exact: a power of 2 (or 1)
     scale = scale.repeat_interleave(16 // scale.shape[1], dim=1)

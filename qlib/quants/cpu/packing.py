@@ -172,7 +172,10 @@ def _x8(data: torch.Tensor, type_name: str, release) -> torch.Tensor:
     for b in range(0, blocks.shape[0], step):
         x8 = as_x8(blocks[b : b + step], type_name)
         if x8 is None:
-            raise ValueError(f"pack: {type_name} blocks whose scales X8 cannot hold")
+            raise ValueError(
+                f"{type_name} blocks with a scale that is no whole multiple of their d "
+                "(a non-finite or corrupt d)"
+            )
         out[b : b + step] = x8
         if release is not None:
             release(blocks[b : b + step])
