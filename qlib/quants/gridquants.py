@@ -129,7 +129,7 @@ class IQ2_S(BlockFormat, type_name="IQ2_S"):
         grid, signs = _tables(cls.name, b.device.type)
         low = b[:, 2:34].to(torch.int32).view(-1, 8, 4)
         qh = b[:, 66:74].to(torch.int32)[..., None]
-        shifts = torch.arange(8, 0, -2, device=b.device)
+        shifts = torch.arange(8, 0, -2, device=b.device, dtype=torch.int32)
         index = low | ((qh << shifts) & 0x300)
         codes = _signed(grid, signs, index, b[:, 34:66].view(-1, 8, 4))
         return codes.reshape(-1, 256), _scales(t_f16(b, 0), _nibble_scales(b[:, 74:82]), 0.25), None
@@ -159,7 +159,8 @@ class IQ3_S(BlockFormat, type_name="IQ3_S"):
         grid, signs = _tables(cls.name, b.device.type)
         low = b[:, 2:66].to(torch.int32).view(-1, 8, 8)
         qh = b[:, 66:74].to(torch.int32)[..., None]
-        shifts = 8 - torch.arange(8, device=b.device)  # index 2l: 8 - 2l; 2l + 1: 7 - 2l
+        # index p (of 8 per 32 weights) takes bit p of qh as its ninth bit (shift 8 - p)
+        shifts = 8 - torch.arange(8, device=b.device, dtype=torch.int32)
         index = low | ((qh << shifts) & 256)
         values = grid[index.long()].view(-1, 8, 4, 8)
         codes = values * signs[b[:, 74:106].view(-1, 8, 4).long()]
@@ -176,7 +177,7 @@ class IQ1_S(BlockFormat, type_name="IQ1_S"):
     def unpack(cls, b: torch.Tensor):
         grid, _ = _tables(cls.name, b.device.type)
         qh = _u16(b, 34, 8)  # (B, 8)
-        shifts = torch.arange(0, 12, 3, device=b.device)
+        shifts = torch.arange(0, 12, 3, device=b.device, dtype=torch.int32)
         index = b[:, 2:34].to(torch.int32).view(-1, 8, 4) | (((qh[..., None] >> shifts) & 7) << 8)
         shift = 1 - 2 * ((qh >> 15) & 1)  # +1 or -1: the shift's eighths
         codes = 8 * grid[index.long()] + shift[..., None, None]
@@ -279,9 +280,10 @@ def as_q6_k(blocks: torch.Tensor, type_name: str, chunk: int = 1 << 15) -> torch
         unit = d6[i : i + chunk].float()
         scale = scale.repeat_interleave(16 // scale.shape[1], dim=1)  # per 16, as Q6_K's
         sc = torch.where(unit == 0, torch.zeros_like(scale), scale * div / unit)
-        q = codes // div
+        q = codes if div == 1 else codes // div
         fits = ((sc == sc.round()) & (sc.abs() <= 127)).all() and (unit * sc == scale * div).all()
-        if not (fits and (q * div == codes).all() and q.min() >= -32 and q.max() <= 31):
+        exact = div == 1 or (q * div == codes).all()
+        if not (fits and exact and -32 <= q.min() <= q.max() <= 31):
             return None
         out[i : i + chunk] = q6_k_blocks(q, sc.to(torch.int8), d6[i : i + chunk])
     return out
