@@ -156,8 +156,8 @@ def test_position0_matches_llama_cpp(tmp_path, t):
 
 @pytest.mark.parametrize("t", list(Q6_K_FORM))
 def test_q6_k_form_holds_the_same_values(t):
-    """The types Q6_K holds exactly come to the fast engines as Q6_K (``forms.kernel_form``):
-    every value equal, bit for bit."""
+    """The types Q6_K holds exactly come to the fast CUDA engine as Q6_K
+    (``forms.kernel_form``): every value equal, bit for bit."""
     w = np.random.default_rng(6).standard_normal((4, 512)).astype(np.float32) * 0.05
     q = random_blocks(w, t, seed=7)
     q6 = kernel_form(q, Q6_K_FORM)
@@ -187,12 +187,11 @@ def test_q6_k_form_of_ggml_rows(ggml, t):
 
 @pytest.mark.parametrize("t", TYPES)
 def test_fast_engine_kernel_types(files, t):
-    """The fast CPU engine's layers run C kernels on every type: Q6_K's for the types Q6_K
-    holds (``forms.kernel_form``), X8 blocks for the others (``packing.pack``)."""
+    """The fast CPU engine's layers run C kernels on every type, as X4 blocks
+    (``packing.pack``)."""
     model, _ = load(files[t], "cpu", engine="fast")
     parts = [p for layer in model.layers for p in layer.wqkv.parts + layer.w2.parts]
-    expected = "Q6_K" if t in Q6_K_FORM else "X8"
-    assert {p.packed.type_name for p in parts if p.packed is not None} == {expected}
+    assert {p.packed.type_name for p in parts if p.packed is not None} == {"X4"}
     assert all(p.packed is not None for p in parts) or not cpu.available()
 
 
@@ -222,8 +221,8 @@ needs_kernels = pytest.mark.skipif(not cpu.available(), reason="needs the C kern
 
 @needs_kernels
 @pytest.mark.parametrize("t", TYPES)
-def test_x8_blocks(t):
-    """``pack`` makes X8 blocks of these types (``gridquants.as_x8``): their rows read back
+def test_x4_blocks(t):
+    """``pack`` makes X4 blocks of these types (``gridquants.as_x4``): their rows read back
     (``rows.c``) are the type's values bit for bit; the C GEMV (1 row) and the tiled GEMM
     (prefill, 40 rows) against the torch path's exact integer group sums (``prepare``): the
     same integers, float32 order apart (measured <= 2e-7 of the largest output; 1e-6)."""
@@ -232,7 +231,7 @@ def test_x8_blocks(t):
     w = np.random.default_rng(8).standard_normal((48, 512)).astype(np.float32) * 0.05
     q = random_blocks(w, t, seed=9)
     packed = cpu.pack(q)
-    assert packed.type_name == "X8"
+    assert packed.type_name == "X4"
     rows = cpu.dequantize_rows(packed, torch.arange(48))
     assert torch.equal(rows, q.dequantize())
     x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))
@@ -244,7 +243,7 @@ def test_x8_blocks(t):
 
 @needs_kernels
 def test_a_non_finite_scale_is_refused_with_its_reason():
-    """A block whose d is NaN has no X8 form: the fast engine says so in one line."""
+    """A block whose d is NaN has no X4 form: the fast engine says so in one line."""
     w = np.random.default_rng(2).standard_normal((4, 256)).astype(np.float32)
     q = random_blocks(w, "IQ2_XS")
     q.data.view(-1)[:2] = torch.from_numpy(np.array([np.nan], np.float16).view(np.uint8))

@@ -99,8 +99,6 @@ from ..quants.api import dequantize_torch
 from ..quants.cpu import build
 from ..quants.cpu.matmul import PreparedWeight, prepare, qmatmul_prepared
 from ..quants.cpu.memory import reserve, resident_bytes
-from ..quants.forms import kernel_form
-from ..quants.gridquants import Q6_K_FORM
 from ..quants.qtensor import QTensor
 from ..spans import span
 from .checks import (
@@ -849,8 +847,8 @@ class FastModel(StaticKVState):
         bf16 = prefill == "bf16"
         amx_layers = bf16 and amx_ok
 
-        def get(name: str) -> QTensor:  # (IQ3_S, IQ1_*, TQ*: as the same values in Q6_K)
-            return kernel_form(content.tensor(f, name, "cpu"), Q6_K_FORM)
+        def get(name: str) -> QTensor:
+            return content.tensor(f, name, "cpu")
 
         # Mapped (``gguf.MappedFile``): the tensors are views of the file; packing drops the
         # pages of each piece it has read (``cpu.pack(release=)``), so at any time the file is

@@ -4,13 +4,13 @@
   ``d``): the CUDA engine and the C kernels' planes, which have no IQ4_NL layout (the fast
   CPU layers run IQ4_NL panels of their own);
 * IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0 as Q6_K (``gridquants.as_q6_k``: a tensor
-  whose every block fits, 6.56 bits a weight; else it stays as it is): both fast engines,
-  whose Q6_K kernels are C and Triton code.
+  whose every block fits, 6.56 bits a weight; else it stays as it is): the fast CUDA engine,
+  whose Q6_K kernels are Triton code.
 
-What stays a grid or ternary type is expanded further down: into X8 blocks by the C kernels'
-``packing.pack`` (8.6 bits a weight; the faithful engine's quantized matmuls take that path
-too, as for every type the C kernels read) and into ``T_X8`` blocks by the persistent CUDA
-kernel; the fused CUDA kernels run it as float32 weights.
+What stays a grid or ternary type is expanded further down: into ``T_X8`` blocks by the
+persistent CUDA kernel (the fused CUDA kernels run it as float32 weights). The C kernels take
+every grid and ternary type as X4 blocks (``packing.pack``: 4-bit indices into the type's 16
+codes, 5.1 bits a weight, fewer than Q6_K's), in both CPU engines.
 """
 
 from __future__ import annotations

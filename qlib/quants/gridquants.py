@@ -289,28 +289,53 @@ def as_q6_k(blocks: torch.Tensor, type_name: str, chunk: int = 1 << 15) -> torch
     return out
 
 
-# Every type here as qlib's X8 blocks (the C kernels', ``kquants.c``): ``qs[256]`` (code + 64,
-# natural order), an int8 scale per 16, float32 ``d`` = the block's d x ``X8_UNIT``, so that
-# d x scale is each group's scale exactly (IQ2: d (2 ls + 1) / 8; IQ3_XXS: d (2 ls + 1) / 4;
-# IQ3_S: d (2 ls + 1); IQ1: d (2 s + 1) / 8; ternary: d x 1). 8.6 bits a weight.
-X8_UNIT: dict[str, float] = {
+# Every type here as qlib's X4 blocks (the C kernels', ``kquants.c``): ``qs[128]`` (4-bit
+# indices, byte 32 c + j: element 64 c + j low, 64 c + 32 + j high), ``levels[16]`` (the
+# type's codes + 64, ``x4_levels``), an int8 scale per 16, float32 ``d`` = the block's d x
+# ``X4_UNIT``, so that d x scale is each group's scale exactly (IQ2: d (2 ls + 1) / 8; IQ3_XXS:
+# d (2 ls + 1) / 4; IQ3_S: d (2 ls + 1); IQ1: d (2 s + 1) / 8; ternary: d x 1). Every one has
+# at most 16 distinct codes (IQ3_XXS and IQ3_S exactly 16): 5.1 bits a weight.
+X4_UNIT: dict[str, float] = {
     "IQ2_XXS": 0.125, "IQ2_XS": 0.125, "IQ2_S": 0.125, "IQ3_XXS": 0.25, "IQ3_S": 1.0,
     "IQ1_S": 0.125, "IQ1_M": 0.125, "TQ1_0": 1.0, "TQ2_0": 1.0,
 }  # fmt: skip
-X8_BYTES = 276
+X4_BYTES = 164
 
 
-def as_x8(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
-    """Blocks ``(B, bytes)`` of an ``X8_UNIT`` type as X8 blocks ``(B, 276)`` of exactly the
-    same values (None if a scale were not an integer multiple of the unit: not for blocks
-    ggml writes)."""
+@functools.cache
+def x4_levels(type_name: str) -> np.ndarray:
+    """The codes a type can hold, ascending, as 16 int8 (the last repeated to fill): the
+    grid's magnitudes with both signs, ``8 g +- 1`` for IQ1, -1 / 0 / 1 for the ternary
+    (TQ2_0's 2 bits also hold a 2, which its quantizer never writes)."""
+    if type_name in TERNARY_TYPES:
+        codes = {-1, 0, 1, 2} if type_name == "TQ2_0" else {-1, 0, 1}
+    elif type_name in ("IQ1_S", "IQ1_M"):
+        codes = {8 * g + s for g in (-1, 0, 1) for s in (-1, 1)}
+    else:
+        codes = {sign * int(m) for m in np.unique(np.abs(_grid_np(type_name))) for sign in (-1, 1)}
+    levels = sorted(codes)
+    return np.array(levels + levels[-1:] * (16 - len(levels)), dtype=np.int8)
+
+
+def as_x4(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
+    """Blocks ``(B, bytes)`` of an ``X4_UNIT`` type as X4 blocks ``(B, 164)`` of exactly the
+    same values (None if a scale were not an integer multiple of the unit, e.g. a non-finite
+    d: not for blocks ggml writes)."""
     codes, scale, _ = FORMATS[type_name].unpack(blocks)
-    unit = block_d(blocks, type_name) * X8_UNIT[type_name]  # exact: a power of 2 (or 1)
+    unit = block_d(blocks, type_name) * X4_UNIT[type_name]  # exact: a power of 2 (or 1)
     scale = scale.repeat_interleave(16 // scale.shape[1], dim=1)
     sc = torch.where(unit == 0, torch.zeros_like(scale), scale / unit)
     if not ((sc == sc.round()) & (sc.abs() <= 127)).all() or (unit * sc != scale).any():
         return None
-    return torch.cat([(codes + 64).to(torch.uint8), sc.to(torch.int8).view(torch.uint8),
+    levels = torch.from_numpy(x4_levels(type_name)).to(blocks.device)
+    lut = torch.full((256,), 16, dtype=torch.uint8, device=blocks.device)  # 16: no level
+    lut[levels.long() + 128] = torch.arange(16, dtype=torch.uint8, device=blocks.device)
+    idx = lut[codes.long() + 128].view(-1, 4, 2, 32)
+    if (idx == 16).any():
+        return None
+    qs = (idx[:, :, 0] | (idx[:, :, 1] << 4)).reshape(-1, 128)
+    level_bytes = (levels.to(torch.int16) + 64).to(torch.uint8).expand(qs.shape[0], 16)
+    return torch.cat([qs, level_bytes, sc.to(torch.int8).view(torch.uint8),
                       unit.view(torch.uint8).reshape(-1, 4)], 1)  # fmt: skip
 
 

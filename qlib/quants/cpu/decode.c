@@ -127,7 +127,7 @@ static int step_ok(const qlib_step *s) {
             return s->k % 64 == 0 && s->n % 16 == 0 && (t == 2 || t == 3 || t == 8 || t == 20);
         return s->k % 64 == 0 && (t == 2 || t == 3 || t == 6 || t == 7 || t == 8);
     }
-    case STEP_KGEMV: /* GGUF blocks (Q2_K..Q6_K, IQ4_XS), X8 blocks (60), or Q4_K / IQ4_XS
+    case STEP_KGEMV: /* GGUF blocks (Q2_K..Q6_K, IQ4_XS), X4 blocks (60), or Q4_K / IQ4_XS
                       * panels (| PANELS) */
         if (s->type == (12 | PANELS) || s->type == (23 | PANELS))
             return s->k % 256 == 0 && s->n % 16 == 0;

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..gridquants import X8_BYTES, X8_UNIT
+from ..gridquants import X4_BYTES, X4_UNIT
 
 TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20}  # kernels.c's
 # kernels.c's types with panels and no planes: IQ4_NL (Q4_0's panel layout, its nibbles looked up
@@ -29,18 +29,18 @@ PANELS_ONLY = ("IQ4_NL",)
 M_WORDS = {"Q4_1": 1, "Q5_0": 2, "Q5_1": 3}
 # the weight types of kquants.c (ggml's type ids), read as GGUF blocks: (elements, bytes) a
 # block; the float types' rows (floats.c, through kquants.c's entry points) are blocks of one.
-# X8 is qlib's own block (60, not a GGUF type): the types of ``X8_TYPES`` expanded at load
+# X4 is qlib's own block (60, not a GGUF type): the types of ``X4_TYPES`` expanded at load
 BLOCK_CODES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
-               "Q6_K": 14, "IQ4_XS": 23, "X8": 60, "F32": 0, "F16": 1, "BF16": 30}  # fmt: skip
+               "Q6_K": 14, "IQ4_XS": 23, "X4": 60, "F32": 0, "F16": 1, "BF16": 30}  # fmt: skip
 BLOCKS = {"Q2_K": (256, 84), "Q3_K": (256, 110),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136),
-          "X8": (256, X8_BYTES), "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2)}  # fmt: skip
-# the GGUF types ``pack`` expands into X8 blocks (``gridquants.as_x8``): the grid i-quants and
+          "X4": (256, X4_BYTES), "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2)}  # fmt: skip
+# the GGUF types ``pack`` expands into X4 blocks (``gridquants.as_x4``): the grid i-quants and
 # the ternary types (the fast engine has made the ones Q6_K holds Q6_K before)
-X8_TYPES = tuple(X8_UNIT)
-# the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants, IQ4_XS, X8: super-blocks of 256)
+X4_TYPES = tuple(X4_UNIT)
+# the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants, IQ4_XS, X4: super-blocks of 256)
 ROW_MULTIPLE = {t: 256 if BLOCKS.get(t, (1,))[0] == 256 else 64
-                for t in (*TYPE_CODES, *BLOCK_CODES)} | dict.fromkeys(X8_TYPES, 256)  # fmt: skip
+                for t in (*TYPE_CODES, *BLOCK_CODES)} | dict.fromkeys(X4_TYPES, 256)  # fmt: skip
 # Q4_0 / Q4_1 / Q8_0 as 16-row panels: kernels.c's type code | PANELS; per 16 rows and block
 # of 32 a record of PANEL_RECORD bytes (codes: Q4_* 256, Q8_0 512; then 16 f16 d, Q4_1: 16 f16 m)
 PANELS = 64

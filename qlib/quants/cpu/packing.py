@@ -22,7 +22,7 @@ import torch
 
 from ..base import FORMATS
 from ..forms import kernel_form
-from ..gridquants import as_x8
+from ..gridquants import as_x4
 from ..types import ggml_type
 from . import build, ops
 from .layout import (
@@ -34,7 +34,7 @@ from .layout import (
     PANELS_ONLY,
     ROW_MULTIPLE,
     TYPE_CODES,
-    X8_TYPES,
+    X4_TYPES,
     AmxWeight,
     PackedWeight,
 )
@@ -44,7 +44,7 @@ from .memory import weights_copy, weights_empty
 def supports(type_name: str, k: int) -> bool:
     """Whether the C kernels handle a weight of this type and row length (``kernels.c``:
     Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (panels, else Q8_0 planes), k % 64 == 0;
-    ``kquants.c``: Q2_K..Q6_K, IQ4_XS, k % 256 == 0, and as X8 blocks the grid i-quants and
+    ``kquants.c``: Q2_K..Q6_K, IQ4_XS, k % 256 == 0, and as X4 blocks the grid i-quants and
     the ternary types; ``floats.c``: F32, F16, BF16, k % 64)."""
     multiple = ROW_MULTIPLE.get(type_name)
     return multiple is not None and k % multiple == 0 and build.available()
@@ -79,9 +79,9 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
     if any(q.dtype.name != name or int(q.shape[-1]) != k or len(q.shape) != 2 for q in qtensors):
         raise ValueError("pack: weights must be 2-D with one type and one row length")
     weights = [(int(q.shape[0]), q.data.cpu().contiguous()) for q in qtensors]  # rows, bytes
-    if name in X8_TYPES:  # the grid i-quants and ternary types: their values as X8 blocks
-        weights = [(rows, _x8(data, name, release)) for rows, data in weights]
-        name = "X8"
+    if name in X4_TYPES:  # the grid i-quants and ternary types: their values as X4 blocks
+        weights = [(rows, _x4(data, name, release)) for rows, data in weights]
+        name = "X4"
     if name in BLOCK_CODES:  # kquants.c / floats.c read the GGUF rows: a copy, row after row
         elements, nbytes = BLOCKS[name]
         if k % ROW_MULTIPLE[name]:
@@ -161,22 +161,22 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
     return PackedWeight(name, n, k, codes, d, m)
 
 
-def _x8(data: torch.Tensor, type_name: str, release) -> torch.Tensor:
-    """GGUF blocks of an ``X8_TYPES`` weight as X8 blocks (``gridquants.as_x8``: the same
+def _x4(data: torch.Tensor, type_name: str, release) -> torch.Tensor:
+    """GGUF blocks of an ``X4_TYPES`` weight as X4 blocks (``gridquants.as_x4``: the same
     values; a ``ValueError`` if a block does not fit, which ggml's blocks always do), piece by
     piece (``release`` drops each piece's mapped pages once read)."""
     size = ggml_type(type_name).type_size
     blocks = data.reshape(-1, size)
-    out = torch.empty((blocks.shape[0], BLOCKS["X8"][1]), dtype=torch.uint8)
+    out = torch.empty((blocks.shape[0], BLOCKS["X4"][1]), dtype=torch.uint8)
     step = max(1, PACK_CHUNK // size)
     for b in range(0, blocks.shape[0], step):
-        x8 = as_x8(blocks[b : b + step], type_name)
-        if x8 is None:
+        x4 = as_x4(blocks[b : b + step], type_name)
+        if x4 is None:
             raise ValueError(
                 f"{type_name} blocks with a scale that is no whole multiple of their d "
                 "(a non-finite or corrupt d)"
             )
-        out[b : b + step] = x8
+        out[b : b + step] = x4
         if release is not None:
             release(blocks[b : b + step])
     return out.reshape(-1)

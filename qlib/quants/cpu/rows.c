@@ -15,7 +15,7 @@
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
-    T_IQ4_XS = 23, T_BF16 = 30, T_X8 = 60 /* qlib's expanded i-quants: kquants.c */,
+    T_IQ4_XS = 23, T_BF16 = 30, T_X4 = 60 /* qlib's expanded i-quants: kquants.c */,
     PANELS = 64,
 };
 
@@ -30,7 +30,7 @@ static void block_shape(int type, int *qk, int *bytes) {
         {T_F32, 1, 4}, {T_F16, 1, 2}, {T_BF16, 1, 2}, {T_Q4_0, 32, 18}, {T_Q4_1, 32, 20},
         {T_Q5_0, 32, 22}, {T_Q5_1, 32, 24}, {T_Q8_0, 32, 34}, {T_Q2_K, 256, 84},
         {T_Q3_K, 256, 110}, {T_Q4_K, 256, 144}, {T_Q5_K, 256, 176}, {T_Q6_K, 256, 210},
-        {T_IQ4_NL, 32, 18}, {T_IQ4_XS, 256, 136}, {T_X8, 256, 276},
+        {T_IQ4_NL, 32, 18}, {T_IQ4_XS, 256, 136}, {T_X4, 256, 164},
     };
     *qk = *bytes = 0;
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
@@ -182,11 +182,15 @@ static void iq4_xs_block(const uint8_t *b, float *y) {
     }
 }
 
-/* X8: d * scale (per 16) times code, the codes stored + 64 (kquants.c) */
-static void x8_block(const uint8_t *b, float *y) {
+/* X4: d * scale (per 16) times the level of each index, the levels stored + 64 (kquants.c) */
+static void x4_block(const uint8_t *b, float *y) {
     float d;
-    memcpy(&d, b + 272, 4);
-    for (int i = 0; i < 256; i++) y[i] = d * (float)(int8_t)b[256 + i / 16] * (float)(b[i] - 64);
+    memcpy(&d, b + 160, 4);
+    for (int i = 0; i < 256; i++) {
+        const int j = i % 64, byte = b[32 * (i / 64) + j % 32];
+        const int code = b[128 + (j < 32 ? byte & 0xF : byte >> 4)] - 64;
+        y[i] = d * (float)(int8_t)b[144 + i / 16] * (float)code;
+    }
 }
 
 /* One row of k elements from its GGUF blocks */
@@ -205,7 +209,7 @@ static void dequant_row(int type, const uint8_t *row, int k, float *y) {
         case T_Q6_K: q6_k_block(row, y); break;
         case T_IQ4_NL: iq4_nl_block(row, y); break;
         case T_IQ4_XS: iq4_xs_block(row, y); break;
-        case T_X8: x8_block(row, y); break;
+        case T_X4: x4_block(row, y); break;
         default: legacy_block(type, row, y);
         }
     }
