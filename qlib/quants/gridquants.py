@@ -317,6 +317,14 @@ def x4_levels(type_name: str) -> np.ndarray:
     return np.array(levels + levels[-1:] * (16 - len(levels)), dtype=np.int8)
 
 
+@functools.cache
+def _x4_index(type_name: str) -> np.ndarray:
+    """``(256,)`` uint8: the index in ``x4_levels`` of code ``c`` at ``c + 128`` (16: none)."""
+    lut = np.full(256, 16, dtype=np.uint8)
+    lut[x4_levels(type_name).astype(np.int16) + 128] = np.arange(16, dtype=np.uint8)
+    return lut
+
+
 def as_x4(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
     """Blocks ``(B, bytes)`` of an ``X4_UNIT`` type as X4 blocks ``(B, 164)`` of exactly the
     same values (None if a scale were not an integer multiple of the unit, e.g. a non-finite
@@ -327,14 +335,21 @@ def as_x4(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
     sc = torch.where(unit == 0, torch.zeros_like(scale), scale / unit)
     if not ((sc == sc.round()) & (sc.abs() <= 127)).all() or (unit * sc != scale).any():
         return None
-    levels = torch.from_numpy(x4_levels(type_name)).to(blocks.device)
-    lut = torch.full((256,), 16, dtype=torch.uint8, device=blocks.device)  # 16: no level
-    lut[levels.long() + 128] = torch.arange(16, dtype=torch.uint8, device=blocks.device)
-    idx = lut[codes.long() + 128].view(-1, 4, 2, 32)
+    levels = x4_levels(type_name)
+    # code -> index, looked up by the code's byte with its sign bit flipped (code + 128), in
+    # NumPy (uint8 indices as they are; torch's would be widened to int64 first)
+    idx = torch.from_numpy(
+        _x4_index(type_name)[codes.to(torch.int8).cpu().numpy().view(np.uint8) ^ 0x80]
+    )
+    idx = idx.to(blocks.device).view(-1, 4, 2, 32)
     if (idx == 16).any():
         return None
     qs = (idx[:, :, 0] | (idx[:, :, 1] << 4)).reshape(-1, 128)
-    level_bytes = (levels.to(torch.int16) + 64).to(torch.uint8).expand(qs.shape[0], 16)
+    level_bytes = (
+        torch.from_numpy((levels.astype(np.int16) + 64).astype(np.uint8))
+        .to(blocks.device)
+        .expand(qs.shape[0], 16)
+    )
     return torch.cat([qs, level_bytes, sc.to(torch.int8).view(torch.uint8),
                       unit.view(torch.uint8).reshape(-1, 4)], 1)  # fmt: skip
 
