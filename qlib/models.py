@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import math
 import os
 import shutil
 import subprocess
@@ -99,35 +98,6 @@ def listing() -> list[dict]:
             "path": str(file.resolve()),
         })  # fmt: skip
     return rows
-
-
-def file_summary(path: str | Path) -> dict:
-    """What a llama GGUF file holds: its shape (``config``: ``LlamaConfig``; ``vocab``,
-    ``context``) and, per ggml type, its tensors, weights and bytes (``types``: largest bytes
-    first), with the totals (``weights``, ``bytes``: the tensors' data). Raises the reader's
-    and the config's errors (a missing, corrupt or non-llama file)."""
-    from .gguf import Content
-    from .llama.checks import context_length
-    from .llama.config import LlamaConfig
-
-    content = Content.read_path(Path(path))
-    config = LlamaConfig.from_metadata(content.metadata)
-    types: dict[str, dict] = {}
-    for info in content.tensor_infos.values():
-        row = types.setdefault(info.dtype.name, {"type": info.dtype.name, "tensors": 0,
-                                                 "weights": 0, "bytes": 0})  # fmt: skip
-        n = math.prod(info.shape)
-        row["tensors"] += 1
-        row["weights"] += n
-        row["bytes"] += info.dtype.nbytes(info.shape)
-    emb = content.tensor_infos.get("token_embd.weight")
-    return {
-        "config": config, "vocab": emb.shape[0] if emb is not None else None,
-        "context": context_length(content.metadata),
-        "types": sorted(types.values(), key=lambda r: -r["bytes"]),
-        "weights": sum(r["weights"] for r in types.values()),
-        "bytes": sum(r["bytes"] for r in types.values()),
-    }  # fmt: skip
 
 
 def sha256_of(file: Path) -> str:

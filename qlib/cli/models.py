@@ -4,8 +4,13 @@ model, its variants and synthetic benchmark files; say what a GGUF file holds.""
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
 
 from .. import models
+from ..gguf import Content
+from ..llama.checks import context_length
+from ..llama.config import LlamaConfig
 
 
 def _derive(a: argparse.Namespace) -> int:
@@ -33,9 +38,34 @@ def _list(a: argparse.Namespace) -> int:
     return 0
 
 
+def _summary(path: str) -> dict:
+    """What a llama GGUF file holds: its shape (``config``: ``LlamaConfig``; ``vocab``,
+    ``context``) and, per ggml type, its tensors, weights and bytes (``types``: largest bytes
+    first), with the totals (``weights``, ``bytes``: the tensors' data). Raises the reader's
+    and the config's errors (a missing, corrupt or non-llama file)."""
+    content = Content.read_path(Path(path))
+    config = LlamaConfig.from_metadata(content.metadata)
+    types: dict[str, dict] = {}
+    for info in content.tensor_infos.values():
+        row = types.setdefault(info.dtype.name, {"type": info.dtype.name, "tensors": 0,
+                                                 "weights": 0, "bytes": 0})  # fmt: skip
+        n = math.prod(info.shape)
+        row["tensors"] += 1
+        row["weights"] += n
+        row["bytes"] += info.dtype.nbytes(info.shape)
+    emb = content.tensor_infos.get("token_embd.weight")
+    return {
+        "config": config, "vocab": emb.shape[0] if emb is not None else None,
+        "context": context_length(content.metadata),
+        "types": sorted(types.values(), key=lambda r: -r["bytes"]),
+        "weights": sum(r["weights"] for r in types.values()),
+        "bytes": sum(r["bytes"] for r in types.values()),
+    }  # fmt: skip
+
+
 def _info(a: argparse.Namespace) -> int:
     for path in a.files:
-        summary = models.file_summary(path)
+        summary = _summary(path)
         c = summary["config"]
         print(f"{path}\n  {c.architecture}: {c.block_count} layers, hidden {c.embedding_length}, "
               f"{c.head_count} query / {c.head_count_kv} KV heads (head_dim {c.head_dim}), "
