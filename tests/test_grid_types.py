@@ -163,7 +163,7 @@ def test_q6_k_form_holds_the_same_values(t):
     (``forms.kernel_form``): every value equal, bit for bit."""
     w = np.random.default_rng(6).standard_normal((4, 512)).astype(np.float32) * 0.05
     q = random_blocks(w, t, seed=7)
-    q6 = kernel_form(q, Q6_K_FORM)
+    q6 = kernel_form(q)
     assert q6.dtype.name == "Q6_K"
     np.testing.assert_array_equal(q6.dequantize().numpy(), q.dequantize().numpy())
 
@@ -174,7 +174,7 @@ def test_q6_k_form_keeps_blocks_that_do_not_fit():
     w = np.full((1, 256), 1e-3, np.float32)
     q = random_blocks(w, "IQ3_XXS")
     q.data.view(-1)[:2] = torch.tensor([0x01, 0x04], dtype=torch.uint8)  # d = 2^-14 (1 + 2^-10)
-    assert kernel_form(q, Q6_K_FORM) is q
+    assert kernel_form(q) is q
     assert kernel_form(q).dtype.name == "IQ3_XXS"
 
 

@@ -9,8 +9,8 @@
 
 What stays a grid or ternary type is expanded further down: into ``T_X8`` blocks by the
 persistent CUDA kernel (the fused CUDA kernels run it as float32 weights). The C kernels take
-every grid and ternary type as X4 blocks (``packing.pack``: 4-bit indices into the type's 16
-codes, 5.1 bits a weight, fewer than Q6_K's), in both CPU engines.
+every grid and ternary type as X4 blocks (``packing.pack``: 4-bit indices into the type's (at
+most 16) codes, 5.1 bits a weight, fewer than Q6_K's), in both CPU engines.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from .iquants import nl_as_q8_0
 KERNEL_TYPE: dict[str, str] = {"IQ4_NL": "Q8_0", **dict.fromkeys(Q6_K_FORM, "Q6_K")}
 
 
-def kernel_form(q, types=KERNEL_TYPE):
-    """QTensor ``q``, or the same values in its kernel type where ``q``'s type is in
-    ``types`` (``KERNEL_TYPE`` or some of its keys) and every block fits."""
+def kernel_form(q):
+    """QTensor ``q``, or the same values in its ``KERNEL_TYPE`` where it has one and every
+    block fits."""
     name = q.dtype.name
-    if name not in types:
+    if name not in KERNEL_TYPE:
         return q
     blocks = q.data.reshape(-1, q.dtype.type_size)
     if name == "IQ4_NL":

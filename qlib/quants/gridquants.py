@@ -263,12 +263,22 @@ def block_d(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
     return t_f16(blocks, _D_AT.get(type_name, 0))
 
 
+def _whole_scales(scale: torch.Tensor, unit: torch.Tensor) -> torch.Tensor | None:
+    """Group scales ``(B, groups)`` as int8 multiples ``(B, 16)`` (per 16 weights) of each
+    block's ``unit`` ``(B, 1)``, or None unless every one is exactly such a multiple."""
+    scale = scale.repeat_interleave(16 // scale.shape[1], dim=1)
+    sc = torch.where(unit == 0, torch.zeros_like(scale), scale / unit)
+    if not ((sc == sc.round()) & (sc.abs() <= 127)).all() or (unit * sc != scale).any():
+        return None
+    return sc.to(torch.int8)
+
+
 def as_q6_k(blocks: torch.Tensor, type_name: str, chunk: int = 1 << 15) -> torch.Tensor | None:
     """Blocks ``(B, bytes)`` of a ``Q6_K_FORM`` type as Q6_K blocks ``(B, 210)`` of exactly
     the same values (ggml dequantizes both as ``d * scale * code``), or None where a block
     does not fit (a ``d`` / 2^shift below f16's normal range: IQ3_XXS's small d, which is the
-    common case there): the C and CUDA kernels of Q6_K then run it, at 6.56 bits a weight.
-    ``chunk`` blocks at a time."""
+    common case there): the fused CUDA kernels' Q6_K planes then run it, at 6.56 bits a
+    weight. ``chunk`` blocks at a time."""
     shift, div = Q6_K_FORM[type_name]
     d = block_d(blocks, type_name)
     d6 = (d / 2**shift).to(torch.float16)
@@ -277,15 +287,12 @@ def as_q6_k(blocks: torch.Tensor, type_name: str, chunk: int = 1 << 15) -> torch
     out = torch.empty((blocks.shape[0], 210), dtype=torch.uint8, device=blocks.device)
     for i in range(0, blocks.shape[0], chunk):
         codes, scale, _ = FORMATS[type_name].unpack(blocks[i : i + chunk])
-        unit = d6[i : i + chunk].float()
-        scale = scale.repeat_interleave(16 // scale.shape[1], dim=1)  # per 16, as Q6_K's
-        sc = torch.where(unit == 0, torch.zeros_like(scale), scale * div / unit)
+        sc = _whole_scales(scale * div, d6[i : i + chunk].float())
         q = codes if div == 1 else codes // div
-        fits = ((sc == sc.round()) & (sc.abs() <= 127)).all() and (unit * sc == scale * div).all()
         exact = div == 1 or (q * div == codes).all()
-        if not (fits and exact and -32 <= q.min() <= q.max() <= 31):
+        if sc is None or not (exact and -32 <= q.min() <= q.max() <= 31):
             return None
-        out[i : i + chunk] = q6_k_blocks(q, sc.to(torch.int8), d6[i : i + chunk])
+        out[i : i + chunk] = q6_k_blocks(q, sc, d6[i : i + chunk])
     return out
 
 
@@ -331,9 +338,8 @@ def as_x4(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
     d: not for blocks ggml writes)."""
     codes, scale, _ = FORMATS[type_name].unpack(blocks)
     unit = block_d(blocks, type_name) * X4_UNIT[type_name]  # exact: a power of 2 (or 1)
-    scale = scale.repeat_interleave(16 // scale.shape[1], dim=1)
-    sc = torch.where(unit == 0, torch.zeros_like(scale), scale / unit)
-    if not ((sc == sc.round()) & (sc.abs() <= 127)).all() or (unit * sc != scale).any():
+    sc = _whole_scales(scale, unit)
+    if sc is None:
         return None
     levels = x4_levels(type_name)
     # code -> index, looked up by the code's byte with its sign bit flipped (code + 128), in
@@ -350,7 +356,7 @@ def as_x4(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
         .to(blocks.device)
         .expand(qs.shape[0], 16)
     )
-    return torch.cat([qs, level_bytes, sc.to(torch.int8).view(torch.uint8),
+    return torch.cat([qs, level_bytes, sc.view(torch.uint8),
                       unit.view(torch.uint8).reshape(-1, 4)], 1)  # fmt: skip
 
 

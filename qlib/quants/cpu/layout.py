@@ -36,7 +36,7 @@ BLOCKS = {"Q2_K": (256, 84), "Q3_K": (256, 110),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136),
           "X4": (256, X4_BYTES), "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2)}  # fmt: skip
 # the GGUF types ``pack`` expands into X4 blocks (``gridquants.as_x4``): the grid i-quants and
-# the ternary types (the fast engine has made the ones Q6_K holds Q6_K before)
+# the ternary types
 X4_TYPES = tuple(X4_UNIT)
 # the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants, IQ4_XS, X4: super-blocks of 256)
 ROW_MULTIPLE = {t: 256 if BLOCKS.get(t, (1,))[0] == 256 else 64
