@@ -195,13 +195,14 @@ CSV_COLUMNS = (
 
 def model_facts(path: str) -> dict:
     """Name, file size and parameter count of a GGUF file (its header only)."""
-    from ..gguf import Content
+    from ..gguf import read_content
 
     p = Path(path)
     facts = {"model": p.name.removesuffix(".gguf"), "size_bytes": None, "params": None}
     try:
         facts["size_bytes"] = p.stat().st_size
-        content = Content.read_path(p)
+        content = read_content(p)
+        facts["size_bytes"] = content.file_size or facts["size_bytes"]  # a split model's shards
         facts["params"] = sum(t.n_elements for t in content.tensor_infos.values())
     except (OSError, ValueError):
         pass
@@ -365,11 +366,11 @@ def main(args: argparse.Namespace) -> int:
     if args.context:
         args.prompt_tokens = args.context[0]
     if args.runtime == "qlib":  # (a peer runtime says its own limit)
-        from ..gguf import Content
+        from ..gguf import read_content
 
         longest = max(args.context or [args.prompt_tokens])
         flag = "--context" if args.context else "--prompt-tokens"
-        check_position_limit(Content.read_path(args.model).metadata, args.engine, args.form,
+        check_position_limit(read_content(args.model).metadata, args.engine, args.form,
                              longest + args.steps, f"{flag} {longest} and {args.steps} steps",
                              f"lower {flag} or --steps")  # fmt: skip
     if not args.peers:

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from .. import models
-from ..gguf import Content
+from ..gguf import SplitContent, read_content
 from ..llama.checks import context_length
 from ..llama.config import LlamaConfig
 
@@ -41,9 +41,10 @@ def _list(a: argparse.Namespace) -> int:
 def _summary(path: str) -> dict:
     """What a llama GGUF file holds: its shape (``config``: ``LlamaConfig``; ``vocab``,
     ``context``) and, per ggml type, its tensors, weights and bytes (``types``: largest bytes
-    first), with the totals (``weights``, ``bytes``: the tensors' data). Raises the reader's
+    first), with the totals (``weights``, ``bytes``: the tensors' data) and the files
+    (``shards``: a split model's, or the one file). Raises the reader's
     and the config's errors (a missing, corrupt or non-llama file)."""
-    content = Content.read_path(Path(path))
+    content = read_content(Path(path))
     config = LlamaConfig.from_metadata(content.metadata)
     types: dict[str, dict] = {}
     for info in content.tensor_infos.values():
@@ -60,6 +61,7 @@ def _summary(path: str) -> dict:
         "types": sorted(types.values(), key=lambda r: -r["bytes"]),
         "weights": sum(r["weights"] for r in types.values()),
         "bytes": sum(r["bytes"] for r in types.values()),
+        "shards": content.paths if isinstance(content, SplitContent) else [Path(path)],
     }  # fmt: skip
 
 
@@ -70,6 +72,9 @@ def _info(a: argparse.Namespace) -> int:
         print(f"{path}\n  {c.architecture}: {c.block_count} layers, hidden {c.embedding_length}, "
               f"{c.head_count} query / {c.head_count_kv} KV heads (head_dim {c.head_dim}), "
               f"vocabulary {summary['vocab']}, context {summary['context']}")  # fmt: skip
+        if len(summary["shards"]) > 1:
+            print(f"  split model: {len(summary['shards'])} shards, "
+                  f"{', '.join(p.name for p in summary['shards'])}")  # fmt: skip
         weights, nbytes = summary["weights"], summary["bytes"]
         print(f"  {weights / 1e9:.3g} B weights in {nbytes / 2**20:.1f} MiB: "
               f"{8 * nbytes / weights:.2f} bits a weight")  # fmt: skip

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..gguf import Content, GGUFValueType, Typed, write
+from ..gguf import Content, GGUFValueType, Typed, open_model, write
 from ..quants.types import ggml_type
 from . import recipes
 from .names import IGNORED_HF, gguf_name, layer_index, permute, permuted_heads
@@ -303,8 +303,7 @@ def quantize_gguf(
     out = Path(out)
     if Path(src).resolve() == out.resolve():
         raise ValueError(f"--out {out} is the input file")
-    with open(src, "rb") as f:
-        content = Content.read(f)
+    with open_model(src) as (content, f):
         choices = requantize_plan(content, spec)
         tensors: dict[str, Any] = {}
         copied = 0
@@ -315,7 +314,8 @@ def quantize_gguf(
                 copied += 1
             else:
                 tensors[c.name] = quantize_tensor(q.dequantize(), c.type)
-    md = {k: v for k, v in content.metadata.items() if not k.startswith("quantize.imatrix.")}
+    md = {k: v for k, v in content.metadata.items()
+          if not k.startswith(("quantize.imatrix.", "split."))}  # fmt: skip
     md["general.file_type"] = Typed(U32, recipes.file_type(spec))
     md.setdefault("general.quantization_version", Typed(U32, 2))
     md = _edit_metadata(md, metadata, drop_keys, log)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..gguf import Content
+from ..gguf import open_model
 from ..llama.config import NEOX_ARCHITECTURES
 from .names import hf_name, permuted_heads, unpermute
 
@@ -179,8 +179,7 @@ def gguf_to_hf(
     t0 = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with open(src, "rb") as f:
-        content = Content.read(f)
+    with open_model(src) as (content, f):
         md = content.metadata
         shapes = {n: i.shape for n, i in content.tensor_infos.items()}
         config = config_from_metadata(md, shapes, dtype)

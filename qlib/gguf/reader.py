@@ -229,16 +229,6 @@ class MappedFile:
         return self.file.fileno()
 
 
-def release_pages(f: BinaryIO | MappedFile, view: torch.Tensor | None = None) -> None:
-    """``MappedFile.release`` for a mapped file (``view``: only the pages under that view of
-    it, ``release_view``); nothing for any other."""
-    if isinstance(f, MappedFile):
-        if view is None:
-            f.release()
-        else:
-            f.release_view(view)
-
-
 # ----------------------------------------------------------------------------- reading
 
 

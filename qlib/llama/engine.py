@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, Protocol, runtime_checkable
 import torch
 
 from ..devices import DeviceLike, as_device, synchronize
-from ..gguf import Content, MappedFile
+from ..gguf import Content, open_model
 from ..quants.qtensor import FORMS
 from .config import LlamaConfig
 from .errors import ModelError
@@ -140,7 +140,8 @@ def load(
     times: dict[str, float] | None = None,
     **options: Any,
 ) -> tuple[Engine, Content]:
-    """Read a GGUF file and build an engine on ``device``: returns ``(model, content)``.
+    """Read a GGUF file (a split model: its first shard) and build an engine on ``device``:
+    returns ``(model, content)``.
 
     ``buffered=False`` opens the file unbuffered (one system call per read, as the seed's
     Rust program) and does not map it. ``mmap`` (default): tensors are views of the mapped
@@ -151,9 +152,7 @@ def load(
     ``read_ms`` (header, metadata, directory) and ``build_ms`` (tensors, tables; synchronized).
     """
     start = time.perf_counter()
-    with open(path, "rb", buffering=-1 if buffered else 0) as raw:
-        f = MappedFile.open(raw) if mmap and buffered else raw
-        content = Content.read(f)
+    with open_model(path, buffered=buffered, mmap=mmap) as (content, f):
         content.metadata.update(metadata_overrides or {})
         for key in drop_keys:
             content.metadata.pop(key, None)

@@ -197,13 +197,12 @@ def decode_floor(args: argparse.Namespace, kv_type: str) -> dict | None:
     and the KV cache at the steps' mean position, read once a step at this machine's memory
     rate measured now (``copy_bandwidth``: a read pass on CPU, on 2 MB pages; a copy on GPU).
     None when the file lacks the shape keys."""
-    from ..gguf import Content
+    from ..gguf import read_content
     from .experiments.common import bytes_per_step, copy_bandwidth
 
     n = (contexts(args) or [args.prompt_tokens])[0]
     try:
-        with open(args.model, "rb") as f:
-            content = Content.read(f)
+        content = read_content(args.model)
         need = bytes_per_step(content, n + args.steps // 2, 2 if kv_type == "f16" else 4)
     except (KeyError, TypeError, ZeroDivisionError):
         return None

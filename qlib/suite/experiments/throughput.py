@@ -265,12 +265,12 @@ def long_context_curve(model: str, contexts: tuple[int, ...] | list[int], *, ste
     ``requested`` keeps the asked one)."""
     from tqdm.auto import tqdm
 
-    from ...gguf import Content
+    from ...gguf import read_content
     from ...llama.checks import context_length
     from ..bench import run_in_subprocess
     from .common import bytes_per_step, copy_bandwidth
 
-    content = Content.read_path(model)
+    content = read_content(model)
     limit = context_length(content.metadata) - steps
 
     def rate() -> float:  # GB/s; ~0.5 s on the CPU
