@@ -195,14 +195,17 @@ CSV_COLUMNS = (
 
 def model_facts(path: str) -> dict:
     """Name, file size and parameter count of a GGUF file (its header only)."""
-    from ..gguf import read_content
+    from ..gguf import SplitContent, read_content
+    from ..gguf.split import SHARD_NAME
 
     p = Path(path)
     facts = {"model": p.name.removesuffix(".gguf"), "size_bytes": None, "params": None}
     try:
         facts["size_bytes"] = p.stat().st_size
         content = read_content(p)
-        facts["size_bytes"] = content.file_size or facts["size_bytes"]  # a split model's shards
+        if isinstance(content, SplitContent):  # the model's name and its shards' bytes
+            facts["model"] = SHARD_NAME.match(p.name)["prefix"]
+            facts["size_bytes"] = content.file_size
         facts["params"] = sum(t.n_elements for t in content.tensor_infos.values())
     except (OSError, ValueError):
         pass
