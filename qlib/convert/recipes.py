@@ -20,7 +20,8 @@ from .names import layer_index
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 PLAIN_TYPES = (*FLOAT_TYPES, "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-               "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")  # fmt: skip
+               "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+               "MXFP4", "NVFP4", "Q1_0")  # fmt: skip
 RECIPES = ("Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M")
 
 # llama.cpp's fallback (llama_tensor_get_type) for rows not divisible by 256
@@ -34,6 +35,7 @@ FILE_TYPES: dict[str, int] = {
     "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10,
     "Q3_K": 11, "Q4_K": 14, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K": 16, "Q5_K_S": 16,
     "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32,
+    "MXFP4": 38, "NVFP4": 39, "Q1_0": 40,  # (38: llama.cpp's MXFP4_MOE, its only MXFP4 type)
 }  # fmt: skip
 
 

@@ -51,6 +51,7 @@ VEC_DOT_TYPE: dict[str, str] = {
     **dict.fromkeys(("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"), "Q8_K"),
     "TQ1_0": "Q8_K",
     "TQ2_0": "Q8_K",
+    **dict.fromkeys(("MXFP4", "NVFP4", "Q1_0"), "Q8_0"),
 }
 
 ACT_BLOCK: dict[str, int] = {"Q8_0": 32, "Q8_1": 32, "Q8_K": 256, "F32": 1, "F16": 1, "BF16": 1}

@@ -9,13 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import floats, gridquants, iquants, kquants, legacy  # noqa: F401  (register the formats)
+from . import floats, fp4, gridquants, iquants, kquants, legacy  # noqa: F401  (register the formats)
 from .base import FORMATS, BlockFormat
 from .types import ggml_type
 
 SUPPORTED: tuple[str, ...] = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ4_NL", "IQ4_XS",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4", "Q1_0",
     *gridquants.GRID_TYPES, *gridquants.TERNARY_TYPES,
 )  # fmt: skip
 # types qlib reads and computes with but does not write (their quantizers need ggml's search)

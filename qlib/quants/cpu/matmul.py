@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..activations import VEC_DOT_TYPE, quantize_activations
+from ..activations import ACT_BLOCK, VEC_DOT_TYPE, quantize_activations
 from ..api import block_format, dequantize_torch
 from .ops import qgemm
 from .packing import pack, supports
@@ -83,6 +83,10 @@ def prepare(w) -> PreparedWeight:
     fmt = block_format(name)
     q, scale, offset = fmt.unpack(w.data.cpu().reshape(-1, fmt.type_size))
     group = fmt.block_size // scale.shape[1]
+    act_block = ACT_BLOCK[dot]
+    if group > act_block:  # Q1_0: one scale a 128 weights, Q8_0 activations a 32
+        scale = scale.repeat_interleave(group // act_block, dim=1)
+        group = act_block
     G = k // group
 
     def per_group(t):

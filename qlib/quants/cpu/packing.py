@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import FORMATS
-from ..forms import kernel_form
+from ..forms import bf16_form, kernel_form
 from ..gridquants import as_x4
 from ..types import ggml_type
 from . import build, ops
@@ -32,6 +32,7 @@ from .layout import (
     M_WORDS,
     PANEL_RECORD,
     PANELS_ONLY,
+    Q8_0_TYPES,
     ROW_MULTIPLE,
     TYPE_CODES,
     X4_TYPES,
@@ -78,6 +79,15 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
     k = int(qtensors[0].shape[-1])
     if any(q.dtype.name != name or int(q.shape[-1]) != k or len(q.shape) != 2 for q in qtensors):
         raise ValueError("pack: weights must be 2-D with one type and one row length")
+    if name in Q8_0_TYPES:  # MXFP4, Q1_0: their values as Q8_0 (else bf16), then packed
+        forms = [kernel_form(q) for q in qtensors]
+        if any(f.dtype.name != "Q8_0" for f in forms):
+            forms = [bf16_form(q) for q in qtensors]
+        packed = pack(forms, panels=panels)
+        if release is not None:
+            for q in qtensors:
+                release(q.data)
+        return packed
     weights = [(int(q.shape[0]), q.data.cpu().contiguous()) for q in qtensors]  # rows, bytes
     if name in X4_TYPES:  # the grid i-quants and ternary types: their values as X4 blocks
         weights = [(rows, _x4(data, name, release)) for rows, data in weights]

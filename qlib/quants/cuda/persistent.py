@@ -41,8 +41,8 @@ SOURCE = Path(__file__).with_name("persistent.cu")
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # the types expanded into T_X8 blocks (``expand_kquant``): a float32 scale and offset per 16
 # weights and int8 codes hold every one of them exactly (the grid i-quants and the ternary
-# types too, where they did not come as Q6_K, ``forms.kernel_form``)
-EXPANDED = (*K_QUANTS, "IQ4_XS", *READ_ONLY)
+# types, MXFP4, NVFP4 and Q1_0 too, where they did not come as Q6_K or Q8_0, ``forms.kernel_form``)
+EXPANDED = (*K_QUANTS, "IQ4_XS", *READ_ONLY, "MXFP4", "NVFP4", "Q1_0")
 X8 = 20  # persistent.cu's T_X8: the expanded K-quant blocks
 # the kernel's type of each GGUF type it runs (GGUF's ids; the K-quants and the i-quants run as
 # T_X8; an IQ4_NL file comes as Q8_0, ``forms.kernel_form``)

@@ -1,0 +1,188 @@
+"""MXFP4, NVFP4 (4-bit E2M1 codes) and Q1_0 (a sign a weight), ``qlib.quants.fp4``:
+
+* quantization byte for byte as ggml's ``ggml_quantize_chunk`` and dequantization as its
+  ``to_float`` (peers), and as gguf-py's (MXFP4, NVFP4: the package has no Q1_0);
+* ``qmatmul`` as ggml's ``vec_dot`` on its own Q8_0 activations (peers);
+* the kernels' forms: MXFP4 and Q1_0 as Q8_0 blocks of the same values (bf16 rows where an
+  MXFP4 scale leaves f16's range), NVFP4 as bf16 rows in the fast CPU engine;
+* a tiny llama of each type in every CPU engine and form, its position-0 logits against
+  llama.cpp's (peers), and on a GPU the fused and persistent CUDA engines against the f32 form.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from synthetic import write_tiny_llama
+
+from qlib.gguf import GGUFValueType, Typed
+from qlib.llama.engine import load
+from qlib.quants import VEC_DOT_TYPE, cpu, dequantize, qmatmul, quantize
+from qlib.quants.forms import kernel_form
+from qlib.quants.qtensor import QTensor
+
+TYPES = ["MXFP4", "NVFP4", "Q1_0"]
+SIZES = dict(n_embd=256, n_head=4, n_kv_head=2, n_ff=512, vocab=256)
+# The quantized form (Q8_0 activations) against the f32 form of the same file, largest |logit
+# diff| / largest |logit|: measured 0.004-0.024 over these types (the activations' 8-bit
+# rounding through two layers); 0.05 as for the grid types.
+QUANTIZED_TOL = 0.05
+
+
+def _rows(scale: float = 0.02, rows: int = 8, k: int = 512, seed: int = 1) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32) * scale
+    x[0, :40] = 0  # an all-zero block
+    return x
+
+
+@pytest.fixture(scope="module")
+def ggml():
+    from quants_ggml import load as load_ggml
+
+    lib = load_ggml()
+    if lib is None:
+        pytest.skip("needs llama-cpp-python's ggml (peers extra)")
+    return lib
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("scale", [1e-6, 0.02, 1.0, 300.0])
+@pytest.mark.parametrize("t", TYPES)
+def test_quantize_matches_ggml_bytes(ggml, t, scale):
+    x = _rows(scale)
+    ours = quantize(x, t)
+    np.testing.assert_array_equal(ours, ggml.quantize(x, t))
+    np.testing.assert_array_equal(dequantize(ours, t, x.shape), ggml.to_float(ours, t, 512))
+
+
+@pytest.mark.parametrize("t", ["MXFP4", "NVFP4"])
+def test_dequantize_matches_gguf_py(t):
+    gquants = pytest.importorskip("gguf.quants")
+    import gguf
+
+    x = _rows()
+    blocks = quantize(x, t)
+    expected = gquants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, t))
+    np.testing.assert_array_equal(dequantize(blocks, t, x.shape), expected.reshape(x.shape))
+    if t == "MXFP4":  # (gguf-py quantizes MXFP4, not NVFP4)
+        np.testing.assert_array_equal(blocks, gquants.quantize(x, gguf.GGMLQuantizationType.MXFP4))
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("t", TYPES)
+def test_qmatmul_matches_ggml_vec_dot(ggml, t):
+    """Against the CPU backend's own vec_dot on its own Q8_0 activations: the same integer
+    sums per group, combined in another float32 order (measured <= 1.4e-7 of the largest
+    output); 1e-6 of it. (Q1_0's one scale a 128 weights meets activation blocks of 32.)"""
+    blocks = ggml.quantize(_rows(), t)
+    w = QTensor(torch.from_numpy(blocks.reshape(-1)), (8, 512), t)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
+    assert VEC_DOT_TYPE[t] == "Q8_0"
+    expected = ggml.matmul(blocks, ggml.from_float(x.numpy(), "Q8_0"), t, 512)
+    assert np.abs(qmatmul(x, w).numpy() - expected).max() <= 1e-6 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("t", ["MXFP4", "Q1_0"])
+def test_q8_0_form_holds_the_same_values(t):
+    w = QTensor.quantize(torch.from_numpy(_rows()), t)
+    q8 = kernel_form(w)
+    assert q8.dtype.name == "Q8_0" and torch.equal(q8.dequantize(), w.dequantize())
+
+
+@pytest.mark.skipif(not cpu.available(), reason="needs the C kernels")
+def test_mxfp4_scales_past_f16_run_as_bf16_rows():
+    """An MXFP4 block scale of 2^20 (E8M0 byte 148) has no f16: the tensor stays MXFP4 in
+    ``kernel_form`` and the C kernels take its exact values as bf16 rows."""
+    w = QTensor.quantize(torch.from_numpy(_rows(scale=2.0**22)), "MXFP4")
+    assert kernel_form(w).dtype.name == "MXFP4"
+    packed = cpu.pack(w)
+    assert packed.type_name == "BF16"
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(2))
+    want = x.bfloat16().float() @ w.dequantize().T  # ggml's bf16 dot: the row rounded to bf16
+    assert (cpu.qgemm(x, packed) - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fp4")
+    return {
+        t: write_tiny_llama(
+            d / f"{t}.gguf",
+            weight_type=t,
+            tie_output=False,
+            **SIZES,
+            weight_types={"token_embd.weight": "Q8_0"},
+            extra_metadata={
+                "tokenizer.ggml.model": "none",  # for llama.cpp
+                "llama.vocab_size": Typed(GGUFValueType.UINT32, SIZES["vocab"]),
+            },
+        )  # fmt: skip
+        for t in TYPES
+    }
+
+
+def _logits(path, **kw) -> torch.Tensor:
+    model, _ = load(path, "cpu", **kw)
+    with torch.inference_mode():
+        return model.forward(torch.tensor([[1, 5, 9, 33, 7]]), 0)[0].float()
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_every_cpu_engine_runs_them(files, t):
+    """The faithful engine's f32 and quantized forms and the fast engine (Q8_0 kernels;
+    NVFP4 as bf16 rows, its activations rounded to bf16): within ``QUANTIZED_TOL`` of the
+    f32 form."""
+    f32 = _logits(files[t], form="f32")
+    scale = f32.abs().max()
+    for kw in (dict(form="quantized"), dict(engine="fast")):
+        assert (_logits(files[t], **kw) - f32).abs().max() <= QUANTIZED_TOL * scale, kw
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_fast_engine_kernel_types(files, t):
+    model, _ = load(files[t], "cpu", engine="fast")
+    parts = [p for layer in model.layers for p in layer.wqkv.parts + layer.w2.parts]
+    kinds = {p.packed.type_name if p.packed is not None else None for p in parts}
+    if cpu.available():
+        assert kinds == {"BF16" if t == "NVFP4" else "Q8_0"}
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("t", TYPES)
+def test_position0_matches_llama_cpp(files, t):
+    """Each token alone at position 0, the faithful quantized form against llama.cpp: within
+    1e-5 on most tokens, as for the other types (``test_position0.py``)."""
+    pytest.importorskip("llama_cpp")
+    import test_position0 as pos0
+
+    tokens = range(0, SIZES["vocab"], 4)
+    llm = pos0.llama_cpp_model(files[t])
+    try:
+        ref = pos0.llama_cpp_pos0(llm, tokens)
+    finally:
+        llm.close()
+    model, _ = load(files[t], "cpu", form="quantized")
+    d = np.abs(pos0.qlib_pos0(model, tokens) - ref).max(axis=1)
+    assert (d <= pos0.FAITHFUL_TOL).mean() >= pos0.FAITHFUL_SHARE, (np.median(d), d.max())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t", TYPES)
+def test_fast_cuda_fused_as_f32_form(files, t):
+    """The fast CUDA engine's fused kernels (MXFP4 and Q1_0 as Q8_0 blocks, NVFP4 as float32
+    weights) against the f32 form: 1e-4 of the logits' scale, as for the other types (the
+    persistent kernel, ``T_X8`` blocks: test_persistent_cuda's
+    ``test_kquants_and_mixes_decode_as_f32_form``)."""
+    from qlib.gguf import Content
+    from qlib.llama.faithful import ModelWeights
+    from qlib.llama.fast_cuda import CudaFastModel
+
+    with open(files[t], "rb") as f:
+        content = Content.read(f)
+        ref = ModelWeights.from_gguf(content, f, "cuda", form="f32")
+        fast = CudaFastModel.from_gguf(content, f, "cuda", decode="fused")
+    ids = torch.tensor([[1, 5, 9, 33, 7]])
+    for pos, x in ((0, ids), (5, torch.tensor([[44]]))):
+        want, got = ref.forward(x, pos)[0], fast.forward(x, pos)[0]
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
