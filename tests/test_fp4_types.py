@@ -3,8 +3,9 @@
 * quantization byte for byte as ggml's ``ggml_quantize_chunk`` and dequantization as its
   ``to_float`` (peers), and as gguf-py's (MXFP4, NVFP4: the package has no Q1_0);
 * ``qmatmul`` as ggml's ``vec_dot`` on its own Q8_0 activations (peers);
-* the kernels' forms: MXFP4 and Q1_0 as Q8_0 blocks of the same values (bf16 rows where an
-  MXFP4 scale leaves f16's range), NVFP4 as bf16 rows in the fast CPU engine;
+* the kernels' forms: MXFP4 as Q5_0 and Q1_0 as Q4_0 blocks of the same values (bf16 rows
+  where an MXFP4 scale leaves f16's range), NVFP4 as X4 blocks in the fast CPU engine (bf16
+  rows where its scales do not fit);
 * a tiny llama of each type in every CPU engine and form, its position-0 logits against
   llama.cpp's (peers), and on a GPU the fused and persistent CUDA engines against the f32 form.
 """
@@ -19,7 +20,8 @@ from synthetic import write_tiny_llama
 from qlib.gguf import GGUFValueType, Typed
 from qlib.llama.engine import load
 from qlib.quants import VEC_DOT_TYPE, cpu, dequantize, qmatmul, quantize
-from qlib.quants.forms import kernel_form
+from qlib.quants.cpu.matmul import prepare, qmatmul_prepared
+from qlib.quants.forms import KERNEL_TYPE, kernel_form
 from qlib.quants.qtensor import QTensor
 
 TYPES = ["MXFP4", "NVFP4", "Q1_0"]
@@ -84,10 +86,12 @@ def test_qmatmul_matches_ggml_vec_dot(ggml, t):
 
 
 @pytest.mark.parametrize("t", ["MXFP4", "Q1_0"])
-def test_q8_0_form_holds_the_same_values(t):
+def test_legacy_form_holds_the_same_values(t):
+    """MXFP4 as Q5_0, Q1_0 as Q4_0 (an all-zero block included)."""
     w = QTensor.quantize(torch.from_numpy(_rows()), t)
-    q8 = kernel_form(w)
-    assert q8.dtype.name == "Q8_0" and torch.equal(q8.dequantize(), w.dequantize())
+    legacy = kernel_form(w)
+    assert legacy.dtype.name == {"MXFP4": "Q5_0", "Q1_0": "Q4_0"}[t] == KERNEL_TYPE[t]
+    assert torch.equal(legacy.dequantize(), w.dequantize())
 
 
 @pytest.mark.skipif(not cpu.available(), reason="needs the C kernels")
@@ -101,6 +105,28 @@ def test_mxfp4_scales_past_f16_run_as_bf16_rows():
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(2))
     want = x.bfloat16().float() @ w.dequantize().T  # ggml's bf16 dot: the row rounded to bf16
     assert (cpu.qgemm(x, packed) - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+@pytest.mark.skipif(not cpu.available(), reason="needs the C kernels")
+def test_nvfp4_as_x4_blocks_and_bf16_rows():
+    """NVFP4 in the C kernels: X4 blocks of exactly its values (every E4M3 scale of a
+    super-block of 256 a whole multiple <= 127 of the finest power of two among them), bf16
+    rows where one super-block's scales lie more than 2^3 apart; the faithful matmul keeps
+    ggml's Q8_0 activations (the torch path: ``matmul.OTHER_DOT``)."""
+    x = torch.from_numpy(_rows())
+    w = QTensor.quantize(x, "NVFP4")
+    x4 = cpu.pack(w)
+    assert x4.type_name == "X4"
+    assert torch.equal(cpu.dequantize_rows(x4, torch.arange(8)), w.dequantize())
+    spread = x.clone()
+    spread[3, :16] *= 100  # one group's scale 2^6.6 above its super-block's others
+    w2 = QTensor.quantize(spread, "NVFP4")
+    bf16 = cpu.pack(w2)
+    assert bf16.type_name == "BF16"
+    assert torch.equal(cpu.dequantize_rows(bf16, torch.arange(8)), w2.dequantize())
+    a = torch.randn(2, 512, generator=torch.Generator().manual_seed(7))
+    want = qmatmul_prepared(a, prepare(w))  # the torch path, Q8_0 activations
+    assert torch.equal(qmatmul(a, w), want)
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +156,9 @@ def _logits(path, **kw) -> torch.Tensor:
 
 @pytest.mark.parametrize("t", TYPES)
 def test_every_cpu_engine_runs_them(files, t):
-    """The faithful engine's f32 and quantized forms and the fast engine (Q8_0 kernels;
-    NVFP4 as bf16 rows, its activations rounded to bf16): within ``QUANTIZED_TOL`` of the
-    f32 form."""
+    """The faithful engine's f32 and quantized forms and the fast engine (Q5_0 / Q4_0
+    kernels; NVFP4 as X4 blocks, Q8_K activations): within ``QUANTIZED_TOL`` of the f32
+    form."""
     f32 = _logits(files[t], form="f32")
     scale = f32.abs().max()
     for kw in (dict(form="quantized"), dict(engine="fast")):
@@ -145,7 +171,7 @@ def test_fast_engine_kernel_types(files, t):
     parts = [p for layer in model.layers for p in layer.wqkv.parts + layer.w2.parts]
     kinds = {p.packed.type_name if p.packed is not None else None for p in parts}
     if cpu.available():
-        assert kinds == {"BF16" if t == "NVFP4" else "Q8_0"}
+        assert kinds == {{"NVFP4": "X4", "MXFP4": "Q5_0", "Q1_0": "Q4_0"}[t]}
 
 
 @pytest.mark.peers
@@ -170,8 +196,8 @@ def test_position0_matches_llama_cpp(files, t):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("t", TYPES)
 def test_fast_cuda_fused_as_f32_form(files, t):
-    """The fast CUDA engine's fused kernels (MXFP4 and Q1_0 as Q8_0 blocks, NVFP4 as float32
-    weights) against the f32 form: 1e-4 of the logits' scale, as for the other types (the
+    """The fast CUDA engine's fused kernels (MXFP4 as Q5_0 blocks, Q1_0 as Q4_0, NVFP4 as
+    float32 weights) against the f32 form: 1e-4 of the logits' scale, as for the other types (the
     persistent kernel, ``T_X8`` blocks: test_persistent_cuda's
     ``test_kquants_and_mixes_decode_as_f32_form``)."""
     from qlib.gguf import Content

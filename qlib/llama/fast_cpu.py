@@ -99,7 +99,6 @@ from ..quants.api import dequantize_torch
 from ..quants.cpu import build
 from ..quants.cpu.matmul import PreparedWeight, prepare, qmatmul_prepared
 from ..quants.cpu.memory import reserve, resident_bytes
-from ..quants.forms import bf16_form
 from ..quants.qtensor import QTensor
 from ..spans import span
 from .checks import (
@@ -213,8 +212,6 @@ class LinearPart:
 
     def __init__(self, qtensors: list[QTensor], r0: int, release: Release | None = None,
                  panels: bool = False):  # fmt: skip
-        if qtensors[0].dtype.name == "NVFP4":  # no C kernel: its exact values as bf16 rows
-            qtensors = [bf16_form(q) for q in qtensors]
         self.type_name = qtensors[0].dtype.name
         self.r0 = r0
         self.n = sum(q.shape[0] for q in qtensors)

@@ -1,10 +1,11 @@
 """Kernel forms: types the kernels run as another type that holds exactly the same values.
 
-* IQ4_NL, MXFP4 and Q1_0 as Q8_0 (``iquants.nl_as_q8_0``, ``fp4.as_q8_0``: their values are
-  int8 codes under one f16 scale a 32 weights, and ggml's dot products of all three are
-  Q8_0's): the CUDA engine and the C kernels' planes, which have no layout of their own for
-  them (the fast CPU layers run IQ4_NL panels of their own). An MXFP4 tensor whose scales
-  leave f16's range stays as it is;
+* IQ4_NL as Q8_0 (``iquants.nl_as_q8_0``: its levels are int8 codes under the same f16
+  ``d``): the CUDA engine and the C kernels' planes, which have no IQ4_NL layout (the fast
+  CPU layers run IQ4_NL panels of their own);
+* MXFP4 as Q5_0 and Q1_0 as Q4_0 (``fp4.as_legacy``: their codes fit those types' under one
+  f16 scale a 32 weights, and ggml's dot products of all four are alike): every engine's
+  kernels. An MXFP4 tensor whose scales leave f16's range stays as it is;
 * IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0 as Q6_K (``gridquants.as_q6_k``: a tensor
   whose every block fits, 6.56 bits a weight; else it stays as it is): the fast CUDA engine,
   whose Q6_K kernels are Triton code.
@@ -12,21 +13,22 @@
 What stays a grid, ternary or FP4 type is expanded further down: into ``T_X8`` blocks by the
 persistent CUDA kernel (the fused CUDA kernels run it as float32 weights). The C kernels take
 every grid and ternary type as X4 blocks (``packing.pack``: 4-bit indices into the type's (at
-most 16) codes, 5.1 bits a weight, fewer than Q6_K's), in both CPU engines, and NVFP4 (a
-scale a 16 weights under Q8_0 activations: no C kernel has that) through the torch matmul
-with ggml's semantics in the faithful engine, as bf16 weights (exact) in the fast one.
+most 16) codes, 5.1 bits a weight, fewer than Q6_K's), in both CPU engines, and NVFP4 as X4
+blocks too (bf16 rows, ``bf16_form``, where a super-block's scales lie too far apart) in the
+fast one; X4's dot takes Q8_K activations where ggml's NVFP4 dot takes Q8_0, so the faithful
+engine runs NVFP4 through the torch matmul with ggml's semantics (``matmul.OTHER_DOT``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .fp4 import as_q8_0
+from .api import dequantize_torch
+from .fp4 import LEGACY_FORM, as_legacy
 from .gridquants import Q6_K_FORM, as_q6_k
 from .iquants import nl_as_q8_0
 
-Q8_0_FORM = ("IQ4_NL", "MXFP4", "Q1_0")
-KERNEL_TYPE: dict[str, str] = {**dict.fromkeys(Q8_0_FORM, "Q8_0"),
+KERNEL_TYPE: dict[str, str] = {"IQ4_NL": "Q8_0", **LEGACY_FORM,
                                **dict.fromkeys(Q6_K_FORM, "Q6_K")}  # fmt: skip
 
 
@@ -39,15 +41,21 @@ def kernel_form(q):
     blocks = q.data.reshape(-1, q.dtype.type_size)
     if name == "IQ4_NL":
         return type(q)(nl_as_q8_0(blocks), q.shape, "Q8_0")
-    if name in Q8_0_FORM:
-        q8 = as_q8_0(blocks, name)
-        return q if q8 is None else type(q)(q8.reshape(-1), q.shape, "Q8_0")
+    if name in LEGACY_FORM:
+        legacy = as_legacy(blocks, name)
+        return q if legacy is None else type(q)(legacy.reshape(-1), q.shape, LEGACY_FORM[name])
     q6 = as_q6_k(blocks, name)
     return q if q6 is None else type(q)(q6.reshape(-1), q.shape, "Q6_K")
 
 
-def bf16_form(q):
-    """QTensor ``q``'s values as a BF16 QTensor (exact for the FP4 types: at most 6
-    significant bits)."""
-    values = q.dequantize(dtype=torch.bfloat16).contiguous()
-    return type(q)(values.view(torch.uint8).reshape(-1), q.shape, "BF16")
+def bf16_form(q, chunk: int = 1 << 20):
+    """2-D QTensor ``q``'s values as a BF16 QTensor (exact for the FP4 types: at most 6
+    significant bits), about ``chunk`` weights at a time."""
+    rows, k = int(q.shape[0]), int(q.shape[-1])
+    blocks = q.data.reshape(rows, -1)
+    out = torch.empty((rows, k), dtype=torch.bfloat16)
+    step = max(1, chunk // k)
+    for r in range(0, rows, step):
+        part = blocks[r : r + step]
+        out[r : r + step] = dequantize_torch(part, q.dtype.name, (part.shape[0], k), torch.bfloat16)
+    return type(q)(out.view(torch.uint8).reshape(-1), q.shape, "BF16")

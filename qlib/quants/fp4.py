@@ -131,19 +131,34 @@ class Q1_0(BlockFormat, type_name="Q1_0"):
         return t_bits(b[:, 2:18]).to(torch.int8) * 2 - 1, t_f16(b, 0), None
 
 
-def as_q8_0(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
-    """MXFP4 or Q1_0 blocks ``(B, bytes)`` as Q8_0 blocks of exactly the same values: per 32
-    weights the scale as Q8_0's f16 ``d`` and the codes (MXFP4's table values, Q1_0's +-1) as its
-    int8 ``qs``; ggml's dot products of both take Q8_0 activations and scale each 32's integer
-    sum by ``d_w d_a``, so the Q8_0 kernels run them exactly (34 bytes a 32 weights, against
-    17 and 4.5). None for an MXFP4 tensor with a scale outside f16's range (``2^-24 ..
-    2^15``) under a block that is not all zeros."""
-    codes, scale, _ = FORMATS[type_name].unpack(blocks)
-    d = scale.repeat_interleave(codes.shape[1] // 32 // scale.shape[1], dim=1).reshape(-1, 1)
-    codes = codes.reshape(-1, 32)
-    d = torch.where((codes == 0).all(1, keepdim=True), 0.0, d)  # (zeros under any scale)
-    d16 = d.to(torch.float16)
-    if not (d16.float() == d).all():
-        return None
-    qs = codes.to(torch.int8).view(torch.uint8)
-    return torch.cat([d16.view(torch.uint8), qs], 1).reshape(blocks.shape[0], -1)
+# The legacy type each one's values are exactly: MXFP4's codes (-12..12) as Q5_0's (-16..15),
+# Q1_0's (+-1) as Q4_0's (-8..7), each 32 weights under one f16 d
+LEGACY_FORM = {"MXFP4": "Q5_0", "Q1_0": "Q4_0"}
+
+
+def as_legacy(blocks: torch.Tensor, type_name: str, chunk: int = 1 << 14) -> torch.Tensor | None:
+    """MXFP4 or Q1_0 blocks ``(B, bytes)`` as ``LEGACY_FORM`` blocks (Q5_0 ``d qh[4] qs[16]``,
+    Q4_0 ``d qs[16]``) of exactly the same values: per 32 weights the scale as the f16 ``d`` and
+    the codes plus 16 (8) as the 5-bit (4-bit) codes. ggml's dot products of all four take
+    Q8_0 activations and scale each 32's integer sum by ``d_w d_a``, so those kernels run them
+    exactly, at 5.5 and 4.5 bits a weight (against 4.25 and 1.125). None for an MXFP4 tensor
+    with a scale outside f16's range (``2^-24 .. 2^15``) under a block that is not all zeros.
+    ``chunk`` blocks at a time (a 1B model's output matrix holds 100 M weights)."""
+    five = LEGACY_FORM[type_name] == "Q5_0"
+    per = FORMATS[type_name].block_size // 32  # legacy blocks a block
+    out = torch.empty((blocks.shape[0] * per, 22 if five else 18), dtype=torch.uint8)
+    for i in range(0, blocks.shape[0], chunk):
+        codes, scale, _ = FORMATS[type_name].unpack(blocks[i : i + chunk])
+        d = scale.repeat_interleave(per // scale.shape[1], dim=1).reshape(-1, 1)
+        q = codes.reshape(-1, 32).to(torch.uint8) + (16 if five else 8)  # (wraps back to 0..31)
+        d = torch.where((q == (16 if five else 8)).all(1, keepdim=True), 0.0, d)  # zeros
+        d16 = d.to(torch.float16)
+        if not (d16.float() == d).all():
+            return None
+        dst = out[i * per : (i + chunk) * per]
+        dst[:, :2] = d16.view(torch.uint8)
+        dst[:, -16:] = (q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)  # element j low, j + 16 high
+        if five:  # qh: bit j of the little-endian word is element j's fifth bit
+            bits = (q >> 4).view(-1, 4, 8) << torch.arange(8, dtype=torch.uint8)
+            dst[:, 2:6] = bits.sum(2, dtype=torch.uint8)
+    return out.reshape(blocks.shape[0], -1)

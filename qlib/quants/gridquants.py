@@ -33,6 +33,7 @@ import torch
 
 from .base import FORMATS, BlockFormat
 from .common import t_f16
+from .fp4 import KVALUES_MXFP4
 
 GRID_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
 TERNARY_TYPES = ("TQ1_0", "TQ2_0")
@@ -316,6 +317,8 @@ def x4_levels(type_name: str) -> np.ndarray:
     (TQ2_0's 2 bits also hold a 2, which its quantizer never writes)."""
     if type_name in TERNARY_TYPES:
         codes = {-1, 0, 1, 2} if type_name == "TQ2_0" else {-1, 0, 1}
+    elif type_name == "NVFP4":
+        codes = {int(v) for v in KVALUES_MXFP4}
     elif type_name in ("IQ1_S", "IQ1_M"):
         codes = {8 * g + s for g in (-1, 0, 1) for s in (-1, 1)}
     else:
@@ -332,12 +335,25 @@ def _x4_index(type_name: str) -> np.ndarray:
     return lut
 
 
+def _finest_power_of_two(scale: torch.Tensor) -> torch.Tensor:
+    """Per row of scales ``(S, groups)`` the largest power of two that divides every one,
+    ``(S, 1)``, for scales of at most 4 significant bits (NVFP4's E4M3: ``s = N 2^e``, N < 16)."""
+    _, exp = torch.frexp(scale)  # scale = m 2^exp, 0.5 <= m < 1: m 16 is a whole N
+    e = torch.where(scale > 0, exp - 4, torch.full_like(exp, 1 << 20)).amin(1, keepdim=True)
+    return torch.ldexp(torch.ones(e.shape), torch.where(e == 1 << 20, 0, e))
+
+
 def as_x4(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
-    """Blocks ``(B, bytes)`` of an ``X4_UNIT`` type as X4 blocks ``(B, 164)`` of exactly the
-    same values (None if a scale were not an integer multiple of the unit, e.g. a non-finite
-    d: not for blocks ggml writes)."""
+    """Blocks ``(B, bytes)`` of an ``X4_UNIT`` type, or NVFP4 (four blocks of 64 a super-block
+    of 256), as X4 blocks ``(B, 164)`` (``(B / 4, 164)``) of exactly the same values; None if a
+    scale is not an integer multiple (<= 127) of the unit: a non-finite d (not for blocks ggml
+    writes), or NVFP4 scales of one super-block more than 2^3 apart."""
     codes, scale, _ = FORMATS[type_name].unpack(blocks)
-    unit = block_d(blocks, type_name) * X4_UNIT[type_name]  # exact: a power of 2 (or 1)
+    if type_name == "NVFP4":  # the unit: the finest power of two of the super-block's scales
+        codes, scale = codes.reshape(-1, 256), scale.reshape(-1, 16)
+        unit = _finest_power_of_two(scale)
+    else:
+        unit = block_d(blocks, type_name) * X4_UNIT[type_name]  # exact: a power of 2 (or 1)
     sc = _whole_scales(scale, unit)
     if sc is None:
         return None

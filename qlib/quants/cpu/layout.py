@@ -35,12 +35,12 @@ BLOCK_CODES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
 BLOCKS = {"Q2_K": (256, 84), "Q3_K": (256, 110),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136),
           "X4": (256, X4_BYTES), "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2)}  # fmt: skip
-# the GGUF types ``pack`` expands into X4 blocks (``gridquants.as_x4``): the grid i-quants and
-# the ternary types
-X4_TYPES = tuple(X4_UNIT)
-# the GGUF types ``pack`` runs as Q8_0 planes or panels of the same values (``forms.kernel_form``;
-# bf16 rows where an MXFP4 scale leaves f16's range)
-Q8_0_TYPES = ("MXFP4", "Q1_0")
+# the GGUF types ``pack`` expands into X4 blocks (``gridquants.as_x4``): the grid i-quants, the
+# ternary types and NVFP4 (bf16 rows where its scales do not fit one X4 block's unit)
+X4_TYPES = (*X4_UNIT, "NVFP4")
+# the GGUF types ``pack`` runs as legacy planes or panels of the same values (``forms.kernel_form``:
+# MXFP4 as Q5_0, Q1_0 as Q4_0; bf16 rows where an MXFP4 scale leaves f16's range)
+LEGACY_TYPES = ("MXFP4", "Q1_0")
 # the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants, IQ4_XS, X4: super-blocks of 256)
 ROW_MULTIPLE = {t: 256 if BLOCKS.get(t, (1,))[0] == 256 else 64
                 for t in (*TYPE_CODES, *BLOCK_CODES)} | dict.fromkeys(X4_TYPES, 256) | {

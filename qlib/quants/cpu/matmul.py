@@ -45,6 +45,9 @@ from .ops import qgemm
 from .packing import pack, supports
 
 _INT_ROWS = 8  # up to this many rows: block-diagonal int8 matmul
+# types the C kernels run with other activations than ggml's dot product takes (NVFP4 as X4
+# blocks: Q8_K, where ggml's NVFP4 dot takes Q8_0): the faithful matmul keeps torch's for them
+OTHER_DOT = ("NVFP4",)
 _HAS_INT_MM = hasattr(torch, "_int_mm")  # private torch API (CPU int8 x int8 -> int32)
 _TILE_FLOATS = 1 << 21  # float32 elements of one [G, n_tile, m_tile] tile of group sums
 _N_TILE = 1024
@@ -122,7 +125,7 @@ def _packed(w):
     """The C kernel's ``PackedWeight`` for ``w``, or None when the kernel cannot take it."""
     if isinstance(w, PreparedWeight) or len(w.shape) != 2:
         return None
-    if not supports(w.dtype.name, int(w.shape[-1])):
+    if not supports(w.dtype.name, int(w.shape[-1])) or w.dtype.name in OTHER_DOT:
         return None
     key = id(w.data)
     hit = _PACKED.get(key)

@@ -29,10 +29,10 @@ from .layout import (
     BLOCK_CODES,
     BLOCKS,
     K_PANEL_RECORD,
+    LEGACY_TYPES,
     M_WORDS,
     PANEL_RECORD,
     PANELS_ONLY,
-    Q8_0_TYPES,
     ROW_MULTIPLE,
     TYPE_CODES,
     X4_TYPES,
@@ -79,9 +79,9 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
     k = int(qtensors[0].shape[-1])
     if any(q.dtype.name != name or int(q.shape[-1]) != k or len(q.shape) != 2 for q in qtensors):
         raise ValueError("pack: weights must be 2-D with one type and one row length")
-    if name in Q8_0_TYPES:  # MXFP4, Q1_0: their values as Q8_0 (else bf16), then packed
+    if name in LEGACY_TYPES:  # MXFP4, Q1_0: their values as Q5_0 / Q4_0 (else bf16), packed
         forms = [kernel_form(q) for q in qtensors]
-        if any(f.dtype.name != "Q8_0" for f in forms):
+        if any(f.dtype.name == name for f in forms):
             forms = [bf16_form(q) for q in qtensors]
         packed = pack(forms, panels=panels)
         if release is not None:
@@ -89,8 +89,11 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
                 release(q.data)
         return packed
     weights = [(int(q.shape[0]), q.data.cpu().contiguous()) for q in qtensors]  # rows, bytes
-    if name in X4_TYPES:  # the grid i-quants and ternary types: their values as X4 blocks
-        weights = [(rows, _x4(data, name, release)) for rows, data in weights]
+    if name in X4_TYPES:  # the grid i-quants, ternary types, NVFP4: their values as X4 blocks
+        x4 = [_x4(data, name, release) for _, data in weights]
+        if any(x is None for x in x4):  # NVFP4 scales too far apart: its values as bf16 rows
+            return pack([bf16_form(q) for q in qtensors], panels=panels)
+        weights = [(rows, x) for (rows, _), x in zip(weights, x4, strict=True)]
         name = "X4"
     if name in BLOCK_CODES:  # kquants.c / floats.c read the GGUF rows: a copy, row after row
         elements, nbytes = BLOCKS[name]
@@ -171,22 +174,26 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
     return PackedWeight(name, n, k, codes, d, m)
 
 
-def _x4(data: torch.Tensor, type_name: str, release) -> torch.Tensor:
+def _x4(data: torch.Tensor, type_name: str, release) -> torch.Tensor | None:
     """GGUF blocks of an ``X4_TYPES`` weight as X4 blocks (``gridquants.as_x4``: the same
-    values; a ``ValueError`` if a block does not fit, which ggml's blocks always do), piece by
-    piece (``release`` drops each piece's mapped pages once read)."""
-    size = ggml_type(type_name).type_size
-    blocks = data.reshape(-1, size)
-    out = torch.empty((blocks.shape[0], BLOCKS["X4"][1]), dtype=torch.uint8)
-    step = max(1, PACK_CHUNK // size)
+    values), piece by piece (``release`` drops each piece's mapped pages once read). A block
+    that does not fit is a ``ValueError`` (ggml's blocks of the grid and ternary types always
+    do), or None for NVFP4 (its values then go as bf16 rows)."""
+    t = ggml_type(type_name)
+    per = 256 // t.block_size  # GGUF blocks an X4 block
+    blocks = data.reshape(-1, t.type_size)
+    out = torch.empty((blocks.shape[0] // per, BLOCKS["X4"][1]), dtype=torch.uint8)
+    step = max(1, PACK_CHUNK // t.type_size // per) * per
     for b in range(0, blocks.shape[0], step):
         x4 = as_x4(blocks[b : b + step], type_name)
         if x4 is None:
+            if type_name == "NVFP4":
+                return None
             raise ValueError(
                 f"{type_name} blocks with a scale that is no whole multiple of their d "
                 "(a non-finite or corrupt d)"
             )
-        out[b : b + step] = x4
+        out[b // per : (b + step) // per] = x4
         if release is not None:
             release(blocks[b : b + step])
     return out.reshape(-1)
