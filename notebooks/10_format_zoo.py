@@ -28,7 +28,7 @@
 # %% tags=["parameters"]
 model_path = None  # source GGUF; None: the embedded SmolLM2 (its variants are derived from it)
 device = "cpu"  # cpu or cuda: the results tag; cuda also times the fast CUDA engine
-types = ["F32", "F16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_1", "IQ4_NL", "Q4_0", "IQ4_XS", "Q3_K", "Q2_K"]  # any of qlib.convert's types and recipes
+types = ["F32", "F16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_1", "IQ4_NL", "Q4_0", "IQ4_XS", "NVFP4", "MXFP4", "Q3_K", "Q2_K"]  # any of qlib.convert's types and recipes
 tokens = 192  # teacher-forced positions of data/passage.txt
 prompt_tokens = 64  # benchmark prompt (first tokens of data/passage.txt)
 steps = 32  # benchmark decode steps
