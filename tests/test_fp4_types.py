@@ -111,7 +111,8 @@ def test_mxfp4_scales_past_f16_run_as_bf16_rows():
 def test_nvfp4_as_x4_blocks_and_bf16_rows():
     """NVFP4 in the C kernels: X4 blocks of exactly its values (every E4M3 scale of a
     super-block of 256 a whole multiple <= 127 of the finest power of two among them), bf16
-    rows where one super-block's scales lie more than 2^3 apart; the faithful matmul keeps
+    rows where one super-block's scales lie more than 2^3 apart or rows do not divide into
+    super-blocks (SmolLM2's 576); the faithful matmul keeps
     ggml's Q8_0 activations (the torch path: ``matmul.OTHER_DOT``)."""
     x = torch.from_numpy(_rows())
     w = QTensor.quantize(x, "NVFP4")
@@ -124,6 +125,8 @@ def test_nvfp4_as_x4_blocks_and_bf16_rows():
     bf16 = cpu.pack(w2)
     assert bf16.type_name == "BF16"
     assert torch.equal(cpu.dequantize_rows(bf16, torch.arange(8)), w2.dequantize())
+    odd = QTensor.quantize(torch.from_numpy(_rows(k=576)), "NVFP4")  # rows of 9 blocks of 64
+    assert cpu.supports("NVFP4", 576) and cpu.pack(odd).type_name == "BF16"
     a = torch.randn(2, 512, generator=torch.Generator().manual_seed(7))
     want = qmatmul_prepared(a, prepare(w))  # the torch path, Q8_0 activations
     assert torch.equal(qmatmul(a, w), want)

@@ -90,8 +90,9 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
         return packed
     weights = [(int(q.shape[0]), q.data.cpu().contiguous()) for q in qtensors]  # rows, bytes
     if name in X4_TYPES:  # the grid i-quants, ternary types, NVFP4: their values as X4 blocks
-        x4 = [_x4(data, name, release) for _, data in weights]
-        if any(x is None for x in x4):  # NVFP4 scales too far apart: its values as bf16 rows
+        x4 = [_x4(data, name, release) if k % 256 == 0 else None for _, data in weights]
+        if any(x is None for x in x4):  # NVFP4 rows of no whole super-blocks, or its scales
+            # too far apart: its values as bf16 rows
             return pack([bf16_form(q) for q in qtensors], panels=panels)
         weights = [(rows, x) for (rows, _), x in zip(weights, x4, strict=True)]
         name = "X4"
