@@ -245,6 +245,27 @@ def test_x4_blocks(t):
 
 
 @needs_kernels
+@pytest.mark.parametrize("t", TYPES)
+def test_x4_expansion_in_c_equals_torchs(t):
+    """The load's expansion in C (``cpu/gridx4.c``) gives the X4 bytes of ``as_x4`` (torch)
+    byte for byte: random blocks (every byte pattern is a block of these types; IQ1_M's d
+    included) and a d of zero."""
+    from qlib.quants.cpu import ops
+    from qlib.quants.gridquants import as_x4, block_d, x4_tables
+
+    w = np.random.default_rng(6).standard_normal((32, 1024)).astype(np.float32)
+    q = random_blocks(w, t, seed=11)
+    blocks = q.data.reshape(-1, q.dtype.type_size).clone()
+    if t != "IQ1_M":  # a block with d = 0 (IQ1_M keeps d in its scales' nibbles)
+        at = {"TQ1_0": 52, "TQ2_0": 64}.get(t, 0)
+        blocks[3, at : at + 2] = 0
+        assert block_d(blocks[3:4], t).item() == 0
+    out = torch.empty((blocks.shape[0], 164), dtype=torch.uint8)
+    ops.x4_from_blocks(t, blocks, *x4_tables(t), out)
+    assert torch.equal(out, as_x4(blocks, t))
+
+
+@needs_kernels
 def test_a_non_finite_scale_is_refused_with_its_reason():
     """A block whose d is NaN has no X4 form: the fast engine says so in one line."""
     w = np.random.default_rng(2).standard_normal((4, 256)).astype(np.float32)

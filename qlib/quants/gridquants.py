@@ -335,6 +335,17 @@ def _x4_index(type_name: str) -> np.ndarray:
     return lut
 
 
+@functools.cache
+def x4_tables(type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the C expansion into X4 blocks (``cpu/gridx4.c``) reads for a grid or ternary
+    type: its grid (int8 rows; one zero for the ternary types), the level index of code ``c``
+    at ``c + 128`` and the 16 level bytes (codes + 64)."""
+    grid = _grid_np(type_name) if type_name in GRID_TYPES else np.zeros((1, 8), np.int8)
+    levels = (x4_levels(type_name).astype(np.int16) + 64).astype(np.uint8)
+    return (torch.from_numpy(np.ascontiguousarray(grid)), torch.from_numpy(_x4_index(type_name)),
+            torch.from_numpy(levels))  # fmt: skip
+
+
 def _finest_power_of_two(scale: torch.Tensor) -> torch.Tensor:
     """Per row of scales ``(S, groups)`` the largest power of two that divides every one,
     ``(S, 1)``, for scales of at most 4 significant bits (NVFP4's E4M3: ``s = N 2^e``, N < 16)."""

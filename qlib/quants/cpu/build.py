@@ -33,7 +33,16 @@ from ... import progress
 
 SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("kernels.c", "kquants.c", "floats.c", "prefill.c", "attn.c", "decode.c", "rows.c")
+    for n in (
+        "kernels.c",
+        "kquants.c",
+        "floats.c",
+        "prefill.c",
+        "attn.c",
+        "decode.c",
+        "rows.c",
+        "gridx4.c",
+    )
 ]
 HEADERS = [Path(__file__).with_name("simd.h")]  # included by all: part of the build's hash
 CFLAGS = [

@@ -29,6 +29,7 @@ from functools import partial
 
 import torch
 
+from ..types import ggml_type
 from . import build
 from .layout import (
     BLOCK_CODES,
@@ -72,6 +73,7 @@ _SIGNATURES = {
     "qlib_kgemv_set_prefetch": ([_i], None),
     "qlib_kpanel_set_prefetch": ([_i], None),
     "qlib_kpanel_put": ([_i, _p, _i, _i, _p, _i], _i),
+    "qlib_x4_from_blocks": ([_i, _p, ctypes.c_int64, _p, _p, _p, _p], _i),
     "qlib_kpanel_get": ([_i, _p, _i, _i, _p, _i, _p], _i),
     "qlib_dequant_rows": ([_i, _p, _i, _i, _p, _i, _p], _i),
     "qlib_attn_set_two_pass": ([_i], None),
@@ -428,6 +430,36 @@ def kpanels_put(type_name: str, blocks: torch.Tensor, k: int, panels: torch.Tens
     if _lib().qlib_kpanel_put(BLOCK_CODES[type_name], blocks.data_ptr(), rows, k,
                               panels.data_ptr(), j0):  # fmt: skip
         raise ValueError(f"kpanels_put: {type_name} rows of k={k}")
+
+
+def x4_from_blocks(type_name: str, blocks: torch.Tensor, grid: torch.Tensor,
+                   index: torch.Tensor, levels: torch.Tensor,
+                   out: torch.Tensor) -> None:  # fmt: skip
+    """GGUF blocks of a grid i-quant or ternary type (uint8 ``[n, block bytes]``) -> X4 blocks
+    (``out``, uint8 ``[n, 164]``), as ``gridquants.as_x4`` makes them (``gridx4.c``): ``grid``
+    the type's grid (int8 rows; any int8 tensor for the ternary types), ``index[c + 128]`` the
+    level index of code ``c`` (16: none) and ``levels`` the 16 level bytes (uint8). A
+    ``ValueError`` for a block with a non-finite d or a code outside the levels."""
+    t = ggml_type(type_name)
+    _check(blocks, torch.uint8, "blocks")
+    _check(grid, torch.int8, "grid")
+    _check(index, torch.uint8, "index")
+    _check(levels, torch.uint8, "levels")
+    _check(out, torch.uint8, "out")
+    n = blocks.numel() // t.type_size
+    if blocks.numel() != n * t.type_size or out.numel() != n * BLOCKS["X4"][1]:
+        raise ValueError(f"x4_from_blocks: {blocks.numel()} bytes of {t.name} blocks for "
+                         f"{out.numel()} bytes of X4 blocks")  # fmt: skip
+    if index.numel() != 256 or levels.numel() != 16:
+        raise ValueError("x4_from_blocks: index needs 256 entries and levels 16")
+    status = _lib().qlib_x4_from_blocks(t.id, blocks.data_ptr(), n, grid.data_ptr(),
+                                        index.data_ptr(), levels.data_ptr(),
+                                        out.data_ptr())  # fmt: skip
+    if status == -1:
+        raise ValueError(f"x4_from_blocks: no X4 decoder for {t.name}")
+    if status:
+        raise ValueError(f"{t.name} blocks with a scale that is no whole multiple of their d "
+                         "(a non-finite or corrupt d)")  # fmt: skip
 
 
 def kpanels_get(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:

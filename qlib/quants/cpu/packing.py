@@ -22,7 +22,7 @@ import torch
 
 from ..base import FORMATS
 from ..forms import bf16_form, kernel_form
-from ..gridquants import as_x4
+from ..gridquants import GRID_TYPES, TERNARY_TYPES, as_x4, x4_tables
 from ..types import ggml_type
 from . import build, ops
 from .layout import (
@@ -185,7 +185,14 @@ def _x4(data: torch.Tensor, type_name: str, release) -> torch.Tensor | None:
     blocks = data.reshape(-1, t.type_size)
     out = torch.empty((blocks.shape[0] // per, BLOCKS["X4"][1]), dtype=torch.uint8)
     step = max(1, PACK_CHUNK // t.type_size // per) * per
+    in_c = type_name in (*GRID_TYPES, *TERNARY_TYPES) and build.available()  # (gridx4.c)
     for b in range(0, blocks.shape[0], step):
+        if in_c:
+            ops.x4_from_blocks(type_name, blocks[b : b + step], *x4_tables(type_name),
+                               out[b : b + step])  # fmt: skip
+            if release is not None:
+                release(blocks[b : b + step])
+            continue
         x4 = as_x4(blocks[b : b + step], type_name)
         if x4 is None:
             if type_name == "NVFP4":

@@ -1,0 +1,216 @@
+/* qlib CPU load: the grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) and
+ * the ternary types (TQ1_0, TQ2_0) as qlib's X4 blocks, the bytes gridquants.as_x4 makes in
+ * torch (the kernels' form of these types, kquants.c), one block at a time over the threads:
+ * the torch expansion took 6-7 s for a 1B-shape file (docs/performance.md).
+ *
+ * Each decoder follows ggml's dequantize_row_* (ggml-quants.c) as gridquants.py transcribes
+ * it: a block's 256 integer codes (grid values with their signs; IQ1: 8 g +- 1; ternary:
+ * t - 1) and, per 16 weights, its scale as a whole multiple of the block's unit (d x X4_UNIT:
+ * IQ2: 2 ls + 1 of d / 8; IQ3_XXS: 2 ls + 1 of d / 4; IQ3_S: 1 + 2 ls of d; IQ1: 2 s + 1 of
+ * d / 8; ternary: 1 of d). The X4 block: qs[128] (byte 32 c + j: the level index of element
+ * 64 c + j low, of 64 c + 32 + j high), levels[16] (the type's codes + 64), an int8 scale per
+ * 16, float32 d (the unit) at 160. The grids and the code -> level index table come from
+ * Python (the gguf package's grids; gridquants.x4_levels). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum {
+    T_IQ2_XXS = 16, T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ1_S = 19, T_IQ3_S = 21, T_IQ2_S = 22,
+    T_IQ1_M = 29, T_TQ1_0 = 34, T_TQ2_0 = 35,
+};
+enum { X4_BYTES = 164 };
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline uint32_t u16_at(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8; }
+
+static inline uint32_t u32_at(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* ggml's ksigns_iq2xs: seven sign bits and an eighth that makes their count even */
+static inline uint8_t ksigns(uint32_t i) { return (uint8_t)(i | (__builtin_popcount(i) & 1) << 7); }
+
+/* w grid values of row `index` times the signs of byte `s` (bit j: element j negative) */
+static inline void signed_row(int8_t *out, const int8_t *grid, int w, uint32_t index, uint8_t s) {
+    const int8_t *row = grid + (size_t)index * w;
+    for (int j = 0; j < w; j++) out[j] = (int8_t)((s >> j & 1) ? -row[j] : row[j]);
+}
+
+/* One block -> codes[256], sc[16] (scale / unit per 16 weights), and its unit's factor of d
+ * (*unit_of_d) and d (*d); returns 0, or -1 for a type it does not know. */
+static int decode(int type, const uint8_t *b, const int8_t *grid, int8_t *codes, int *sc,
+                  float *d, float *unit_of_d) {
+    switch (type) {
+    case T_IQ2_XXS: /* d qs:u16[32]: per 32 four grid bytes, then a word of 4 sign indices
+                       and the scale */
+        *d = f16_at(b), *unit_of_d = 0.125f;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *q = b + 2 + 8 * ib;
+            const uint32_t aux = u32_at(q + 4);
+            for (int l = 0; l < 4; l++)
+                signed_row(codes + 32 * ib + 8 * l, grid, 8, q[l], ksigns(aux >> 7 * l & 127));
+            sc[2 * ib] = sc[2 * ib + 1] = 2 * (int)(aux >> 28) + 1;
+        }
+        return 0;
+    case T_IQ2_XS: /* d qs:u16[32] scales[8]: 9-bit grid index, 7-bit sign index */
+        *d = f16_at(b), *unit_of_d = 0.125f;
+        for (int j = 0; j < 32; j++) {
+            const uint32_t w = u16_at(b + 2 + 2 * j);
+            signed_row(codes + 8 * j, grid, 8, w & 511, ksigns(w >> 9));
+        }
+        for (int g = 0; g < 16; g++) sc[g] = 2 * (b[66 + g / 2] >> 4 * (g % 2) & 15) + 1;
+        return 0;
+    case T_IQ2_S: /* d qs[32] signs[32] qh[8] scales[8]: 10-bit grid indices */
+        *d = f16_at(b), *unit_of_d = 0.125f;
+        for (int ib = 0; ib < 8; ib++)
+            for (int l = 0; l < 4; l++) {
+                const uint32_t index = b[2 + 4 * ib + l] | ((uint32_t)b[66 + ib] << (8 - 2 * l) & 0x300);
+                signed_row(codes + 32 * ib + 8 * l, grid, 8, index, b[34 + 4 * ib + l]);
+            }
+        for (int g = 0; g < 16; g++) sc[g] = 2 * (b[74 + g / 2] >> 4 * (g % 2) & 15) + 1;
+        return 0;
+    case T_IQ3_XXS: /* d qs[64] scales_signs:u32[8]: grid rows of 4, a word per 32 */
+        *d = f16_at(b), *unit_of_d = 0.25f;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint32_t aux = u32_at(b + 66 + 4 * ib);
+            for (int l = 0; l < 4; l++) {
+                const uint8_t s = ksigns(aux >> 7 * l & 127);
+                signed_row(codes + 32 * ib + 8 * l, grid, 4, b[2 + 8 * ib + 2 * l], s);
+                signed_row(codes + 32 * ib + 8 * l + 4, grid, 4, b[3 + 8 * ib + 2 * l], s >> 4);
+            }
+            sc[2 * ib] = sc[2 * ib + 1] = 2 * (int)(aux >> 28) + 1;
+        }
+        return 0;
+    case T_IQ3_S: /* d qs[64] qh[8] signs[32] scales[4]: 9-bit grid indices, rows of 4 */
+        *d = f16_at(b), *unit_of_d = 1.0f;
+        for (int ib = 0; ib < 8; ib++) {
+            for (int l = 0; l < 4; l++) {
+                const uint8_t s = b[74 + 4 * ib + l];
+                for (int h = 0; h < 2; h++) {
+                    const int p = 2 * l + h;
+                    const uint32_t index = b[2 + 8 * ib + p] | ((uint32_t)b[66 + ib] << (8 - p) & 256);
+                    signed_row(codes + 32 * ib + 8 * l + 4 * h, grid, 4, index, s >> 4 * h);
+                }
+            }
+            sc[2 * ib] = sc[2 * ib + 1] = 1 + 2 * (b[106 + ib / 2] >> 4 * (ib % 2) & 15);
+        }
+        return 0;
+    case T_IQ1_S: /* d qs[32] qh:u16[8]: 11-bit grid indices of -1 / 0 / 1, a shift per 32 */
+        *d = f16_at(b), *unit_of_d = 0.125f;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint32_t qh = u16_at(b + 34 + 2 * ib);
+            const int shift = qh >> 15 & 1 ? -1 : 1;
+            for (int l = 0; l < 4; l++) {
+                const int8_t *row = grid + (size_t)(b[2 + 4 * ib + l] | (qh >> 3 * l & 7) << 8) * 8;
+                for (int j = 0; j < 8; j++) codes[32 * ib + 8 * l + j] = (int8_t)(8 * row[j] + shift);
+            }
+            sc[2 * ib] = sc[2 * ib + 1] = 2 * (int)(qh >> 12 & 7) + 1;
+        }
+        return 0;
+    case T_IQ1_M: { /* qs[32] qh[16] scales:u16[4]: d in the scales' top nibbles */
+        uint32_t s[4];
+        for (int i = 0; i < 4; i++) s[i] = u16_at(b + 48 + 2 * i);
+        const uint16_t dbits = (uint16_t)(s[0] >> 12 | (s[1] >> 8 & 0xF0) | (s[2] >> 4 & 0xF00) |
+                                          (s[3] & 0xF000));
+        *d = _cvtsh_ss(dbits), *unit_of_d = 0.125f;
+        for (int ib = 0; ib < 8; ib++)
+            for (int h = 0; h < 2; h++) {
+                const uint32_t qh = b[32 + 2 * ib + h];
+                for (int l = 0; l < 2; l++) {
+                    const uint32_t index = b[4 * ib + 2 * h + l] | (qh << (l ? 4 : 8) & 0x700);
+                    const int shift = qh >> (l ? 7 : 3) & 1 ? -1 : 1;
+                    const int8_t *row = grid + (size_t)index * 8;
+                    for (int j = 0; j < 8; j++)
+                        codes[32 * ib + 16 * h + 8 * l + j] = (int8_t)(8 * row[j] + shift);
+                }
+            }
+        for (int g = 0; g < 16; g++) sc[g] = 2 * (int)(s[g / 4] >> 3 * (g % 4) & 7) + 1;
+        return 0;
+    }
+    case T_TQ1_0: { /* qs[48] qh[4] d: five base-3 digits a byte (qs), four (qh) */
+        static const int pow3[5] = {1, 3, 9, 27, 81};
+        int at = 0;
+        const int spans[3][3] = {{0, 32, 5}, {32, 16, 5}, {48, 4, 4}}; /* start, bytes, digits */
+        for (int p = 0; p < 3; p++)
+            for (int n = 0; n < spans[p][2]; n++)
+                for (int m = 0; m < spans[p][1]; m++) {
+                    const int q = b[spans[p][0] + m] * pow3[n] & 255;
+                    codes[at++] = (int8_t)((q * 3 >> 8) - 1);
+                }
+        *d = f16_at(b + 52), *unit_of_d = 1.0f;
+        for (int g = 0; g < 16; g++) sc[g] = 1;
+        return 0;
+    }
+    case T_TQ2_0: /* qs[64] d: element 128 h + 32 l + m in bits 2 l of byte 32 h + m */
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 4; l++)
+                for (int m = 0; m < 32; m++)
+                    codes[128 * h + 32 * l + m] = (int8_t)((b[32 * h + m] >> 2 * l & 3) - 1);
+        *d = f16_at(b + 64), *unit_of_d = 1.0f;
+        for (int g = 0; g < 16; g++) sc[g] = 1;
+        return 0;
+    }
+    return -1;
+}
+
+static int block_bytes(int type) {
+    switch (type) {
+    case T_IQ2_XXS: return 66;
+    case T_IQ2_XS: return 74;
+    case T_IQ2_S: return 82;
+    case T_IQ3_XXS: return 98;
+    case T_IQ3_S: return 110;
+    case T_IQ1_S: return 50;
+    case T_IQ1_M: return 56;
+    case T_TQ1_0: return 54;
+    case T_TQ2_0: return 66;
+    }
+    return 0;
+}
+
+/* n GGUF blocks of `type` -> n X4 blocks at out. grid: the type's grid (int8 rows of 8 or 4),
+ * index[c + 128]: the level index of code c (16: none), levels: the 16 level bytes. Returns 0;
+ * -1 (an unknown type), -2 (a block with a non-finite d), -3 (a code the levels lack). */
+int qlib_x4_from_blocks(int type, const uint8_t *blocks, int64_t n, const int8_t *grid,
+                        const uint8_t *index, const uint8_t *levels, uint8_t *out) {
+    const int size = block_bytes(type);
+    if (!size) return -1;
+    int status = 0;
+#pragma omp parallel for schedule(static) reduction(min : status)
+    for (int64_t i = 0; i < n; i++) {
+        _Alignas(64) int8_t codes[256];
+        int sc[16];
+        float d, unit_of_d;
+        uint8_t *o = out + i * X4_BYTES;
+        decode(type, blocks + i * size, grid, codes, sc, &d, &unit_of_d);
+        if (!isfinite(d)) {
+            status = -2;
+            continue;
+        }
+        const float unit = d * unit_of_d; /* exact: a power of 2 (or 1) times an f16 */
+        int bad = 0;
+        for (int c = 0; c < 4; c++)
+            for (int j = 0; j < 32; j++) {
+                const uint8_t lo = index[codes[64 * c + j] + 128], hi = index[codes[64 * c + 32 + j] + 128];
+                bad |= lo > 15 || hi > 15;
+                o[32 * c + j] = (uint8_t)(lo | hi << 4);
+            }
+        if (bad) {
+            status = -3;
+            continue;
+        }
+        memcpy(o + 128, levels, 16);
+        for (int g = 0; g < 16; g++) o[144 + g] = (uint8_t)(int8_t)(unit == 0.0f ? 0 : sc[g]);
+        memcpy(o + 160, &unit, 4);
+    }
+    return status;
+}
