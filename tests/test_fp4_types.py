@@ -132,6 +132,38 @@ def test_nvfp4_as_x4_blocks_and_bf16_rows():
     assert torch.equal(qmatmul(a, w), want)
 
 
+@pytest.mark.skipif(not cpu.available(), reason="needs the C kernels")
+def test_load_conversions_in_c_equal_torchs():
+    """The load's conversions in C (``cpu/gridx4.c``) give torch's bytes: MXFP4 -> Q5_0 and
+    Q1_0 -> Q4_0 (``fp4.as_legacy``; a zero block, and an MXFP4 scale f16 lacks: refused by
+    both), NVFP4 -> X4 (``gridquants.as_x4``; scales too far apart: refused by both)."""
+    from qlib.quants.cpu import ops
+    from qlib.quants.fp4 import as_legacy
+    from qlib.quants.gridquants import as_x4, x4_tables
+
+    for t, size in (("MXFP4", 22), ("Q1_0", 18)):
+        blocks = torch.from_numpy(quantize(_rows(k=1024), t)).reshape(-1, 17 if t == "MXFP4"
+                                                                       else 18)  # fmt: skip
+        out = torch.empty((blocks.shape[0] * (4 if t == "Q1_0" else 1), size), dtype=torch.uint8)
+        assert ops.legacy_from_blocks(t, blocks, out)
+        assert torch.equal(out.reshape(blocks.shape[0], -1), as_legacy(blocks, t))
+    far = torch.from_numpy(quantize(_rows(scale=2.0**22), "MXFP4")).reshape(-1, 17)
+    assert as_legacy(far, "MXFP4") is None
+    assert not ops.legacy_from_blocks(
+        "MXFP4", far, torch.empty((far.shape[0], 22), dtype=torch.uint8)
+    )
+    x = _rows(k=1024)
+    for case in ("fit", "apart"):
+        if case == "apart":
+            x[5, 256:272] *= 100
+        blocks = torch.from_numpy(quantize(x, "NVFP4")).reshape(-1, 36)
+        out = torch.empty((blocks.shape[0] // 4, 164), dtype=torch.uint8)
+        done = ops.x4_from_blocks("NVFP4", blocks, *x4_tables("NVFP4"), out)
+        ref = as_x4(blocks, "NVFP4")
+        assert done == (case == "fit") == (ref is not None)
+        assert not done or torch.equal(out, ref)
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("fp4")

@@ -1,7 +1,8 @@
-/* qlib CPU load: the grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) and
- * the ternary types (TQ1_0, TQ2_0) as qlib's X4 blocks, the bytes gridquants.as_x4 makes in
- * torch (the kernels' form of these types, kquants.c), one block at a time over the threads:
- * the torch expansion took 6-7 s for a 1B-shape file (docs/performance.md).
+/* qlib CPU load: the grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), the
+ * ternary types (TQ1_0, TQ2_0) and NVFP4 as qlib's X4 blocks, the bytes gridquants.as_x4 makes
+ * in torch (the kernels' form of these types, kquants.c), and MXFP4 / Q1_0 as the Q5_0 / Q4_0
+ * blocks of fp4.as_legacy, one block at a time over the threads: the torch conversions took
+ * 5-9 s for a 1B-shape file (docs/performance.md).
  *
  * Each decoder follows ggml's dequantize_row_* (ggml-quants.c) as gridquants.py transcribes
  * it: a block's 256 integer codes (grid values with their signs; IQ1: 8 g +- 1; ternary:
@@ -18,8 +19,10 @@
 
 enum {
     T_IQ2_XXS = 16, T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ1_S = 19, T_IQ3_S = 21, T_IQ2_S = 22,
-    T_IQ1_M = 29, T_TQ1_0 = 34, T_TQ2_0 = 35,
+    T_IQ1_M = 29, T_TQ1_0 = 34, T_TQ2_0 = 35, T_MXFP4 = 39, T_NVFP4 = 40, T_Q1_0 = 41,
 };
+/* ggml's kvalues_mxfp4: E2M1 values doubled (MXFP4, NVFP4) */
+static const int8_t KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 enum { X4_BYTES = 164 };
 
 static inline float f16_at(const uint8_t *p) {
@@ -162,6 +165,43 @@ static int decode(int type, const uint8_t *b, const int8_t *grid, int8_t *codes,
     return -1;
 }
 
+/* ggml's ggml_ue4m3_to_fp32: an unsigned E4M3 scale, halved (0 for 0 and 0x7F) */
+static inline float ue4m3(uint8_t x) {
+    if (x == 0 || x == 0x7F) return 0.0f;
+    const int exp = x >> 3 & 0xF, man = x & 7;
+    const float raw = exp == 0 ? ldexpf((float)man, -9) : ldexpf(1.0f + (float)man / 8.0f, exp - 7);
+    return raw * 0.5f;
+}
+
+/* Four NVFP4 blocks (64 weights each) -> codes[256] and sc[16] as whole multiples of *unit, the
+ * finest power of two of their 16 scales (4 significant bits each: s = N 2^e, N < 16); -1
+ * where a scale is not such a multiple <= 127 (scales more than 2^3 apart). */
+static int decode_nvfp4(const uint8_t *b, int8_t *codes, int *sc, float *unit) {
+    float s[16];
+    int emin = 1 << 20;
+    for (int blk = 0; blk < 4; blk++)
+        for (int g = 0; g < 4; g++) {
+            const uint8_t *x = b + 36 * blk;
+            s[4 * blk + g] = ue4m3(x[g]);
+            for (int j = 0; j < 8; j++) {
+                codes[64 * blk + 16 * g + j] = KVALUES_MXFP4[x[4 + 8 * g + j] & 15];
+                codes[64 * blk + 16 * g + 8 + j] = KVALUES_MXFP4[x[4 + 8 * g + j] >> 4];
+            }
+            if (s[4 * blk + g] > 0.0f) {
+                int e;
+                frexpf(s[4 * blk + g], &e);
+                if (e - 4 < emin) emin = e - 4;
+            }
+        }
+    *unit = ldexpf(1.0f, emin == 1 << 20 ? 0 : emin);
+    for (int g = 0; g < 16; g++) {
+        const float q = s[g] / *unit;
+        if (q != rintf(q) || q > 127.0f || *unit * q != s[g]) return -1;
+        sc[g] = (int)q;
+    }
+    return 0;
+}
+
 static int block_bytes(int type) {
     switch (type) {
     case T_IQ2_XXS: return 66;
@@ -177,40 +217,99 @@ static int block_bytes(int type) {
     return 0;
 }
 
+/* X4 bytes of one super-block's codes, scales (whole multiples of unit) and levels; 0, or -3
+ * for a code the levels lack */
+static int emit_x4(const int8_t *codes, const int *sc, float unit, const uint8_t *index,
+                   const uint8_t *levels, uint8_t *o) {
+    int bad = 0;
+    for (int c = 0; c < 4; c++)
+        for (int j = 0; j < 32; j++) {
+            const uint8_t lo = index[codes[64 * c + j] + 128], hi = index[codes[64 * c + 32 + j] + 128];
+            bad |= lo > 15 || hi > 15;
+            o[32 * c + j] = (uint8_t)(lo | hi << 4);
+        }
+    if (bad) return -3;
+    memcpy(o + 128, levels, 16);
+    for (int g = 0; g < 16; g++) o[144 + g] = (uint8_t)(int8_t)(unit == 0.0f ? 0 : sc[g]);
+    memcpy(o + 160, &unit, 4);
+    return 0;
+}
+
 /* n GGUF blocks of `type` -> n X4 blocks at out. grid: the type's grid (int8 rows of 8 or 4),
  * index[c + 128]: the level index of code c (16: none), levels: the 16 level bytes. Returns 0;
  * -1 (an unknown type), -2 (a block with a non-finite d), -3 (a code the levels lack). */
 int qlib_x4_from_blocks(int type, const uint8_t *blocks, int64_t n, const int8_t *grid,
                         const uint8_t *index, const uint8_t *levels, uint8_t *out) {
-    const int size = block_bytes(type);
+    const int size = type == T_NVFP4 ? 4 * 36 : block_bytes(type); /* NVFP4: 4 blocks a 256 */
     if (!size) return -1;
     int status = 0;
 #pragma omp parallel for schedule(static) reduction(min : status)
     for (int64_t i = 0; i < n; i++) {
         _Alignas(64) int8_t codes[256];
         int sc[16];
-        float d, unit_of_d;
-        uint8_t *o = out + i * X4_BYTES;
-        decode(type, blocks + i * size, grid, codes, sc, &d, &unit_of_d);
-        if (!isfinite(d)) {
-            status = -2;
-            continue;
-        }
-        const float unit = d * unit_of_d; /* exact: a power of 2 (or 1) times an f16 */
-        int bad = 0;
-        for (int c = 0; c < 4; c++)
-            for (int j = 0; j < 32; j++) {
-                const uint8_t lo = index[codes[64 * c + j] + 128], hi = index[codes[64 * c + 32 + j] + 128];
-                bad |= lo > 15 || hi > 15;
-                o[32 * c + j] = (uint8_t)(lo | hi << 4);
+        float unit;
+        if (type == T_NVFP4) {
+            if (decode_nvfp4(blocks + i * size, codes, sc, &unit)) {
+                status = -4;
+                continue;
             }
-        if (bad) {
-            status = -3;
-            continue;
+        } else {
+            float d, unit_of_d;
+            decode(type, blocks + i * size, grid, codes, sc, &d, &unit_of_d);
+            if (!isfinite(d)) {
+                status = -2;
+                continue;
+            }
+            unit = d * unit_of_d; /* exact: a power of 2 (or 1) times an f16 */
         }
-        memcpy(o + 128, levels, 16);
-        for (int g = 0; g < 16; g++) o[144 + g] = (uint8_t)(int8_t)(unit == 0.0f ? 0 : sc[g]);
-        memcpy(o + 160, &unit, 4);
+        const int bad = emit_x4(codes, sc, unit, index, levels, out + i * X4_BYTES);
+        if (bad) status = bad;
+    }
+    return status;
+}
+
+/* n MXFP4 blocks (32 weights) -> n Q5_0 blocks (d:f16 qh[4] qs[16]: code + 16), or n Q1_0
+ * blocks (128 weights) -> 4n Q4_0 blocks (d:f16 qs[16]: code + 8), of the same values (a
+ * block of zeros takes d = 0). Returns 0, -1 (another type), -2 (an MXFP4 scale that f16 does
+ * not hold under codes that are not all zero). */
+int qlib_legacy_from_blocks(int type, const uint8_t *blocks, int64_t n, uint8_t *out) {
+    if (type != T_MXFP4 && type != T_Q1_0) return -1;
+    int status = 0;
+#pragma omp parallel for schedule(static) reduction(min : status)
+    for (int64_t i = 0; i < n; i++) {
+        if (type == T_MXFP4) {
+            const uint8_t *x = blocks + i * 17;
+            uint8_t *o = out + i * 22;
+            const uint32_t e = x[0];
+            const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23; /* 2^(e - 128) */
+            float d;
+            memcpy(&d, &bits, 4);
+            uint32_t qh = 0, any = 0;
+            for (int j = 0; j < 16; j++) {
+                const int lo = KVALUES_MXFP4[x[1 + j] & 15] + 16, hi = KVALUES_MXFP4[x[1 + j] >> 4] + 16;
+                o[6 + j] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+                qh |= (uint32_t)(lo >> 4) << j | (uint32_t)(hi >> 4) << (j + 16);
+                any |= (uint32_t)(lo != 16) | (uint32_t)(hi != 16);
+            }
+            if (!any) d = 0.0f;
+            const uint16_t h = _cvtss_sh(d, 0);
+            if (_cvtsh_ss(h) != d) status = -2;
+            memcpy(o, &h, 2);
+            memcpy(o + 2, &qh, 4);
+        } else {
+            const uint8_t *x = blocks + i * 18;
+            for (int s = 0; s < 4; s++) {
+                uint8_t *o = out + (4 * i + s) * 18;
+                for (int j = 0; j < 16; j++) {
+                    const int e0 = 32 * s + j, e1 = e0 + 16; /* +-1 -> 9 or 7 */
+                    const int lo = (x[2 + e0 / 8] >> e0 % 8 & 1) ? 9 : 7;
+                    const int hi = (x[2 + e1 / 8] >> e1 % 8 & 1) ? 9 : 7;
+                    o[2 + j] = (uint8_t)(lo | hi << 4);
+                }
+                memcpy(o, x, 2); /* the same f16 d (no code of Q1_0 is zero) */
+            }
+            if (isnan(_cvtsh_ss((uint16_t)(x[0] | x[1] << 8)))) status = -2; /* (as torch's) */
+        }
     }
     return status;
 }

@@ -74,6 +74,7 @@ _SIGNATURES = {
     "qlib_kpanel_set_prefetch": ([_i], None),
     "qlib_kpanel_put": ([_i, _p, _i, _i, _p, _i], _i),
     "qlib_x4_from_blocks": ([_i, _p, ctypes.c_int64, _p, _p, _p, _p], _i),
+    "qlib_legacy_from_blocks": ([_i, _p, ctypes.c_int64, _p], _i),
     "qlib_kpanel_get": ([_i, _p, _i, _i, _p, _i, _p], _i),
     "qlib_dequant_rows": ([_i, _p, _i, _i, _p, _i, _p], _i),
     "qlib_attn_set_two_pass": ([_i], None),
@@ -434,20 +435,22 @@ def kpanels_put(type_name: str, blocks: torch.Tensor, k: int, panels: torch.Tens
 
 def x4_from_blocks(type_name: str, blocks: torch.Tensor, grid: torch.Tensor,
                    index: torch.Tensor, levels: torch.Tensor,
-                   out: torch.Tensor) -> None:  # fmt: skip
-    """GGUF blocks of a grid i-quant or ternary type (uint8 ``[n, block bytes]``) -> X4 blocks
-    (``out``, uint8 ``[n, 164]``), as ``gridquants.as_x4`` makes them (``gridx4.c``): ``grid``
-    the type's grid (int8 rows; any int8 tensor for the ternary types), ``index[c + 128]`` the
-    level index of code ``c`` (16: none) and ``levels`` the 16 level bytes (uint8). A
-    ``ValueError`` for a block with a non-finite d or a code outside the levels."""
+                   out: torch.Tensor) -> bool:  # fmt: skip
+    """GGUF blocks of a grid i-quant, ternary type or NVFP4 (uint8 ``[n, block bytes]``) -> X4
+    blocks (``out``, uint8 ``[n / per, 164]``, ``per`` GGUF blocks a 256 weights), as
+    ``gridquants.as_x4`` makes them (``gridx4.c``): ``grid`` the type's grid (int8 rows; any
+    int8 tensor for the others), ``index[c + 128]`` the level index of code ``c`` (16: none)
+    and ``levels`` the 16 level bytes (uint8). False, for NVFP4 scales that no one unit holds
+    (the caller takes another form); a ``ValueError`` for a block with a non-finite d or a
+    code outside the levels."""
     t = ggml_type(type_name)
-    _check(blocks, torch.uint8, "blocks")
-    _check(grid, torch.int8, "grid")
-    _check(index, torch.uint8, "index")
-    _check(levels, torch.uint8, "levels")
-    _check(out, torch.uint8, "out")
-    n = blocks.numel() // t.type_size
-    if blocks.numel() != n * t.type_size or out.numel() != n * BLOCKS["X4"][1]:
+    for name, tensor, dtype in (("blocks", blocks, torch.uint8), ("grid", grid, torch.int8),
+                                ("index", index, torch.uint8), ("levels", levels, torch.uint8),
+                                ("out", out, torch.uint8)):  # fmt: skip
+        _check(tensor, dtype, name)
+    size = t.type_size * 256 // t.block_size
+    n = blocks.numel() // size
+    if blocks.numel() != n * size or out.numel() != n * BLOCKS["X4"][1]:
         raise ValueError(f"x4_from_blocks: {blocks.numel()} bytes of {t.name} blocks for "
                          f"{out.numel()} bytes of X4 blocks")  # fmt: skip
     if index.numel() != 256 or levels.numel() != 16:
@@ -457,9 +460,28 @@ def x4_from_blocks(type_name: str, blocks: torch.Tensor, grid: torch.Tensor,
                                         out.data_ptr())  # fmt: skip
     if status == -1:
         raise ValueError(f"x4_from_blocks: no X4 decoder for {t.name}")
+    if status == -4:
+        return False
     if status:
         raise ValueError(f"{t.name} blocks with a scale that is no whole multiple of their d "
                          "(a non-finite or corrupt d)")  # fmt: skip
+    return True
+
+
+def legacy_from_blocks(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bool:
+    """MXFP4 blocks -> Q5_0 blocks, Q1_0 blocks -> Q4_0 blocks (four a block) of the same values,
+    as ``fp4.as_legacy`` makes them (``gridx4.c``); ``out`` uint8 ``[n x 32-weight blocks, 22 or
+    18]``. False where a scale has no f16 (the caller takes another form)."""
+    t = ggml_type(type_name)
+    _check(blocks, torch.uint8, "blocks")
+    _check(out, torch.uint8, "out")
+    n = blocks.numel() // t.type_size
+    per = t.block_size // 32
+    legacy = {"MXFP4": 22, "Q1_0": 18}.get(t.name)
+    if legacy is None or blocks.numel() != n * t.type_size or out.numel() != n * per * legacy:
+        raise ValueError(f"legacy_from_blocks: {blocks.numel()} bytes of {t.name} blocks for "
+                         f"{out.numel()} bytes")  # fmt: skip
+    return _lib().qlib_legacy_from_blocks(t.id, blocks.data_ptr(), n, out.data_ptr()) == 0
 
 
 def kpanels_get(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
