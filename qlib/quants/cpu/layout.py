@@ -38,15 +38,16 @@ BLOCKS = {"Q2_K": (256, 84), "Q3_K": (256, 110),
 # the GGUF types ``pack`` expands into X4 blocks (``gridquants.as_x4``): the grid i-quants, the
 # ternary types and NVFP4 (bf16 rows where its scales do not fit one X4 block's unit)
 X4_TYPES = (*X4_UNIT, "NVFP4")
-# the GGUF types ``pack`` runs as legacy planes or panels of the same values (``forms.kernel_form``:
+# the GGUF types ``pack`` runs as legacy planes or panels of the same values (``packing._legacy``:
 # MXFP4 as Q5_0, Q1_0 as Q4_0; bf16 rows where an MXFP4 scale leaves f16's range)
 LEGACY_TYPES = ("MXFP4", "Q1_0")
-# the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants, IQ4_XS, X4: super-blocks of 256)
+# the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants, IQ4_XS, X4: super-blocks of 256;
+# NVFP4 rows of 64s that are no whole super-blocks go as bf16 rows)
 ROW_MULTIPLE = (
     {t: 256 if BLOCKS.get(t, (1,))[0] == 256 else 64 for t in (*TYPE_CODES, *BLOCK_CODES)}
     | dict.fromkeys(X4_TYPES, 256)
     | {"MXFP4": 64, "Q1_0": 128, "NVFP4": 64}
-)  # fmt: skip (NVFP4: bf16 rows, k % 256)
+)
 # Q4_0 / Q4_1 / Q8_0 as 16-row panels: kernels.c's type code | PANELS; per 16 rows and block
 # of 32 a record of PANEL_RECORD bytes (codes: Q4_* 256, Q8_0 512; then 16 f16 d, Q4_1: 16 f16 m)
 PANELS = 64

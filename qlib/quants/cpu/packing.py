@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -42,12 +43,15 @@ from .layout import (
 )
 from .memory import weights_copy, weights_empty
 
+Q = TypeVar("Q")  # a QTensor (qtensor imports this module)
+
 
 def supports(type_name: str, k: int) -> bool:
     """Whether the C kernels handle a weight of this type and row length (``kernels.c``:
-    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (panels, else Q8_0 planes), k % 64 == 0;
-    ``kquants.c``: Q2_K..Q6_K, IQ4_XS, k % 256 == 0, and as X4 blocks the grid i-quants and
-    the ternary types; ``floats.c``: F32, F16, BF16, k % 64)."""
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (panels, else Q8_0 planes), k % 64 == 0, and as their
+    blocks MXFP4 (Q5_0) and Q1_0 (Q4_0, k % 128); ``kquants.c``: Q2_K..Q6_K, IQ4_XS, k % 256 ==
+    0, and as X4 blocks the grid i-quants, the ternary types and NVFP4 (bf16 rows where k % 256
+    or its scales do not allow); ``floats.c``: F32, F16, BF16, k % 64)."""
     multiple = ROW_MULTIPLE.get(type_name)
     return multiple is not None and k % multiple == 0 and build.available()
 
@@ -205,7 +209,7 @@ def _x4(data: torch.Tensor, type_name: str, release) -> torch.Tensor | None:
     return out.reshape(-1)
 
 
-def _legacy(q) -> object | None:
+def _legacy(q: Q) -> Q | None:
     """MXFP4 / Q1_0 QTensor ``q``'s values as its ``LEGACY_FORM`` type (Q5_0 / Q4_0; in C,
     ``gridx4.c``, else ``fp4.as_legacy``), or None where an MXFP4 scale has no f16."""
     t = q.dtype
