@@ -240,3 +240,61 @@ def greedy(model, prompt: list[int], n: int = 32) -> list[int]:
         out.append(int(logits[0].argmax()))
         logits = model.forward(torch.tensor([[out[-1]]]), pos)
     return out
+
+
+def write_tiny_moe(
+    path: str | Path,
+    *,
+    n_expert: int = 4,
+    n_expert_used: int = 2,
+    stacked: bool = True,
+    weight_type: str = "F32",
+    seed: int = 0,
+    extra_metadata: dict[str, Any] | None = None,
+    **sizes: int,
+) -> tuple[Path, dict[str, np.ndarray]]:
+    """A small random Mixtral-style llama (``llama.expert_count`` experts, ``n_expert_used``
+    a token) written to ``path``: the router ``ffn_gate_inp`` (F32, as llama.cpp keeps it; its
+    rows scaled up so that the routing has spread) and each layer's experts as llama.cpp's
+    stacked ``ffn_*_exps`` (``stacked``) or one tensor an expert (``ffn_gate.{i}``, the older
+    files candle reads). Returns the path and the float32 values it holds."""
+    sizes = dict(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, n_ff=64, vocab=256) | sizes
+    floats = tiny_llama_float_weights(**sizes, seed=seed, tie_output=False)
+    rng = np.random.default_rng(seed + 1)
+    e, ff = sizes["n_embd"], sizes["n_ff"]
+    for i in range(sizes["n_layer"]):
+        p = f"blk.{i}."
+        for n in ("ffn_gate", "ffn_up", "ffn_down"):
+            del floats[f"{p}{n}.weight"]
+        floats[f"{p}ffn_gate_inp.weight"] = (rng.standard_normal((n_expert, e)) * 4 / np.sqrt(e)
+                                             ).astype(np.float32)  # fmt: skip
+        experts = {
+            "gate": rng.standard_normal((n_expert, ff, e)) / np.sqrt(e),
+            "up": rng.standard_normal((n_expert, ff, e)) / np.sqrt(e),
+            "down": rng.standard_normal((n_expert, e, ff)) / np.sqrt(ff),
+        }
+        for n, w in experts.items():
+            w = w.astype(np.float32)
+            if stacked:
+                floats[f"{p}ffn_{n}_exps.weight"] = w
+            else:
+                for x in range(n_expert):
+                    floats[f"{p}ffn_{n}.{x}.weight"] = w[x]
+    tensors, held = {}, {}
+    for name, w in floats.items():
+        wt = "F32" if "gate_inp" in name else weight_type
+        if w.ndim == 3:  # a stacked tensor: its rows encoded as one matrix
+            q, v = _encode(name, w.reshape(-1, w.shape[-1]), wt)
+            tensors[name] = q.reshape(w.shape) if isinstance(q, np.ndarray) else \
+                type(q)(q.data, w.shape, q.dtype)  # fmt: skip
+            held[name] = v.reshape(w.shape)
+        else:
+            tensors[name], held[name] = _encode(name, w, wt)
+    metadata = tiny_llama_metadata(**{k: v for k, v in sizes.items() if k != "vocab"})
+    metadata["llama.expert_count"] = Typed(U32, n_expert)
+    metadata["llama.expert_used_count"] = Typed(U32, n_expert_used)
+    metadata.update(extra_metadata or {})
+    path = Path(path)
+    with open(path, "wb") as f:
+        write(f, metadata, tensors)
+    return path, held

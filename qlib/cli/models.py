@@ -72,6 +72,9 @@ def _info(a: argparse.Namespace) -> int:
         print(f"{path}\n  {c.architecture}: {c.block_count} layers, hidden {c.embedding_length}, "
               f"{c.head_count} query / {c.head_count_kv} KV heads (head_dim {c.head_dim}), "
               f"vocabulary {summary['vocab']}, context {summary['context']}")  # fmt: skip
+        if c.expert_count > 1:
+            print(f"  mixture of experts: {c.expert_count} experts a layer, "
+                  f"{c.expert_used_count} used a token (the faithful engine runs it)")  # fmt: skip
         if len(summary["shards"]) > 1:
             print(f"  split model: {len(summary['shards'])} shards, "
                   f"{', '.join(p.name for p in summary['shards'])}")  # fmt: skip

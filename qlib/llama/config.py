@@ -40,6 +40,8 @@ class LlamaConfig:
     rope_is_neox: bool
     rope_scaling: str = "none"  # llama.rope.scaling.type: none, linear, yarn, longrope, ...
     rope_scaling_factor: float = 1.0  # llama.rope.scaling.factor (linear: positions / factor)
+    expert_count: int = 0  # llama.expert_count: > 1, a mixture of experts (Mixtral-style)
+    expert_used_count: int = 0  # llama.expert_used_count: the experts each token runs
 
     @property
     def head_dim(self) -> int:
@@ -111,6 +113,13 @@ class LlamaConfig:
             factor = md_float("llama.rope.scale_linear", metadata["llama.rope.scale_linear"])
         if factor <= 0:
             raise ModelFileError(f"metadata key {factor_key} = {factor} must be > 0")
+        n_expert = md_int("llama.expert_count", 0) if "llama.expert_count" in metadata else 0
+        n_used = 0
+        if n_expert > 1:
+            n_used = md_int("llama.expert_used_count", 1)
+            if n_used > n_expert:
+                raise ModelFileError(f"llama.expert_used_count {n_used} exceeds llama.expert_count "
+                                     f"{n_expert}")  # fmt: skip
         return cls(
             head_count=head_count,
             head_count_kv=head_count_kv,
@@ -123,6 +132,8 @@ class LlamaConfig:
             rope_is_neox=arch in NEOX_ARCHITECTURES,
             rope_scaling=scaling,
             rope_scaling_factor=factor,
+            expert_count=n_expert,
+            expert_used_count=n_used,
         )
 
 
@@ -192,13 +203,36 @@ def check_tensors(content, config: LlamaConfig, form: str | None = None) -> int:
         expect(f"{p}.attn_k.weight", (kv, e), kv_why)
         expect(f"{p}.attn_v.weight", (kv, e), kv_why)
         expect(f"{p}.attn_output.weight", (e, e), f"embedding_length {e}")
-        gate = get(f"{p}.ffn_gate.weight", True)
-        if len(gate.shape) != 2 or gate.shape[1] != e:
-            raise _shape_error(f"{p}.ffn_gate.weight", gate, ("n_ff", e), f"embedding_length {e}")
-        n_ff = gate.shape[0]
-        expect(f"{p}.ffn_up.weight", (n_ff, e), f"n_ff {n_ff} from ffn_gate")
-        expect(f"{p}.ffn_down.weight", (e, n_ff), f"n_ff {n_ff} from ffn_gate")
+        if config.expert_count > 1:
+            n = config.expert_count
+            expect(f"{p}.ffn_gate_inp.weight", (n, e), f"expert_count {n}, embedding_length {e}")
+            for gate_name, up, down, lead in _expert_names(p, n, infos):
+                _check_ffn(gate_name, up, down, lead, e, get, expect)
+            continue
+        _check_ffn(f"{p}.ffn_gate.weight", f"{p}.ffn_up.weight", f"{p}.ffn_down.weight", (), e,
+                   get, expect)  # fmt: skip
     return vocab
+
+
+def _expert_names(p: str, n: int, infos) -> list[tuple[str, str, str, tuple]]:
+    """The (gate, up, down, leading dims) tensor names of layer ``p``'s experts: llama.cpp's
+    stacked ``ffn_*_exps`` (one 3-D tensor each, ``(n, ...)``), or the older files' one tensor
+    an expert (``ffn_gate.{i}``, as candle's quantized_llama reads them)."""
+    if f"{p}.ffn_gate_exps.weight" in infos:
+        return [(f"{p}.ffn_gate_exps.weight", f"{p}.ffn_up_exps.weight",
+                 f"{p}.ffn_down_exps.weight", (n,))]  # fmt: skip
+    return [(f"{p}.ffn_gate.{i}.weight", f"{p}.ffn_up.{i}.weight", f"{p}.ffn_down.{i}.weight", ())
+            for i in range(n)]  # fmt: skip
+
+
+def _check_ffn(gate_name: str, up: str, down: str, lead: tuple, e: int, get, expect) -> None:
+    """A SwiGLU MLP's three matrices (``lead``: their leading expert dimension, if stacked)."""
+    gate = get(gate_name, True)
+    if len(gate.shape) != len(lead) + 2 or gate.shape[: len(lead)] != lead or gate.shape[-1] != e:
+        raise _shape_error(gate_name, gate, (*lead, "n_ff", e), f"embedding_length {e}")
+    n_ff = gate.shape[-2]
+    expect(up, (*lead, n_ff, e), f"n_ff {n_ff} from {gate_name}")
+    expect(down, (*lead, e, n_ff), f"n_ff {n_ff} from {gate_name}")
 
 
 def precompute_freqs_cis(

@@ -249,8 +249,47 @@ class Mlp:
         return self.feed_forward_w2.forward(F.silu(w1) * w3)
 
 
+class MoE:
+    """candle's ``MlpOrMoe::MoE`` (a Mixtral-style llama: ``llama.expert_count`` > 1): per
+    token the router's softmax over the experts, the ``n_expert_used`` largest (the lower index
+    first on ties) weighted by their share of the chosen ones' sum, each expert's MLP run on
+    the tokens that chose it and added in, expert by expert."""
+
+    def __init__(self, gate_inp: QMatMul, experts: list[Mlp], n_expert_used: int):
+        self.feed_forward_gate_inp, self.experts = gate_inp, experts
+        self.n_expert_used = n_expert_used
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b_size, seq_len, hidden = x.shape
+        xs = x.reshape(-1, hidden)
+        routing = torch.softmax(self.feed_forward_gate_inp.forward(xs).float(), dim=-1)
+        order = torch.sort(routing, dim=-1, descending=True, stable=True).indices
+        chosen = order[:, : self.n_expert_used]
+        weights = routing.gather(1, chosen)
+        total = torch.zeros_like(weights[:, 0])
+        for j in range(self.n_expert_used):  # candle's running float32 sum, in choice order
+            total = total + weights[:, j]
+        weights = weights / total[:, None]
+        ys = torch.zeros_like(xs)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.nonzero(chosen == e, as_tuple=True)  # (rows in token order)
+            if rows.numel() == 0:
+                continue
+            out = expert.forward(xs.index_select(0, rows)) * weights[rows, slot][:, None]
+            ys = ys.index_add(0, rows, out.to(ys.dtype))
+        return ys.reshape(b_size, seq_len, hidden)
+
+
+def expert_matrices(q: QTensor) -> list[QTensor]:
+    """A stacked ``ffn_*_exps`` tensor (``(n_expert, rows, k)``) as one 2-D QTensor an expert
+    (views of its bytes)."""
+    n, rows, k = q.shape
+    data = q.data.reshape(n, -1)
+    return [QTensor(data[i], (rows, k), q.dtype) for i in range(n)]
+
+
 class LayerWeights:
-    """One transformer block: attention with its KV cache, and the MLP."""
+    """One transformer block: attention with its KV cache, and the MLP (or the experts)."""
 
     def __init__(
         self,
@@ -259,7 +298,7 @@ class LayerWeights:
         wv: QMatMul,
         wo: QMatMul,
         attention_norm: RmsNorm,
-        mlp: Mlp,
+        mlp: Mlp | MoE,
         ffn_norm: RmsNorm,
         config: LlamaConfig,
         cos: torch.Tensor,
@@ -425,6 +464,16 @@ class ModelWeights:
         def rms_norm(name: str) -> RmsNorm:
             return RmsNorm(tensor(name).dequantize(), config.rms_norm_eps)
 
+        def experts(p: str) -> list[Mlp]:
+            if f"{p}.ffn_gate_exps.weight" in content.tensor_infos:  # llama.cpp's stacked ones
+                gate, down, up = (expert_matrices(tensor(f"{p}.ffn_{n}_exps.weight"))
+                                  for n in ("gate", "down", "up"))  # fmt: skip
+                return [Mlp(QMatMul(g, form), QMatMul(d, form), QMatMul(u, form))
+                        for g, d, u in zip(gate, down, up, strict=True)]  # fmt: skip
+            return [Mlp(qmatmul(f"{p}.ffn_gate.{e}.weight"), qmatmul(f"{p}.ffn_down.{e}.weight"),
+                        qmatmul(f"{p}.ffn_up.{e}.weight"))
+                    for e in range(config.expert_count)]  # fmt: skip
+
         tok_embeddings_q = tensor("token_embd.weight")
         tok_embeddings = dequantize_rows(tok_embeddings_q)
         norm = rms_norm("output_norm.weight")
@@ -435,11 +484,14 @@ class ModelWeights:
         layers = []
         for i in progress.layers(range(config.block_count), config.block_count):
             p = f"blk.{i}"
-            mlp = Mlp(
-                qmatmul(f"{p}.ffn_gate.weight"),
-                qmatmul(f"{p}.ffn_down.weight"),
-                qmatmul(f"{p}.ffn_up.weight"),
-            )
+            if config.expert_count > 1:
+                mlp = MoE(qmatmul(f"{p}.ffn_gate_inp.weight"), experts(p), config.expert_used_count)
+            else:
+                mlp = Mlp(
+                    qmatmul(f"{p}.ffn_gate.weight"),
+                    qmatmul(f"{p}.ffn_down.weight"),
+                    qmatmul(f"{p}.ffn_up.weight"),
+                )
             layers.append(
                 LayerWeights(
                     qmatmul(f"{p}.attn_q.weight"),

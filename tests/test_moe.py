@@ -1,0 +1,120 @@
+"""Mixtral-style llama files (``llama.expert_count`` > 1): the faithful engine runs them as
+candle's quantized_llama (``faithful.MoE``), from llama.cpp's stacked ``ffn_*_exps`` tensors
+or the older one tensor an expert; the fast engines refuse them in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from synthetic import write_tiny_moe
+
+from qlib.gguf import Content, GGUFValueType, Typed, write_path
+from qlib.llama.engine import load
+from qlib.llama.errors import ModelError, ModelFileError
+from qlib.llama.faithful import MoE
+
+FOR_LLAMA_CPP = {"tokenizer.ggml.model": "none",
+                 "llama.vocab_size": Typed(GGUFValueType.UINT32, 256)}  # fmt: skip
+PROMPT = [[1, 5, 9, 200, 3, 77, 12]]
+
+
+class _Const:
+    """An 'expert' whose output is its index + 1 times the input's first feature."""
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(x, self.value) * x[:, :1]
+
+
+class _Router:
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logits
+
+
+def test_routing_takes_the_largest_and_normalizes_them():
+    """Two tokens, four experts, two used: the chosen experts' softmax weights over their
+    sum, the lower index first on a tie; every other expert left out (worked by hand)."""
+    logits = torch.tensor([[2.0, 0.0, 1.0, 2.0], [0.0, 3.0, 3.0, 3.0]])
+    moe = MoE(_Router(logits), [_Const(float(i + 1)) for i in range(4)], n_expert_used=2)
+    x = torch.ones(1, 2, 3)
+    y = moe.forward(x)[0, :, 0]
+    p = torch.softmax(logits, -1)
+    want0 = (p[0, 0] * 1 + p[0, 3] * 4) / (p[0, 0] + p[0, 3])  # experts 0 and 3 (tied at 2)
+    want1 = (p[1, 1] * 2 + p[1, 2] * 3) / (p[1, 1] + p[1, 2])  # experts 1 and 2 (of three tied)
+    assert torch.allclose(y, torch.stack([want0, want1]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "Q8_0"])
+def test_stacked_and_one_tensor_an_expert_give_the_same_logits(tmp_path, weight_type):
+    logits = []
+    for stacked in (True, False):
+        path, _ = write_tiny_moe(tmp_path / f"{stacked}.gguf", stacked=stacked,
+                                 weight_type=weight_type)  # fmt: skip
+        model, _ = load(path)
+        logits.append(model.forward(torch.tensor(PROMPT), 0))
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize(("weight_type", "form"), [("F32", "f32"), ("Q8_0", "quantized")])
+def test_logits_match_llama_cpp(tmp_path, weight_type, form):
+    """Against llama.cpp on the same file (stacked experts): each token alone at position 0
+    (measured <= 1.2e-6 of logits up to 3.7) and a whole prompt's last logits, then one
+    decode step (attention over the prompt too); 1e-4 of the logits' scale."""
+    pytest.importorskip("llama_cpp")
+    import test_position0 as pos0
+
+    path, _ = write_tiny_moe(tmp_path / "moe.gguf", weight_type=weight_type,
+                             extra_metadata=FOR_LLAMA_CPP)  # fmt: skip
+    tokens = range(0, 256, 8)
+    llm = pos0.llama_cpp_model(path)
+    try:
+        ref = pos0.llama_cpp_pos0(llm, tokens)
+        llm.reset()
+        llm.eval(PROMPT[0] + [44])
+        ref_prompt = np.array(llm.scores[len(PROMPT[0]) - 1])
+        ref_step = np.array(llm.scores[len(PROMPT[0])])
+    finally:
+        llm.close()
+    model, _ = load(path, form=form)
+    scale = np.abs(ref).max()
+    assert np.abs(pos0.qlib_pos0(model, tokens) - ref).max() <= 1e-4 * scale
+    with torch.inference_mode():
+        got = model.forward(torch.tensor(PROMPT), 0)[0].numpy()
+        step = model.forward(torch.tensor([[44]]), len(PROMPT[0]))[0].numpy()
+    assert np.abs(got - ref_prompt).max() <= 1e-4 * scale
+    assert np.abs(step - ref_step).max() <= 1e-4 * scale
+
+
+def test_the_fast_engines_refuse_them_in_one_line(tmp_path):
+    path, _ = write_tiny_moe(tmp_path / "moe.gguf")
+    with pytest.raises(ModelError, match=r"mixture of experts \(llama.expert_count = 4.*faithful"):
+        load(path, engine="fast")
+
+
+def test_a_missing_expert_or_a_wrong_router_is_named(tmp_path):
+    path, _ = write_tiny_moe(tmp_path / "moe.gguf", stacked=False)
+    with open(path, "rb") as f:  # the same file without one expert's gate
+        content = Content.read(f)
+        tensors = {n: content.tensor(f, n) for n in content.tensor_infos
+                   if n != "blk.1.ffn_gate.3.weight"}  # fmt: skip
+        write_path(tmp_path / "missing.gguf", content.metadata, tensors)
+    with pytest.raises(ModelFileError, match=r"cannot find tensor blk.1.ffn_gate.3.weight"):
+        load(tmp_path / "missing.gguf")
+    path, _ = write_tiny_moe(tmp_path / "moe3.gguf", n_expert=3, extra_metadata={
+        "llama.expert_count": Typed(GGUFValueType.UINT32, 4)})  # fmt: skip
+    with pytest.raises(ModelFileError, match=r"ffn_gate_inp.weight has shape \[3, 64\], "
+                                             r"expected \[4, 64\]"):  # fmt: skip
+        load(path)
+
+
+def test_more_experts_used_than_there_are_is_refused(tmp_path):
+    path, _ = write_tiny_moe(tmp_path / "moe.gguf", n_expert=2, n_expert_used=3)
+    with pytest.raises(ModelFileError, match="expert_used_count 3 exceeds llama.expert_count 2"):
+        load(path)
