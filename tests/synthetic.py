@@ -298,3 +298,49 @@ def write_tiny_moe(
     with open(path, "wb") as f:
         write(f, metadata, tensors)
     return path, held
+
+
+# the shapes of the tiny files of one weight type each (rows of 256: one super-block)
+TYPE_SIZES = dict(n_embd=256, n_head=4, n_kv_head=2, n_ff=512, vocab=256)
+
+
+def type_files(d: Path, types) -> dict[str, Path]:
+    """One tiny untied llama of ``TYPE_SIZES`` a weight type (a Q8_0 embedding), with the keys
+    llama.cpp needs to read a file without a tokenizer."""
+    extra = {"tokenizer.ggml.model": "none",
+             "llama.vocab_size": Typed(U32, TYPE_SIZES["vocab"])}  # fmt: skip
+    return {t: write_tiny_llama(d / f"{t}.gguf", weight_type=t, tie_output=False, **TYPE_SIZES,
+                                weight_types={"token_embd.weight": "Q8_0"},
+                                extra_metadata=extra)
+            for t in types}  # fmt: skip
+
+
+def first_logits(path: str | Path, **kw):
+    """The logits of a fixed 5-token prompt from ``load(path, "cpu", **kw)``."""
+    import torch
+
+    from qlib.llama.engine import load
+
+    model, _ = load(path, "cpu", **kw)
+    with torch.inference_mode():
+        return model.forward(torch.tensor([[1, 5, 9, 33, 7]]), 0)[0].float()
+
+
+def fused_cuda_gap(path: str | Path) -> float:
+    """The fast CUDA engine's fused kernels against the f32 form on the GPU, largest |logit
+    difference| over their scale: the prompt of ``first_logits``, then a step."""
+    import torch
+
+    from qlib.gguf import Content
+    from qlib.llama.faithful import ModelWeights
+    from qlib.llama.fast_cuda import CudaFastModel
+
+    with open(path, "rb") as f:
+        content = Content.read(f)
+        ref = ModelWeights.from_gguf(content, f, "cuda", form="f32")
+        fast = CudaFastModel.from_gguf(content, f, "cuda", decode="fused")
+    gap = 0.0
+    for pos, x in ((0, torch.tensor([[1, 5, 9, 33, 7]])), (5, torch.tensor([[44]]))):
+        want, got = ref.forward(x, pos)[0], fast.forward(x, pos)[0]
+        gap = max(gap, ((got - want).abs().max() / want.abs().max()).item())
+    return gap

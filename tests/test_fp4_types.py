@@ -15,9 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from synthetic import write_tiny_llama
+from synthetic import TYPE_SIZES, first_logits, fused_cuda_gap, type_files
 
-from qlib.gguf import GGUFValueType, Typed
 from qlib.llama.engine import load
 from qlib.quants import VEC_DOT_TYPE, cpu, dequantize, qmatmul, quantize
 from qlib.quants.cpu.matmul import prepare, qmatmul_prepared
@@ -25,7 +24,6 @@ from qlib.quants.forms import KERNEL_TYPE, kernel_form
 from qlib.quants.qtensor import QTensor
 
 TYPES = ["MXFP4", "NVFP4", "Q1_0"]
-SIZES = dict(n_embd=256, n_head=4, n_kv_head=2, n_ff=512, vocab=256)
 # The quantized form (Q8_0 activations) against the f32 form of the same file, largest |logit
 # diff| / largest |logit|: measured 0.004-0.024 over these types (the activations' 8-bit
 # rounding through two layers); 0.05 as for the grid types.
@@ -36,16 +34,6 @@ def _rows(scale: float = 0.02, rows: int = 8, k: int = 512, seed: int = 1) -> np
     x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32) * scale
     x[0, :40] = 0  # an all-zero block
     return x
-
-
-@pytest.fixture(scope="module")
-def ggml():
-    from quants_ggml import load as load_ggml
-
-    lib = load_ggml()
-    if lib is None:
-        pytest.skip("needs llama-cpp-python's ggml (peers extra)")
-    return lib
 
 
 @pytest.mark.peers
@@ -166,27 +154,7 @@ def test_load_conversions_in_c_equal_torchs():
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fp4")
-    return {
-        t: write_tiny_llama(
-            d / f"{t}.gguf",
-            weight_type=t,
-            tie_output=False,
-            **SIZES,
-            weight_types={"token_embd.weight": "Q8_0"},
-            extra_metadata={
-                "tokenizer.ggml.model": "none",  # for llama.cpp
-                "llama.vocab_size": Typed(GGUFValueType.UINT32, SIZES["vocab"]),
-            },
-        )  # fmt: skip
-        for t in TYPES
-    }
-
-
-def _logits(path, **kw) -> torch.Tensor:
-    model, _ = load(path, "cpu", **kw)
-    with torch.inference_mode():
-        return model.forward(torch.tensor([[1, 5, 9, 33, 7]]), 0)[0].float()
+    return type_files(tmp_path_factory.mktemp("fp4"), TYPES)
 
 
 @pytest.mark.parametrize("t", TYPES)
@@ -194,10 +162,10 @@ def test_every_cpu_engine_runs_them(files, t):
     """The faithful engine's f32 and quantized forms and the fast engine (Q5_0 / Q4_0
     kernels; NVFP4 as X4 blocks, Q8_K activations): within ``QUANTIZED_TOL`` of the f32
     form."""
-    f32 = _logits(files[t], form="f32")
+    f32 = first_logits(files[t], form="f32")
     scale = f32.abs().max()
     for kw in (dict(form="quantized"), dict(engine="fast")):
-        assert (_logits(files[t], **kw) - f32).abs().max() <= QUANTIZED_TOL * scale, kw
+        assert (first_logits(files[t], **kw) - f32).abs().max() <= QUANTIZED_TOL * scale, kw
 
 
 @pytest.mark.parametrize("t", TYPES)
@@ -217,14 +185,7 @@ def test_position0_matches_llama_cpp(files, t):
     pytest.importorskip("llama_cpp")
     import test_position0 as pos0
 
-    tokens = range(0, SIZES["vocab"], 4)
-    llm = pos0.llama_cpp_model(files[t])
-    try:
-        ref = pos0.llama_cpp_pos0(llm, tokens)
-    finally:
-        llm.close()
-    model, _ = load(files[t], "cpu", form="quantized")
-    d = np.abs(pos0.qlib_pos0(model, tokens) - ref).max(axis=1)
+    d = pos0.quantized_pos0_gap(files[t], range(0, TYPE_SIZES["vocab"], 4))
     assert (d <= pos0.FAITHFUL_TOL).mean() >= pos0.FAITHFUL_SHARE, (np.median(d), d.max())
 
 
@@ -232,18 +193,7 @@ def test_position0_matches_llama_cpp(files, t):
 @pytest.mark.parametrize("t", TYPES)
 def test_fast_cuda_fused_as_f32_form(files, t):
     """The fast CUDA engine's fused kernels (MXFP4 as Q5_0 blocks, Q1_0 as Q4_0, NVFP4 as
-    float32 weights) against the f32 form: 1e-4 of the logits' scale, as for the other types (the
-    persistent kernel, ``T_X8`` blocks: test_persistent_cuda's
+    float32 weights) against the f32 form: 1e-4 of the logits' scale, as for the other types
+    (the persistent kernel, ``T_X8`` blocks: test_persistent_cuda's
     ``test_kquants_and_mixes_decode_as_f32_form``)."""
-    from qlib.gguf import Content
-    from qlib.llama.faithful import ModelWeights
-    from qlib.llama.fast_cuda import CudaFastModel
-
-    with open(files[t], "rb") as f:
-        content = Content.read(f)
-        ref = ModelWeights.from_gguf(content, f, "cuda", form="f32")
-        fast = CudaFastModel.from_gguf(content, f, "cuda", decode="fused")
-    ids = torch.tensor([[1, 5, 9, 33, 7]])
-    for pos, x in ((0, ids), (5, torch.tensor([[44]]))):
-        want, got = ref.forward(x, pos)[0], fast.forward(x, pos)[0]
-        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert fused_cuda_gap(files[t]) <= 1e-4

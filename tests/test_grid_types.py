@@ -17,7 +17,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from synthetic import random_blocks, write_tiny_llama
+from synthetic import (
+    TYPE_SIZES,
+    first_logits,
+    fused_cuda_gap,
+    random_blocks,
+    type_files,
+    write_tiny_llama,
+)
 
 from qlib.gguf import GGUFValueType, Typed
 from qlib.llama.engine import load
@@ -28,7 +35,6 @@ from qlib.quants.gridquants import GRID_TYPES, Q6_K_FORM, TERNARY_TYPES
 from qlib.quants.qtensor import QTensor
 
 TYPES = [*GRID_TYPES, *TERNARY_TYPES]
-SIZES = dict(n_embd=256, n_head=4, n_kv_head=2, n_ff=512, vocab=256)  # rows of 256: one block
 # The quantized form (Q8_K activations) against the dequantized f32 form of the same file,
 # largest |logit diff| / largest |logit|: measured 0.001-0.024 over these types (the
 # activations' 8-bit rounding through two layers); 0.05 leaves room for the seeds' spread.
@@ -61,16 +67,6 @@ def test_random_blocks_have_the_weights_rms(t):
     assert abs(np.sqrt(np.mean(values**2)) / np.sqrt(np.mean(w**2)) - 1) < 1e-3  # f16 d
 
 
-@pytest.fixture(scope="module")
-def ggml():
-    from quants_ggml import load as load_ggml
-
-    lib = load_ggml()
-    if lib is None:
-        pytest.skip("needs llama-cpp-python's ggml (peers extra)")
-    return lib
-
-
 def _ggml_rows(ggml, t: str, rows: int = 8, k: int = 512, seed: int = 1) -> np.ndarray:
     x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32) * 0.02
     imatrix = np.ones(k, np.float32) if ggml.requires_imatrix(t) else None
@@ -99,23 +95,7 @@ def test_qmatmul_matches_ggml_vec_dot(ggml, t):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("grid")
-    return {
-        t: write_tiny_llama(
-            d / f"{t}.gguf",
-            weight_type=t,
-            tie_output=False,
-            **SIZES,
-            weight_types={"token_embd.weight": "Q8_0"},
-        )  # fmt: skip
-        for t in TYPES
-    }
-
-
-def _logits(path, **kw) -> torch.Tensor:
-    model, _ = load(path, "cpu", **kw)
-    with torch.inference_mode():
-        return model.forward(torch.tensor([[1, 5, 9, 33, 7]]), 0)[0].float()
+    return type_files(tmp_path_factory.mktemp("grid"), TYPES)
 
 
 @pytest.mark.parametrize("t", TYPES)
@@ -123,9 +103,9 @@ def test_every_cpu_engine_runs_them(files, t):
     """The faithful engine's f32 and quantized forms and the fast engine: the quantized
     form within ``QUANTIZED_TOL`` of the f32 form, the fast engine as the quantized form
     (the same Q8_K activations and integer group sums; float32 order apart)."""
-    f32 = _logits(files[t], form="f32")
-    quantized = _logits(files[t], form="quantized")
-    fast = _logits(files[t], engine="fast")
+    f32 = first_logits(files[t], form="f32")
+    quantized = first_logits(files[t], form="quantized")
+    fast = first_logits(files[t], engine="fast")
     scale = f32.abs().max()
     assert (quantized - f32).abs().max() <= QUANTIZED_TOL * scale
     assert (fast - quantized).abs().max() <= 1e-5 * scale
@@ -133,27 +113,15 @@ def test_every_cpu_engine_runs_them(files, t):
 
 @pytest.mark.peers
 @pytest.mark.parametrize("t", TYPES)
-def test_position0_matches_llama_cpp(tmp_path, t):
+def test_position0_matches_llama_cpp(files, t):
     """Each token alone at position 0 (nothing mixed by attention), faithful quantized form
     against llama.cpp: within 1e-5 on most tokens (measured 1e-6 at the median; 94-100% of
     the tokens, the rest an activation block's f16 scale one step apart, as
     test_position0.py explains), as on the other types."""
+    pytest.importorskip("llama_cpp")
     import test_position0 as pos0
 
-    path = write_tiny_llama(
-        tmp_path / f"{t}.gguf", weight_type=t, tie_output=False, **SIZES,
-        weight_types={"token_embd.weight": "Q8_0"},
-        extra_metadata={"tokenizer.ggml.model": "none",
-                        "llama.vocab_size": Typed(GGUFValueType.UINT32, SIZES["vocab"])},
-    )  # fmt: skip
-    tokens = range(0, SIZES["vocab"], 4)
-    llm = pos0.llama_cpp_model(path)
-    try:
-        ref = pos0.llama_cpp_pos0(llm, tokens)
-    finally:
-        llm.close()
-    model, _ = load(path, "cpu", form="quantized")
-    d = np.abs(pos0.qlib_pos0(model, tokens) - ref).max(axis=1)
+    d = pos0.quantized_pos0_gap(files[t], range(0, TYPE_SIZES["vocab"], 4))
     assert (d <= pos0.FAITHFUL_TOL).mean() >= pos0.FAITHFUL_SHARE, (np.median(d), d.max())
 
 
@@ -205,18 +173,7 @@ def test_fast_cuda_fused_as_f32_form(files, t):
     weights for the rest; exact values, float32 accumulation) against the f32 form: 1e-4 of
     the logits' scale, as for the other types (the persistent kernel: test_persistent_cuda's
     ``test_kquants_and_mixes_decode_as_f32_form``)."""
-    from qlib.gguf import Content
-    from qlib.llama.faithful import ModelWeights
-    from qlib.llama.fast_cuda import CudaFastModel
-
-    with open(files[t], "rb") as f:
-        content = Content.read(f)
-        ref = ModelWeights.from_gguf(content, f, "cuda", form="f32")
-        fast = CudaFastModel.from_gguf(content, f, "cuda", decode="fused")
-    ids = torch.tensor([[1, 5, 9, 33, 7]])
-    for pos, x in ((0, ids), (5, torch.tensor([[44]]))):
-        want, got = ref.forward(x, pos)[0], fast.forward(x, pos)[0]
-        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert fused_cuda_gap(files[t]) <= 1e-4
 
 
 needs_kernels = pytest.mark.skipif(not cpu.available(), reason="needs the C kernels")
@@ -283,8 +240,8 @@ def test_f32_form_matches_transformers_loading_the_gguf(tmp_path, t):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("gguf")
     path = write_tiny_llama(
-        tmp_path / f"{t}.gguf", weight_type=t, tie_output=False, **SIZES,
-        extra_metadata={"llama.vocab_size": Typed(GGUFValueType.UINT32, SIZES["vocab"])},
+        tmp_path / f"{t}.gguf", weight_type=t, tie_output=False, **TYPE_SIZES,
+        extra_metadata={"llama.vocab_size": Typed(GGUFValueType.UINT32, TYPE_SIZES["vocab"])},
     )  # fmt: skip
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=path.name, dtype=torch.float32

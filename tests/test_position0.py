@@ -91,6 +91,24 @@ def qlib_pos0(model, tokens) -> np.ndarray:
     return np.stack(out)
 
 
+def quantized_and_llama_cpp(path, tokens):
+    """(the faithful quantized form of the file at ``path``, llama.cpp's logits of each token
+    alone at position 0)."""
+    llm = llama_cpp_model(path)
+    try:
+        ref = llama_cpp_pos0(llm, tokens)
+    finally:
+        llm.close()
+    return load(path, "cpu", form="quantized")[0], ref
+
+
+def quantized_pos0_gap(path, tokens) -> np.ndarray:
+    """Per token (each alone at position 0), the largest |logit difference| of the faithful
+    quantized form from llama.cpp's on the file at ``path``."""
+    model, ref = quantized_and_llama_cpp(path, tokens)
+    return np.abs(qlib_pos0(model, tokens) - ref).max(axis=1)
+
+
 @pytest.fixture(scope="module", params=list(KINDS))
 def tiny(request, tmp_path_factory):
     """(kind, path, llama.cpp's position-0 logits of every token) of a synthetic file."""
@@ -155,12 +173,7 @@ def test_smollm2_im_start_at_position0():
     if GGML is None:
         pytest.skip("no libggml")
     tokens = [1, 9690, 198, 28]
-    llm = llama_cpp_model(path)
-    try:
-        ref = llama_cpp_pos0(llm, tokens)
-    finally:
-        llm.close()
-    model, _ = load(path, "cpu", form="quantized")
+    model, ref = quantized_and_llama_cpp(path, tokens)
     d = np.abs(qlib_pos0(model, tokens[:1]) - ref[:1]).max()
     # token 1: blk.0 attn_output's Q8_1 input, block 12 (and 14, 16: the GQA copies), has
     # llama.cpp's amax / 127 exactly on an f16 midpoint and qlib's 1 ulp below it; measured
