@@ -123,10 +123,11 @@ def test_more_experts_used_than_there_are_is_refused(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("form", ["f32", "quantized"])
 def test_the_faithful_engine_runs_them_on_cuda(tmp_path, form):
-    """The same engine on the GPU (torch ops; the quantized form's Triton kernels): the
-    CPU's logits to 1e-4 of their scale, a prompt and a decode step."""
+    """The same engine on the GPU (torch ops; the quantized form's Triton kernels, which
+    dequantize the weights exactly and keep the activations float32): the CPU's f32 form to
+    1e-4 of its logits' scale, a prompt and a decode step."""
     path, _ = write_tiny_moe(tmp_path / "moe.gguf", weight_type="Q8_0")
-    cpu_model, _ = load(path, form=form)
+    cpu_model, _ = load(path, form="f32")
     gpu_model, _ = load(path, "cuda", form=form)
     for ids, pos in ((torch.tensor(PROMPT), 0), (torch.tensor([[44]]), len(PROMPT[0]))):
         want = cpu_model.forward(ids, pos)

@@ -53,7 +53,7 @@ def bf16_form(q, chunk: int = 1 << 20):
     significant bits), about ``chunk`` weights at a time."""
     rows, k = int(q.shape[0]), int(q.shape[-1])
     blocks = q.data.reshape(rows, -1)
-    out = torch.empty((rows, k), dtype=torch.bfloat16)
+    out = torch.empty((rows, k), dtype=torch.bfloat16, device=blocks.device)
     step = max(1, chunk // k)
     for r in range(0, rows, step):
         part = blocks[r : r + step]

@@ -146,7 +146,8 @@ def as_legacy(blocks: torch.Tensor, type_name: str, chunk: int = 1 << 14) -> tor
     ``chunk`` blocks at a time (a 1B model's output matrix holds 100 M weights)."""
     five = LEGACY_FORM[type_name] == "Q5_0"
     per = FORMATS[type_name].block_size // 32  # legacy blocks a block
-    out = torch.empty((blocks.shape[0] * per, 22 if five else 18), dtype=torch.uint8)
+    out = torch.empty((blocks.shape[0] * per, 22 if five else 18), dtype=torch.uint8,
+                      device=blocks.device)  # fmt: skip
     for i in range(0, blocks.shape[0], chunk):
         codes, scale, _ = FORMATS[type_name].unpack(blocks[i : i + chunk])
         d = scale.repeat_interleave(per // scale.shape[1], dim=1).reshape(-1, 1)
@@ -159,6 +160,6 @@ def as_legacy(blocks: torch.Tensor, type_name: str, chunk: int = 1 << 14) -> tor
         dst[:, :2] = d16.view(torch.uint8)
         dst[:, -16:] = (q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)  # element j low, j + 16 high
         if five:  # qh: bit j of the little-endian word is element j's fifth bit
-            bits = (q >> 4).view(-1, 4, 8) << torch.arange(8, dtype=torch.uint8)
+            bits = (q >> 4).view(-1, 4, 8) << torch.arange(8, dtype=torch.uint8, device=q.device)
             dst[:, 2:6] = bits.sum(2, dtype=torch.uint8)
     return out.reshape(blocks.shape[0], -1)
