@@ -102,8 +102,8 @@ def from_gguf(
 
         check_options(ModelWeights.from_gguf, options, "the faithful engine")
         return ModelWeights.from_gguf(content, f, device, form=form, **options)
-    experts = content.get("llama.expert_count", 0)
-    if isinstance(experts, int) and experts > 1:
+    experts = LlamaConfig.from_metadata(content.metadata).expert_count
+    if experts > 1:
         raise ModelError(f"this file is a mixture of experts (llama.expert_count = {experts}, "
                          "Mixtral-style): the fast engines run dense llama models; the "
                          "faithful engine (engine faithful) runs it, as candle's "
