@@ -1,6 +1,7 @@
 """Mixtral-style llama files (``llama.expert_count`` > 1): the faithful engine runs them as
-candle's quantized_llama (``faithful.MoE``), from llama.cpp's stacked ``ffn_*_exps`` tensors
-or the older one tensor an expert; the fast engines refuse them in one line."""
+candle's quantized_llama (``faithful.MoE``, ``llama.moe``), from llama.cpp's stacked
+``ffn_*_exps`` tensors or the older one tensor an expert, and so does the fast CPU engine
+(its C matmuls, the routing in torch); the fast CUDA engine refuses them in one line."""
 
 from __future__ import annotations
 
@@ -62,8 +63,10 @@ def test_stacked_and_one_tensor_an_expert_give_the_same_logits(tmp_path, weight_
 
 
 @pytest.mark.peers
-@pytest.mark.parametrize(("weight_type", "form"), [("F32", "f32"), ("Q8_0", "quantized")])
-def test_logits_match_llama_cpp(tmp_path, weight_type, form):
+@pytest.mark.parametrize(("weight_type", "how"), [("F32", dict(form="f32")),
+                                                  ("Q8_0", dict(form="quantized")),
+                                                  ("Q8_0", dict(engine="fast"))])  # fmt: skip
+def test_logits_match_llama_cpp(tmp_path, weight_type, how):
     """Against llama.cpp on the same file (stacked experts): each token alone at position 0
     (measured <= 1.2e-6 of logits up to 3.7) and a whole prompt's last logits, then one
     decode step (attention over the prompt too); 1e-4 of the logits' scale."""
@@ -82,7 +85,7 @@ def test_logits_match_llama_cpp(tmp_path, weight_type, form):
         ref_step = np.array(llm.scores[len(PROMPT[0])])
     finally:
         llm.close()
-    model, _ = load(path, form=form)
+    model, _ = load(path, **how)
     scale = np.abs(ref).max()
     assert np.abs(pos0.qlib_pos0(model, tokens) - ref).max() <= 1e-4 * scale
     with torch.inference_mode():
@@ -92,10 +95,27 @@ def test_logits_match_llama_cpp(tmp_path, weight_type, form):
     assert np.abs(step - ref_step).max() <= 1e-4 * scale
 
 
-def test_the_fast_engines_refuse_them_in_one_line(tmp_path):
+@pytest.mark.parametrize("stacked", [True, False])
+def test_the_fast_cpu_engine_runs_them_as_the_quantized_form(tmp_path, stacked):
+    """The fast CPU engine (each expert's gate | up and down as C weights, ggml's semantics)
+    against the faithful quantized form: a prompt and a decode step within 1e-6 of the
+    logits' scale (measured 7e-8 to 2e-7: float32 order), and its greedy step."""
+    path, _ = write_tiny_moe(tmp_path / "moe.gguf", weight_type="Q8_0", stacked=stacked)
+    ref, _ = load(path, form="quantized")
+    fast, _ = load(path, engine="fast")
+    assert fast.moe
+    for ids, pos in ((torch.tensor(PROMPT), 0), (torch.tensor([[44]]), len(PROMPT[0]))):
+        want, got = ref.forward(ids, pos), fast.forward(ids, pos)
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+    step = ref.forward(torch.tensor([[3]]), len(PROMPT[0]) + 1)
+    assert fast.greedy_step(3, len(PROMPT[0]) + 1) == int(step.argmax())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_fast_cuda_engine_refuses_them_in_one_line(tmp_path):
     path, _ = write_tiny_moe(tmp_path / "moe.gguf")
     with pytest.raises(ModelError, match=r"mixture of experts \(llama.expert_count = 4.*faithful"):
-        load(path, engine="fast")
+        load(path, "cuda", engine="fast")
 
 
 def test_a_missing_expert_or_a_wrong_router_is_named(tmp_path):

@@ -68,6 +68,7 @@ from ..devices import DeviceLike, as_device
 from ..quants.api import dequantize_torch
 from ..quants.qtensor import FORMS, QMatMul, QTensor
 from ..spans import span
+from . import moe
 from .config import (
     MAX_SEQ_LEN,
     LlamaConfig,
@@ -250,10 +251,9 @@ class Mlp:
 
 
 class MoE:
-    """candle's ``MlpOrMoe::MoE`` (a Mixtral-style llama: ``llama.expert_count`` > 1): per
-    token the router's softmax over the experts, the ``n_expert_used`` largest (the lower index
-    first on ties) weighted by their share of the chosen ones' sum, each expert's MLP run on
-    the tokens that chose it and added in, expert by expert."""
+    """candle's ``MlpOrMoe::MoE`` (a Mixtral-style llama: ``llama.expert_count`` > 1): the
+    router's ``moe.route`` of each token, each expert's MLP run on the tokens that chose it
+    and added in, expert by expert (``moe.combine``)."""
 
     def __init__(self, gate_inp: QMatMul, experts: list[Mlp], n_expert_used: int):
         self.feed_forward_gate_inp, self.experts = gate_inp, experts
@@ -262,30 +262,9 @@ class MoE:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b_size, seq_len, hidden = x.shape
         xs = x.reshape(-1, hidden)
-        routing = torch.softmax(self.feed_forward_gate_inp.forward(xs).float(), dim=-1)
-        order = torch.sort(routing, dim=-1, descending=True, stable=True).indices
-        chosen = order[:, : self.n_expert_used]
-        weights = routing.gather(1, chosen)
-        total = torch.zeros_like(weights[:, 0])
-        for j in range(self.n_expert_used):  # candle's running float32 sum, in choice order
-            total = total + weights[:, j]
-        weights = weights / total[:, None]
-        ys = torch.zeros_like(xs)
-        for e, expert in enumerate(self.experts):
-            rows, slot = torch.nonzero(chosen == e, as_tuple=True)  # (rows in token order)
-            if rows.numel() == 0:
-                continue
-            out = expert.forward(xs.index_select(0, rows)) * weights[rows, slot][:, None]
-            ys = ys.index_add(0, rows, out.to(ys.dtype))
+        chosen, weights = moe.route(self.feed_forward_gate_inp.forward(xs), self.n_expert_used)
+        ys = moe.combine(xs, chosen, weights, [e.forward for e in self.experts])
         return ys.reshape(b_size, seq_len, hidden)
-
-
-def expert_matrices(q: QTensor) -> list[QTensor]:
-    """A stacked ``ffn_*_exps`` tensor (``(n_expert, rows, k)``) as one 2-D QTensor an expert
-    (views of its bytes)."""
-    n, rows, k = q.shape
-    data = q.data.reshape(n, -1)
-    return [QTensor(data[i], (rows, k), q.dtype) for i in range(n)]
 
 
 class LayerWeights:
@@ -466,7 +445,7 @@ class ModelWeights:
 
         def experts(p: str) -> list[Mlp]:
             if f"{p}.ffn_gate_exps.weight" in content.tensor_infos:  # llama.cpp's stacked ones
-                gate, down, up = (expert_matrices(tensor(f"{p}.ffn_{n}_exps.weight"))
+                gate, down, up = (tensor(f"{p}.ffn_{n}_exps.weight").unstack()
                                   for n in ("gate", "down", "up"))  # fmt: skip
                 return [Mlp(QMatMul(g, form), QMatMul(d, form), QMatMul(u, form))
                         for g, d, u in zip(gate, down, up, strict=True)]  # fmt: skip

@@ -101,6 +101,7 @@ from ..quants.cpu.matmul import PreparedWeight, prepare, qmatmul_prepared
 from ..quants.cpu.memory import reserve, resident_bytes
 from ..quants.qtensor import QTensor
 from ..spans import span
+from . import moe
 from .checks import (
     DEFAULT_KV_TYPE,
     KV_TYPES,
@@ -396,22 +397,56 @@ class FastLinear:
         return n + (self.amx.nbytes() if self.amx is not None else 0)
 
 
+def _swiglu(w13: FastLinear, w2: FastLinear, rows: int, a: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU MLP: ``down(silu(a gate) * (a up))``, gate | up one fused weight (the
+    gate/up output, t x 2 n_ff floats, is freed on return)."""
+    gu = w13.forward(a, rows)
+    n_ff = gu.shape[1] // 2
+    return w2.forward(F.silu(gu[:, :n_ff], inplace=True).mul_(gu[:, n_ff:]), rows)
+
+
 class FastLayer:
+    """One block's fused weights: wqkv, wo, and w13 (gate | up) and w2 (down), or for a
+    mixture of experts (``n_expert`` > 1) the router and each expert's (w13, w2), from
+    llama.cpp's ``ffn_*_exps`` (``stacked``) or one tensor an expert."""
+
     wqkv: FastLinear
     wo: FastLinear
-    w13: FastLinear
-    w2: FastLinear
+    w13: FastLinear | None
+    w2: FastLinear | None
 
     def __init__(self, get, p: str, eps: float, bf16: bool, amx: bool = False,
                  amx_packed: bool = True, release: Release | None = None,
-                 panels: bool = True):  # fmt: skip
+                 panels: bool = True, n_expert: int = 0, stacked: bool = False):  # fmt: skip
+        def linear(qtensors: list[QTensor], interleave: bool = False) -> FastLinear:
+            return FastLinear(qtensors, bf16, amx, interleave=interleave, amx_packed=amx_packed,
+                              release=release, panels=panels)  # fmt: skip
+
+        self.router: FastLinear | None = None
+        self.experts: list[tuple[FastLinear, FastLinear]] | None = None
         for attr, names in FUSED_STACKS.items():  # wqkv, wo, w13, w2
-            qtensors = [get(f"{p}.{n}.weight") for n in names]
-            lin = FastLinear(qtensors, bf16, amx, interleave=attr == "w13", amx_packed=amx_packed,
-                             release=release, panels=panels)  # fmt: skip
-            setattr(self, attr, lin)
+            if n_expert > 1 and attr in ("w13", "w2"):
+                setattr(self, attr, None)
+                continue
+            setattr(self, attr, linear([get(f"{p}.{n}.weight") for n in names], attr == "w13"))
+        if n_expert > 1:
+            self.router = linear([get(f"{p}.ffn_gate_inp.weight")])
+            if stacked:  # llama.cpp's ffn_*_exps: one 3-D tensor each
+                gate, up, down = (get(f"{p}.ffn_{n}_exps.weight").unstack()
+                                  for n in ("gate", "up", "down"))  # fmt: skip
+            else:  # one tensor an expert
+                gate, up, down = ([get(f"{p}.ffn_{n}.{e}.weight") for e in range(n_expert)]
+                                  for n in ("gate", "up", "down"))  # fmt: skip
+            self.experts = [(linear([g, u], True), linear([d]))
+                            for g, u, d in zip(gate, up, down, strict=True)]  # fmt: skip
         self.attn_norm = _owned(get(f"{p}.attn_norm.weight"))
         self.ffn_norm = _owned(get(f"{p}.ffn_norm.weight"))
+
+    def linears(self) -> list[FastLinear]:
+        """Every weight of the block."""
+        ffn = [self.w13, self.w2] if self.experts is None else \
+            [self.router, *(w for pair in self.experts for w in pair)]  # fmt: skip
+        return [self.wqkv, self.wo, *ffn]
 
 
 class FastModel(StaticKVState):
@@ -452,6 +487,9 @@ class FastModel(StaticKVState):
         self._embed_rows = embed_rows
         self._embed_release = embed_release
         self.layers = layers
+        # a mixture of experts: the layers' FFNs route in torch (``moe``), so the decode step
+        # and the prefill run the torch path around the C matmuls
+        self.moe = bool(layers) and layers[0].experts is not None
         self.norm = norm
         self.output = output
         self.prefill = prefill
@@ -514,6 +552,8 @@ class FastModel(StaticKVState):
         call: its C parts as kernel calls into slices of the same buffer, the rest in torch."""
         c = self.config
         if not cpu.available() or c.head_dim % 16 or c.head_dim > 128 or c.rope_dim != c.head_dim:
+            return None
+        if self.moe:  # the experts' routing is torch's: the decode step in torch
             return None
         n_ff = self.layers[0].w13.out_features // 2 if self.layers else 0
         h = self._h = torch.empty(1, c.embedding_length)
@@ -579,7 +619,7 @@ class FastModel(StaticKVState):
         """Whether bf16 prefill can run in the C kernels of ``prefill.c``: one call per layer
         (AMX tiles built at load), or oneDNN matmuls with C calls between them."""
         c = self.config
-        if self.prefill != "bf16" or not cpu.available() or not self.layers:
+        if self.prefill != "bf16" or not cpu.available() or not self.layers or self.moe:
             return False
         if self.amx_layers:  # the layer kernel writes float32 caches
             # from_gguf checked the shapes (_amx_layer_shapes_ok)
@@ -653,6 +693,8 @@ class FastModel(StaticKVState):
         float32 attention of ``prefill.c`` between the int8 GEMMs (``_prefill_int8``)."""
         c = self.config
         if self.prefill not in ("int8", "int8-attn") or not cpu.available() or not self.layers:
+            return False
+        if self.moe:
             return False
         if c.head_dim % 16 or c.head_dim > 128 or c.rope_dim != c.head_dim:
             return False
@@ -859,8 +901,10 @@ class FastModel(StaticKVState):
         # streams them every token; moved onto them after the load instead, 1.2 GB took 2 s
         with cpu.hugepage_weights(hugepages):
             for i in progress.layers(range(config.block_count), config.block_count):
+                stacked = f"blk.{i}.ffn_gate_exps.weight" in content.tensor_infos
                 layers.append(FastLayer(get, f"blk.{i}", config.rms_norm_eps, bf16, amx_layers,
-                                        amx_packed, release, panels))  # fmt: skip
+                                        amx_packed, release, panels, config.expert_count,
+                                        stacked))  # fmt: skip
                 release_pages(f)  # repacked: the layer's mapped pages are not needed any more
             tok_embd = get("token_embd.weight")  # a view of the mapped file: rows read on lookup
             tied = "output.weight" not in content.tensor_infos
@@ -885,9 +929,7 @@ class FastModel(StaticKVState):
 
     def nbytes(self) -> int:
         """Bytes held by the weights (packed, bf16 copies, norms)."""
-        total = sum(
-            w.nbytes() for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w13, layer.w2)
-        )
+        total = sum(w.nbytes() for layer in self.layers for w in layer.linears())
         return total + self.output.nbytes() + self.tok_embd.nbytes()
 
     def kv_bytes(self) -> dict[str, int | None]:
@@ -978,13 +1020,15 @@ class FastModel(StaticKVState):
                 y = self.attention(qk[:, : c.head_count], kc[:, :end], vc[:, :end], index_pos)
                 h += layer.wo.forward(y, rows)
                 a = F.rms_norm(h, dims, layer.ffn_norm, eps)
-                gu = layer.w13.forward(a, rows)
-                n_ff = gu.shape[1] // 2
-                g = F.silu(gu[:, :n_ff], inplace=True).mul_(gu[:, n_ff:])
-                h += layer.w2.forward(g, rows)
-                # free this layer's activations before the next layer makes its own (else two
-                # layers' gate/up outputs, t x 2 n_ff floats each, are alive at once)
-                del a, qkv, qk, y, gu, g
+                if layer.experts is None:
+                    h += _swiglu(layer.w13, layer.w2, rows, a)
+                else:  # a mixture of experts: each token's chosen ones (``moe``)
+                    chosen, weights = moe.route(layer.router.forward(a, rows),
+                                                c.expert_used_count)  # fmt: skip
+                    runs = [functools.partial(_swiglu, w13, w2, rows) for w13, w2 in layer.experts]
+                    h += moe.combine(a, chosen, weights, runs)
+                # free this layer's activations before the next layer makes its own
+                del a, qkv, qk, y
             self._kv_len = end
             h = F.rms_norm(h if all_logits else h[t - 1 :], dims, self.norm, eps)
             logits = self.output.quantized(h.contiguous())

@@ -82,6 +82,15 @@ class QTensor:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def unstack(self) -> list[QTensor]:
+        """The matrices of a 3-D QTensor along its first dimension (views of its bytes): the
+        experts of a stacked ``ffn_*_exps`` tensor."""
+        if len(self.shape) != 3:
+            raise ValueError(f"unstack needs a 3-D QTensor, got shape {list(self.shape)}")
+        n, rows, k = self.shape
+        data = self.data.reshape(n, -1)
+        return [QTensor(data[i], (rows, k), self.dtype) for i in range(n)]
+
     def dequantize(self, device: DeviceLike | None = None, dtype=torch.float32) -> torch.Tensor:
         """Float tensor of ``shape`` on ``device`` (default: where the blocks are)."""
         data = self.data if device is None else self.data.to(as_device(device))

@@ -1,0 +1,38 @@
+"""Mixtral-style mixtures of experts (a llama file with ``llama.expert_count`` > 1), as
+candle's quantized_llama runs them (``MlpOrMoe::MoE``), for every engine that does: the
+routing of each token and the weighted sum of its experts' outputs; the engines bring the
+experts' own matmuls."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def route(router_logits: torch.Tensor, n_used: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token (row of ``router_logits``, ``(rows, n_expert)``): the softmax over the
+    experts, the ``n_used`` largest weights (the lower index first on ties: candle's stable
+    descending sort) and each over their sum (a running float32 sum in that order). Returns
+    ``(chosen, weights)``, both ``(rows, n_used)``."""
+    routing = torch.softmax(router_logits.float(), dim=-1)
+    chosen = torch.sort(routing, dim=-1, descending=True, stable=True).indices[:, :n_used]
+    weights = routing.gather(1, chosen)
+    total = torch.zeros_like(weights[:, 0])
+    for j in range(n_used):
+        total = total + weights[:, j]
+    return chosen, weights / total[:, None]
+
+
+def combine(xs: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+            experts: list[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:  # fmt: skip
+    """``sum`` over each row's chosen experts of weight x the expert's output, built expert by
+    expert as candle does (``index_add`` of the rows that chose it, in row order)."""
+    ys = torch.zeros_like(xs)
+    for e, expert in enumerate(experts):
+        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        out = expert(xs.index_select(0, rows)) * weights[rows, slot][:, None]
+        ys = ys.index_add(0, rows, out.to(ys.dtype))
+    return ys
