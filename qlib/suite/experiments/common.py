@@ -140,11 +140,19 @@ def copy_bandwidth(device: torch.device | str, mib: int = 512, reps: int = 5,
 
 def bytes_per_step(content: Any, context: int, kv_bytes_per_value: int = 4) -> dict[str, float]:
     """Bytes a decode step must read: every matmul weight once (the output layer, tied or
-    not), plus the KV cache over ``context`` positions (float32: 4 bytes a value)."""
+    not; of a mixture of experts' expert tensors the share a token uses,
+    ``llama.expert_used_count / llama.expert_count``), plus the KV cache over ``context``
+    positions (float32: 4 bytes a value)."""
     infos = content.tensor_infos
-    weights = sum(i.nbytes for n, i in infos.items() if n.startswith("blk.") and len(i.shape) == 2)
-    weights += infos.get("output.weight", infos["token_embd.weight"]).nbytes
     md = content.metadata
+    n_expert = md.get("llama.expert_count", 0) or 0
+    used = md.get("llama.expert_used_count", 0) / n_expert if n_expert > 1 else 1.0
+    weights = 0.0
+    for n, i in infos.items():
+        if n.startswith("blk.") and len(i.shape) >= 2:
+            expert = len(i.shape) == 3 or (n.count(".") == 4 and n.split(".")[3].isdigit())
+            weights += i.nbytes * (used if expert else 1.0)
+    weights += infos.get("output.weight", infos["token_embd.weight"]).nbytes
     layers = md["llama.block_count"]
     n_kv = md["llama.attention.head_count_kv"]
     head_dim = md["llama.embedding_length"] // md["llama.attention.head_count"]
