@@ -153,3 +153,24 @@ def test_the_faithful_engine_runs_them_on_cuda(tmp_path, form):
         want = cpu_model.forward(ids, pos)
         got = gpu_model.forward(ids, pos).cpu()
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_the_bytes_floor_counts_the_experts_a_token_uses(tmp_path):
+    """``bytes_per_step``: the attention and router weights whole, the experts' at the share a
+    token runs (2 of 4), the same for both layouts."""
+    from qlib.gguf import read_content
+    from qlib.suite.experiments.common import bytes_per_step
+
+    floors = []
+    for stacked in (True, False):
+        path, _ = write_tiny_moe(tmp_path / f"{stacked}.gguf", stacked=stacked, weight_type="Q8_0")
+        content = read_content(path)
+        infos = content.tensor_infos
+        expert = sum(i.nbytes for n, i in infos.items() if "_exps" in n or n.count(".") == 4)
+        dense = sum(i.nbytes for n, i in infos.items()
+                    if n.startswith("blk.") and len(i.shape) >= 2) - expert  # fmt: skip
+        assert expert > 0
+        floor = bytes_per_step(content, 16)["weight_bytes"]
+        assert floor == dense + expert / 2 + infos["output.weight"].nbytes
+        floors.append(floor)
+    assert floors[0] == floors[1]
