@@ -553,9 +553,7 @@ class FastModel(StaticKVState):
         c = self.config
         if not cpu.available() or c.head_dim % 16 or c.head_dim > 128 or c.rope_dim != c.head_dim:
             return None
-        if self.moe:  # the experts' routing is torch's: the decode step in torch
-            return None
-        n_ff = self.layers[0].w13.out_features // 2 if self.layers else 0
+        n_ff = self.layers[0].w13.out_features // 2 if self.layers and not self.moe else 0
         h = self._h = torch.empty(1, c.embedding_length)
         qkv = self._qkv = torch.empty(self.layers[0].wqkv.out_features if self.layers else 0)
         att = self._att = torch.empty(c.head_count * c.head_dim)
@@ -568,13 +566,16 @@ class FastModel(StaticKVState):
         plan = []
         for i, ly in enumerate(self.layers):
             kc, vc = self.cache[i, 0], self.cache[i, 1]
-            plan.append((
+            attention = (
                 ly.wqkv.plan(h, qkv, norm=ly.attn_norm, eps=eps),
                 cpu.attn_decode_plan(qkv, kc, vc, self._pos, att, **heads),
                 ly.wo.plan(att, h, accumulate=True),
-                ly.w13.plan(h, gu, norm=ly.ffn_norm, eps=eps),
-                ly.w2.plan(gu, h, swiglu=True, accumulate=True),
-            ))  # fmt: skip
+            )  # fmt: skip
+            if ly.experts is not None:  # the experts' routing in torch: one Python call
+                plan.append((*attention, functools.partial(self._moe_step, ly)))
+                continue
+            plan.append((*attention, ly.w13.plan(h, gu, norm=ly.ffn_norm, eps=eps),
+                         ly.w2.plan(gu, h, swiglu=True, accumulate=True)))  # fmt: skip
         if self.output.packed is not None:
             self._logits_plan = cpu.qgemm_alloc_plan(self.output.packed, h, norm=self.norm, eps=eps)
         else:  # an output type without a kernel: the torch matmul with ggml semantics
@@ -767,10 +768,20 @@ class FastModel(StaticKVState):
         if chain is not None:  # the whole step in one C call
             out = chain(logits)
             return out if out is not None else self._logits_plan()
-        for qkv, attn, wo, w13, w2 in self._plan:
-            if qkv() or attn() or wo() or w13() or w2():
+        for layer in self._plan:
+            if any(call() for call in layer):
                 raise MemoryError("the C decode step: out of memory")
         return self._logits_plan()
+
+    def _moe_step(self, ly: FastLayer) -> int:
+        """A mixture of experts' FFN in the decode step: ``h +=`` the token's chosen experts
+        (``moe``) of the RmsNorm of ``h``, their matmuls the C kernels'."""
+        c = self.config
+        a = F.rms_norm(self._h, (c.embedding_length,), ly.ffn_norm, c.rms_norm_eps)
+        chosen, weights = moe.route(ly.router.quantized(a), c.expert_used_count)
+        runs = [functools.partial(_swiglu, w13, w2, self.bf16_min_rows) for w13, w2 in ly.experts]
+        self._h += moe.combine(a, chosen, weights, runs)
+        return 0
 
     def _decode_inputs(self, token: int, pos: int) -> None:
         """The C decode step's inputs: the token's embedding row, the position and the RoPE
