@@ -4,6 +4,8 @@ their first shard as one model on every CPU engine, with the same logits as the 
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +155,52 @@ def test_llama_cpp_reads_the_same_split(files):
         finally:
             llm.close()
     assert np.array_equal(out[0], out[1])
+
+
+def test_quantize_writes_a_split_that_gguf_py_and_llama_cpp_read(files, tmp_path):
+    """``quantize_gguf(split_max_bytes=)`` (``qlib quantize --split-max-size``): llama.cpp's
+    layout, each shard a GGUF file gguf-py reads with the split keys typed as llama.cpp
+    writes them; qlib opens it as one model with the unsplit file's logits, and so does
+    llama.cpp (peers)."""
+    src = files[0]
+    whole = quantize_gguf(src, tmp_path / "whole.gguf", "Q8_0").path
+    report = quantize_gguf(src, tmp_path / "m.gguf", "Q8_0", split_max_bytes=200_000)
+    paths = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert len(paths) > 2 and report.path == paths[0]
+    total = 0
+    for i, p in enumerate(paths):
+        reader = gguf.GGUFReader(p)
+        fields = {k: reader.fields[k] for k in ("split.no", "split.count", "split.tensors.count")}
+        assert [int(f.parts[f.data[0]][0]) for f in fields.values()][:2] == [i, len(paths)]
+        assert fields["split.no"].types[0] == gguf.GGUFValueType.UINT16
+        assert fields["split.tensors.count"].types[0] == gguf.GGUFValueType.INT32
+        assert ("llama.block_count" in reader.fields) == (i == 0)
+        total += len(reader.tensors)
+    assert total == len(Content.read_path(whole).tensor_infos)
+    logits = []
+    for path in (whole, paths[0]):
+        model, _ = load(path)
+        logits.append(model.forward(torch.tensor([PROMPT]), 0))
+    assert torch.equal(logits[0], logits[1])
+    if importlib.util.find_spec("llama_cpp") is not None:
+        import test_position0 as pos0
+
+        out = []
+        for path in (whole, paths[0]):
+            llm = pos0.llama_cpp_model(path)
+            try:
+                llm.eval(PROMPT)
+                out.append(np.array(llm.scores[len(PROMPT) - 1]))
+            finally:
+                llm.close()
+        assert np.array_equal(out[0], out[1])
+
+
+def test_split_sizes_are_parsed_as_llama_cpp_does():
+    from qlib.convert.cli import parse_size
+
+    assert [parse_size(s) for s in ("2G", "500M", "64k", "1.5G", "1000")] == [
+        2 * 10**9, 500 * 10**6, 64 * 10**3, 1_500_000_000, 1000]  # fmt: skip
+    for bad in ("5Q", "-1G", "0", "G"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_size(bad)

@@ -78,12 +78,28 @@ def _run_convert(a: argparse.Namespace) -> int:
     return 0
 
 
+def parse_size(text: str) -> int:
+    """``"2G"``, ``"500M"``, ``"64K"``, ``"1.5G"`` or a count of bytes -> bytes (powers of 1000, as
+    llama.cpp's ``--split-max-size``)."""
+    units = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    t = text.strip().upper().removesuffix("B")
+    scale = units.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if scale != 1 else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 2G, 500M)") from None
+    if not value > 0 or value * scale != value * scale:  # (NaN)
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive")
+    return int(value * scale)
+
+
 def _run_quantize(a: argparse.Namespace) -> int:
     from .to_gguf import quantize_gguf
 
     quantize_gguf(
-        a.inp, a.out, a.type, metadata=not a.no_metadata, drop_keys=tuple(a.drop_key), log=print
-    )
+        a.inp, a.out, a.type, metadata=not a.no_metadata, drop_keys=tuple(a.drop_key),
+        split_max_bytes=a.split_max_size, log=print,
+    )  # fmt: skip
     return 0
 
 
@@ -133,5 +149,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--in", dest="inp", required=True, metavar="GGUF")
     q.add_argument("--out", required=True, metavar="GGUF")
     q.add_argument("--type", required=True, metavar="TYPE", help=TYPES_HELP)
+    q.add_argument(
+        "--split-max-size", type=parse_size, default=None, metavar="SIZE",
+        help="write files of at most SIZE of tensor data each (2G, 500M: powers of 1000), named "
+        "OUT-00001-of-0000N.gguf ... as llama.cpp's gguf-split does, where one would hold more",
+    )  # fmt: skip
     _failure_options(q)
     q.set_defaults(func=_run_quantize)

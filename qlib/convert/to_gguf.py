@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..gguf import Content, GGUFValueType, Typed, open_model, write
+from ..gguf import Content, GGUFValueType, Typed, open_model, shards, write
 from ..quants.types import ggml_type
 from . import recipes
 from .names import IGNORED_HF, gguf_name, layer_index, permute, permuted_heads
@@ -290,13 +290,17 @@ def quantize_gguf(
     *,
     metadata: bool = True,
     drop_keys: Iterable[str] = (),
+    split_max_bytes: int | None = None,
     log: Log = None,
 ) -> ConvertReport:
-    """Re-quantize a llama GGUF file to type or recipe ``spec`` (metadata kept).
+    """Re-quantize a llama GGUF file (a split model: its first shard) to type or recipe
+    ``spec`` (metadata kept).
 
     Each tensor is dequantized to float32 and quantized to its chosen type; one
     already of that type is copied byte for byte. ``general.file_type`` is
     updated and ``quantize.imatrix.*`` keys (they described the source) dropped.
+    ``split_max_bytes``: files of at most that much tensor data each, llama.cpp's split
+    layout (``gguf.shards``; ``out`` names the first's prefix) where one file would hold more.
     """
     t0 = time.perf_counter()
     spec = recipes.normalize_spec(spec)
@@ -319,9 +323,13 @@ def quantize_gguf(
     md["general.file_type"] = Typed(U32, recipes.file_type(spec))
     md.setdefault("general.quantization_version", Typed(U32, 2))
     md = _edit_metadata(md, metadata, drop_keys, log)
-    _atomic_write(out, md, tensors, types=content.metadata_types)
-    report = ConvertReport(
-        out, spec, choices, list(md), out.stat().st_size, time.perf_counter() - t0, copied=copied
-    )
+    files = shards(out, md, tensors, split_max_bytes) if split_max_bytes else [(out, md, tensors)]
+    for path, shard_md, shard_tensors in files:
+        _atomic_write(path, shard_md, shard_tensors, types=content.metadata_types)
+        if log and len(files) > 1:
+            log(f"wrote {path} ({len(shard_tensors)} tensors)")
+    out = files[0][0]
+    report = ConvertReport(out, spec, choices, list(md), sum(p.stat().st_size for p, _, _ in files),
+                           time.perf_counter() - t0, copied=copied)  # fmt: skip
     _log_report(report, log)
     return report

@@ -5,11 +5,11 @@ file, split over shards or not (``split``). Limits and value types: ``constants`
 
 from .constants import GGUFError, GGUFValueType, TensorNotFoundError, Typed
 from .reader import Content, MappedFile, TensorInfo
-from .split import ShardFiles, SplitContent, open_model, read_content, release_pages
+from .split import ShardFiles, SplitContent, open_model, read_content, release_pages, shards
 from .writer import write, write_path
 
 __all__ = [
     "Content", "GGUFError", "GGUFValueType", "MappedFile", "ShardFiles", "SplitContent",
     "TensorInfo", "TensorNotFoundError", "Typed", "open_model", "read_content", "release_pages",
-    "write", "write_path",
+    "shards", "write", "write_path",
 ]  # fmt: skip

@@ -1,5 +1,6 @@
 """GGUF models split over several files, as llama.cpp's ``gguf-split`` (and gguf-py's writer
-with ``split_max_size``) writes them, and one way to open any model file: ``open_model``.
+with ``split_max_size``) writes them, and one way to open any model file: ``open_model``;
+``shards`` lays a model out over such files for writing.
 
 A model in N shards is N GGUF files named ``PREFIX-00001-of-0000N.gguf`` to
 ``PREFIX-0000N-of-0000N.gguf``. Each carries ``split.no`` (0 for the first), ``split.count``
@@ -24,7 +25,7 @@ import torch
 
 from ..devices import DeviceLike
 from ..quants.qtensor import QTensor
-from .constants import GGUFError, TensorNotFoundError
+from .constants import GGUFError, GGUFValueType, TensorNotFoundError, Typed
 from .reader import Content, MappedFile
 
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
@@ -193,3 +194,49 @@ def open_model(
         files = [f] + [opened(p, stack) for p in paths[1:]]
         shards = [first] + [Content.read(sf) for sf in files[1:]]
         yield _merge(first, path, shards, paths), ShardFiles(files)
+
+
+def tensor_nbytes(t: Any) -> int:
+    """The data bytes of a tensor as ``write`` takes it (a ``QTensor``, a float array or
+    tensor, or ``(bytes, shape, type)``)."""
+    if isinstance(t, tuple):
+        t = t[0]
+    if isinstance(t, QTensor):
+        return t.data.numel()
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    return len(t) if isinstance(t, (bytes, bytearray, memoryview)) else int(t.nbytes)
+
+
+def shards(path: str | Path, metadata: dict[str, Any], tensors: dict[str, Any],
+           max_bytes: int) -> list[tuple[Path, dict[str, Any], dict[str, Any]]]:  # fmt: skip
+    """A model's files when each holds at most ``max_bytes`` of tensor data (a tensor larger
+    than that alone in its file): ``(path, metadata, tensors)`` each, in order. One file is
+    ``path`` as it is; N files are ``PREFIX-0000i-of-0000N.gguf`` beside it (``PREFIX``:
+    ``path`` without ``.gguf``), the first with the model's metadata, each with ``split.no``,
+    ``split.count`` and ``split.tensors.count`` (UINT16, UINT16, INT32, as llama.cpp writes
+    them)."""
+    if max_bytes <= 0:
+        raise ValueError(f"a shard's size limit must be positive, got {max_bytes}")
+    groups: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = tensor_nbytes(t)
+        if groups[-1] and size + n > max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = t
+        size += n
+    path = Path(path)
+    if len(groups) == 1:
+        return [(path, metadata, tensors)]
+    count = len(groups)
+    prefix = path.name.removesuffix(".gguf")
+    out = []
+    for i, group in enumerate(groups):
+        keys = {SPLIT_NO: Typed(GGUFValueType.UINT16, i),
+                SPLIT_COUNT: Typed(GGUFValueType.UINT16, count),
+                SPLIT_TENSORS: Typed(GGUFValueType.INT32, len(tensors))}  # fmt: skip
+        md = {**metadata, **keys} if i == 0 else keys
+        out.append((path.with_name(f"{prefix}-{i + 1:05d}-of-{count:05d}.gguf"), md, group))
+    return out
