@@ -405,6 +405,14 @@ def _swiglu(w13: FastLinear, w2: FastLinear, rows: int, a: torch.Tensor) -> torc
     return w2.forward(F.silu(gu[:, :n_ff], inplace=True).mul_(gu[:, n_ff:]), rows)
 
 
+def _experts(ly: FastLayer, a: torch.Tensor, rows: int, n_used: int) -> torch.Tensor:
+    """A mixture of experts' FFN of the normed rows ``a``: each row's ``n_used`` experts
+    (``moe.route`` of the router's output) and their weighted sum (``moe.combine``)."""
+    chosen, weights = moe.route(ly.router.forward(a, rows), n_used)
+    runs = [functools.partial(_swiglu, w13, w2, rows) for w13, w2 in ly.experts]
+    return moe.combine(a, chosen, weights, runs)
+
+
 class FastLayer:
     """One block's fused weights: wqkv, wo, and w13 (gate | up) and w2 (down), or for a
     mixture of experts (``n_expert`` > 1) the router and each expert's (w13, w2), from
@@ -487,8 +495,8 @@ class FastModel(StaticKVState):
         self._embed_rows = embed_rows
         self._embed_release = embed_release
         self.layers = layers
-        # a mixture of experts: the layers' FFNs route in torch (``moe``), so the decode step
-        # and the prefill run the torch path around the C matmuls
+        # a mixture of experts: the layers' FFNs route in torch (``moe``): the decode step
+        # calls it from Python between its C calls, and the prefill runs the torch path
         self.moe = bool(layers) and layers[0].experts is not None
         self.norm = norm
         self.output = output
@@ -778,9 +786,7 @@ class FastModel(StaticKVState):
         (``moe``) of the RmsNorm of ``h``, their matmuls the C kernels'."""
         c = self.config
         a = F.rms_norm(self._h, (c.embedding_length,), ly.ffn_norm, c.rms_norm_eps)
-        chosen, weights = moe.route(ly.router.quantized(a), c.expert_used_count)
-        runs = [functools.partial(_swiglu, w13, w2, self.bf16_min_rows) for w13, w2 in ly.experts]
-        self._h += moe.combine(a, chosen, weights, runs)
+        self._h += _experts(ly, a, self.bf16_min_rows, c.expert_used_count)
         return 0
 
     def _decode_inputs(self, token: int, pos: int) -> None:
@@ -1033,11 +1039,8 @@ class FastModel(StaticKVState):
                 a = F.rms_norm(h, dims, layer.ffn_norm, eps)
                 if layer.experts is None:
                     h += _swiglu(layer.w13, layer.w2, rows, a)
-                else:  # a mixture of experts: each token's chosen ones (``moe``)
-                    chosen, weights = moe.route(layer.router.forward(a, rows),
-                                                c.expert_used_count)  # fmt: skip
-                    runs = [functools.partial(_swiglu, w13, w2, rows) for w13, w2 in layer.experts]
-                    h += moe.combine(a, chosen, weights, runs)
+                else:  # a mixture of experts: each token's chosen ones
+                    h += _experts(layer, a, rows, c.expert_used_count)
                 # free this layer's activations before the next layer makes its own
                 del a, qkv, qk, y
             self._kv_len = end
