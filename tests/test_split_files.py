@@ -144,17 +144,20 @@ def test_llama_cpp_reads_the_same_split(files):
     """llama.cpp (peers extra) opens the same shards by the first one's path, as qlib does:
     its last-token logits from the split and from the whole file are identical."""
     pytest.importorskip("llama_cpp")
+    assert np.array_equal(*(llama_cpp_last_logits(p) for p in (files[0], files[1][0])))
+
+
+def llama_cpp_last_logits(path) -> np.ndarray:
+    """llama.cpp's logits of the last token of ``PROMPT`` on the file (a split: its first
+    shard) at ``path``."""
     import test_position0 as pos0
 
-    out = []
-    for path in (files[0], files[1][0]):
-        llm = pos0.llama_cpp_model(path)
-        try:
-            llm.eval(PROMPT)
-            out.append(np.array(llm.scores[len(PROMPT) - 1]))
-        finally:
-            llm.close()
-    assert np.array_equal(out[0], out[1])
+    llm = pos0.llama_cpp_model(path)
+    try:
+        llm.eval(PROMPT)
+        return np.array(llm.scores[len(PROMPT) - 1])
+    finally:
+        llm.close()
 
 
 def test_quantize_writes_a_split_that_gguf_py_and_llama_cpp_read(files, tmp_path):
@@ -183,17 +186,7 @@ def test_quantize_writes_a_split_that_gguf_py_and_llama_cpp_read(files, tmp_path
         logits.append(model.forward(torch.tensor([PROMPT]), 0))
     assert torch.equal(logits[0], logits[1])
     if importlib.util.find_spec("llama_cpp") is not None:
-        import test_position0 as pos0
-
-        out = []
-        for path in (whole, paths[0]):
-            llm = pos0.llama_cpp_model(path)
-            try:
-                llm.eval(PROMPT)
-                out.append(np.array(llm.scores[len(PROMPT) - 1]))
-            finally:
-                llm.close()
-        assert np.array_equal(out[0], out[1])
+        assert np.array_equal(*(llama_cpp_last_logits(p) for p in (whole, paths[0])))
 
 
 def test_split_sizes_are_parsed_as_llama_cpp_does():
