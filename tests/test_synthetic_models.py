@@ -32,3 +32,22 @@ def test_same_seed_same_file(tmp_path):
     a = synthesize(tmp_path / "a.gguf", models.path(), "tiny", "Q8_0", seed=3)
     b = synthesize(tmp_path / "b.gguf", models.path(), "tiny", "Q8_0", seed=3)
     assert a.read_bytes() == b.read_bytes()
+
+
+def test_a_synthetic_mixture_of_experts(tmp_path):
+    """The ``moe`` shapes: llama.cpp's stacked experts and an F32 router (as its quantize
+    keeps it), the expert keys; the faithful and fast CPU engines run it, the fast one as
+    the quantized form (1e-6 of the logits' scale), with logits that have spread."""
+    path = synthesize(tmp_path / "m.gguf", models.path(), "tiny-moe", "Q8_0", seed=2)
+    content = Content.read_path(path)
+    shape = SHAPES["tiny-moe"]
+    assert content.metadata["llama.expert_count"] == shape.n_expert
+    infos = content.tensor_infos
+    assert infos["blk.0.ffn_gate_inp.weight"].dtype.name == "F32"
+    assert infos["blk.1.ffn_down_exps.weight"].shape == (shape.n_expert, shape.n_embd, shape.n_ff)
+    ids = torch.tensor([[1, 400, 9000, 17, 5]])
+    ref, _ = load(path, "cpu", form="quantized")
+    fast, _ = load(path, "cpu", engine="fast")
+    want, got = ref.forward(ids, 0), fast.forward(ids, 0)
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+    assert want.std() > 0.5

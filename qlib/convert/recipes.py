@@ -107,6 +107,8 @@ def choose(
     shape = tuple(int(d) for d in shape)
     if len(shape) < 2:
         return TensorChoice(name, shape, "F32", "F32", "1-D: kept F32")
+    if name.endswith("ffn_gate_inp.weight"):  # as llama.cpp's quantize
+        return TensorChoice(name, shape, "F32", "F32", "a mixture of experts' router: kept F32")
     if spec in RECIPES:
         wanted, rule = _recipe_type(name, spec, n_layer, has_output, shape[-1])
     else:

@@ -39,6 +39,8 @@ class Shape:
     n_ff: int
     rope_freq_base: float = 500000.0
     tie_output: bool = True
+    n_expert: int = 0  # > 1: a Mixtral-style mixture of experts (n_ff: each expert's units)
+    n_expert_used: int = 0
 
 
 SHAPES: dict[str, Shape] = {
@@ -46,6 +48,13 @@ SHAPES: dict[str, Shape] = {
     "hd128": Shape(n_embd=1024, n_layer=8, n_head=8, n_kv_head=2, n_ff=2816, tie_output=False),
     "mha": Shape(n_embd=768, n_layer=8, n_head=12, n_kv_head=12, n_ff=2048, tie_output=False),
     "tiny": Shape(n_embd=256, n_layer=2, n_head=4, n_kv_head=2, n_ff=512),  # tests
+    # a small Mixtral-style model: 8 experts a layer, 2 a token, llama.cpp's stacked tensors
+    "moe": Shape(
+        n_embd=1024, n_layer=8, n_head=16, n_kv_head=4, n_ff=1408, n_expert=8, n_expert_used=2
+    ),
+    "tiny-moe": Shape(
+        n_embd=256, n_layer=2, n_head=4, n_kv_head=2, n_ff=256, n_expert=4, n_expert_used=2
+    ),  # tests
 }
 
 
@@ -83,10 +92,21 @@ def synthesize(
             f"{p}.attn_v.weight": (kv, s.n_embd),
             f"{p}.attn_output.weight": (s.n_embd, s.n_embd),
             f"{p}.ffn_norm.weight": (s.n_embd,),
-            f"{p}.ffn_gate.weight": (s.n_ff, s.n_embd),
-            f"{p}.ffn_up.weight": (s.n_ff, s.n_embd),
-            f"{p}.ffn_down.weight": (s.n_embd, s.n_ff),
         }
+        if s.n_expert > 1:  # the router and the experts, stacked as llama.cpp writes them
+            e = s.n_expert
+            shapes |= {
+                f"{p}.ffn_gate_inp.weight": (e, s.n_embd),
+                f"{p}.ffn_gate_exps.weight": (e, s.n_ff, s.n_embd),
+                f"{p}.ffn_up_exps.weight": (e, s.n_ff, s.n_embd),
+                f"{p}.ffn_down_exps.weight": (e, s.n_embd, s.n_ff),
+            }
+        else:
+            shapes |= {
+                f"{p}.ffn_gate.weight": (s.n_ff, s.n_embd),
+                f"{p}.ffn_up.weight": (s.n_ff, s.n_embd),
+                f"{p}.ffn_down.weight": (s.n_embd, s.n_ff),
+            }
     shapes["output_norm.weight"] = (s.n_embd,)
     if not s.tie_output:
         shapes["output.weight"] = (vocab, s.n_embd)
@@ -99,11 +119,13 @@ def synthesize(
         if len(dims) == 1:
             w = np.ones(dims, dtype=np.float32)
         else:
-            std = 1.0 / math.sqrt(dims[1])
+            std = 1.0 / math.sqrt(dims[-1])
             if c.name in ("token_embd.weight", "output.weight"):
                 std = 1.0 / 8
-            elif c.name.endswith(("attn_output.weight", "ffn_down.weight")):
+            elif c.name.endswith(("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight")):
                 std *= residual_scale
+            elif c.name.endswith("ffn_gate_inp.weight"):
+                std *= 4  # the router's logits with spread: the experts' choice not a near tie
             w = rng.standard_normal(dims, dtype=np.float32) * np.float32(std)
         tensors[c.name] = quantize_tensor(w, c.type)
         if log and (k % 20 == 0 or k == len(choices) - 1):
@@ -128,6 +150,9 @@ def synthesize(
         "llama.vocab_size": Typed(u32, vocab),
         **tok_md,
     }
+    if s.n_expert > 1:
+        md["llama.expert_count"] = Typed(u32, s.n_expert)
+        md["llama.expert_used_count"] = Typed(u32, s.n_expert_used)
     types = {k: v for k, v in src.metadata_types.items() if k in tok_md}
     out = Path(out)
     _atomic_write(out, md, tensors, types)
