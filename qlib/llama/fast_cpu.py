@@ -580,7 +580,7 @@ class FastModel(StaticKVState):
                 ly.wo.plan(att, h, accumulate=True),
             )  # fmt: skip
             if ly.experts is not None:  # the experts' routing in torch: one Python call
-                plan.append((*attention, functools.partial(self._moe_step, ly)))
+                plan.append((*attention, self._moe_plan(ly)))
                 continue
             plan.append((*attention, ly.w13.plan(h, gu, norm=ly.ffn_norm, eps=eps),
                          ly.w2.plan(gu, h, swiglu=True, accumulate=True)))  # fmt: skip
@@ -781,13 +781,36 @@ class FastModel(StaticKVState):
                 raise MemoryError("the C decode step: out of memory")
         return self._logits_plan()
 
-    def _moe_step(self, ly: FastLayer) -> int:
-        """A mixture of experts' FFN in the decode step: ``h +=`` the token's chosen experts
-        (``moe``) of the RmsNorm of ``h``, their matmuls the C kernels'."""
-        c = self.config
-        a = F.rms_norm(self._h, (c.embedding_length,), ly.ffn_norm, c.rms_norm_eps)
-        self._h += _experts(ly, a, self.bf16_min_rows, c.expert_used_count)
-        return 0
+    def _moe_plan(self, ly: FastLayer) -> Callable[[], int]:
+        """A mixture of experts' FFN in the decode step, prepared: the router's GEMV of the
+        RmsNorm of ``h`` (a C call), the token's experts (``moe.route``, torch), each chosen
+        expert's gate/up and down GEMVs (C calls into buffers of their own, the RmsNorm and the
+        SwiGLU inside them), then ``h +=`` their weighted sum in expert order (``moe.combine``'s
+        additions)."""
+        c, h, eps = self.config, self._h, self.config.rms_norm_eps
+        logits = torch.empty(1, ly.router.out_features)
+        router = ly.router.plan(h, logits, norm=ly.ffn_norm, eps=eps)
+        calls, outs = [], []
+        for w13, w2 in ly.experts:
+            gu, out = torch.empty(w13.out_features), torch.empty(1, c.embedding_length)
+            calls.append((w13.plan(h, gu, norm=ly.ffn_norm, eps=eps),
+                          w2.plan(gu, out, swiglu=True)))  # fmt: skip
+            outs.append(out)
+
+        def step() -> int:
+            if router():
+                return 1
+            chosen, weights = moe.route(logits, c.expert_used_count)
+            ys = torch.zeros_like(h)
+            for slot in torch.argsort(chosen[0]).tolist():
+                e = int(chosen[0, slot])
+                if calls[e][0]() or calls[e][1]():
+                    return 1
+                ys = ys + outs[e] * weights[0, slot]
+            h.add_(ys)
+            return 0
+
+        return step
 
     def _decode_inputs(self, token: int, pos: int) -> None:
         """The C decode step's inputs: the token's embedding row, the position and the RoPE
