@@ -1,7 +1,7 @@
 """Mixtral-style llama files (``llama.expert_count`` > 1): the faithful engine runs them as
 candle's quantized_llama (``faithful.MoE``, ``llama.moe``), from llama.cpp's stacked
-``ffn_*_exps`` tensors or the older one tensor an expert, and so does the fast CPU engine
-(its C matmuls, the routing in torch); the fast CUDA engine refuses them in one line."""
+``ffn_*_exps`` tensors or the older one tensor an expert, and so do the fast CPU engine (its
+C matmuls, the routing in torch) and the fast CUDA engine (its fused kernels, no graphs)."""
 
 from __future__ import annotations
 
@@ -112,10 +112,22 @@ def test_the_fast_cpu_engine_runs_them_as_the_quantized_form(tmp_path, stacked):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_fast_cuda_engine_refuses_them_in_one_line(tmp_path):
-    path, _ = write_tiny_moe(tmp_path / "moe.gguf")
-    with pytest.raises(ModelError, match=r"mixture of experts \(llama.expert_count = 4.*faithful"):
-        load(path, "cuda", engine="fast")
+@pytest.mark.parametrize("stacked", [True, False])
+def test_the_fast_cuda_engine_runs_them_as_the_f32_form(tmp_path, stacked):
+    """The fast CUDA engine (the fused kernels, routing in torch, no CUDA graphs; weights
+    dequantized exactly, float32 activations): the CPU's f32 form to 1e-4 of its logits'
+    scale, a prompt, a decode step and a greedy step; a persistent decode is refused."""
+    path, _ = write_tiny_moe(tmp_path / "moe.gguf", weight_type="Q8_0", stacked=stacked)
+    ref, _ = load(path, form="f32")
+    fast, _ = load(path, "cuda", engine="fast")
+    assert not fast.graphs and "mixture of experts" in fast.decode_note
+    for ids, pos in ((torch.tensor(PROMPT), 0), (torch.tensor([[44]]), len(PROMPT[0]))):
+        want, got = ref.forward(ids, pos), fast.forward(ids, pos).cpu()
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    step = ref.forward(torch.tensor([[3]]), len(PROMPT[0]) + 1)
+    assert fast.greedy_step(3, len(PROMPT[0]) + 1) == int(step.argmax())
+    with pytest.raises(ModelError, match="no routing for a mixture of experts"):
+        load(path, "cuda", engine="fast", decode="persistent")
 
 
 def test_a_missing_expert_or_a_wrong_router_is_named(tmp_path):

@@ -103,12 +103,6 @@ def from_gguf(
         check_options(ModelWeights.from_gguf, options, "the faithful engine")
         return ModelWeights.from_gguf(content, f, device, form=form, **options)
     dev = as_device(device)
-    experts = LlamaConfig.from_metadata(content.metadata).expert_count
-    if experts > 1 and dev.type == "cuda":
-        raise ModelError(f"this file is a mixture of experts (llama.expert_count = {experts}, "
-                         "Mixtral-style): the fast CUDA engine runs dense llama models; the "
-                         "faithful engine (engine faithful) and the fast CPU engine run "
-                         "it")  # fmt: skip
     if dev.type == "cuda":
         from .fast_cuda import CudaFastModel
 

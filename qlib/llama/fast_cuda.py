@@ -69,6 +69,7 @@ from ..quants.cuda.layout import EPI_ADD, EPI_GATE, EPI_STORE, EPI_SWIGLU, NATIV
 from ..quants.forms import KERNEL_TYPE, kernel_form
 from ..quants.qtensor import QTensor
 from ..spans import span
+from . import moe
 from .checks import (
     DEFAULT_KV_TYPE,
     KV_TYPES,
@@ -282,16 +283,55 @@ def _fp32_precision(mode: str):
 
 
 class CudaLayer:
+    """One block's weights: wqkv, wo, w13 (gate | up), w2 (down), or for a mixture of experts
+    (``n_expert`` > 1) the router and each expert's (w13, w2), from llama.cpp's stacked
+    ``ffn_*_exps`` (``stacked``) or one tensor an expert."""
+
     wqkv: CudaLinear
     wo: CudaLinear
-    w13: CudaLinear
-    w2: CudaLinear
+    w13: CudaLinear | None
+    w2: CudaLinear | None
 
-    def __init__(self, get, p: str, dense: torch.dtype | None):
+    def __init__(self, get, p: str, dense: torch.dtype | None, n_expert: int = 0,
+                 stacked: bool = False):  # fmt: skip
+        self.router: CudaLinear | None = None
+        self.experts: list[tuple[CudaLinear, CudaLinear]] | None = None
         for attr, names in FUSED_STACKS.items():  # wqkv, wo, w13, w2
+            if n_expert > 1 and attr in ("w13", "w2"):
+                setattr(self, attr, None)
+                continue
             setattr(self, attr, CudaLinear([get(f"{p}.{n}.weight") for n in names], dense))
+        if n_expert > 1:
+            self.router = CudaLinear([get(f"{p}.ffn_gate_inp.weight")], dense)
+            if stacked:
+                gate, up, down = (get(f"{p}.ffn_{n}_exps.weight").unstack()
+                                  for n in ("gate", "up", "down"))  # fmt: skip
+            else:
+                gate, up, down = ([get(f"{p}.ffn_{n}.{e}.weight") for e in range(n_expert)]
+                                  for n in ("gate", "up", "down"))  # fmt: skip
+            self.experts = [(CudaLinear([g, u], dense), CudaLinear([d], dense))
+                            for g, u, d in zip(gate, up, down, strict=True)]  # fmt: skip
         self.attn_norm = get(f"{p}.attn_norm.weight").dequantize()
         self.ffn_norm = get(f"{p}.ffn_norm.weight").dequantize()
+
+    def linears(self) -> list[CudaLinear]:
+        """Every weight of the block."""
+        ffn = [self.w13, self.w2] if self.experts is None else \
+            [self.router, *(w for pair in self.experts for w in pair)]  # fmt: skip
+        return [self.wqkv, self.wo, *ffn]
+
+    def experts_ffn(self, a: torch.Tensor, n_used: int) -> torch.Tensor:
+        """A mixture of experts' FFN of the normed rows ``a`` (``moe``: each row's chosen
+        experts, their weighted sum in expert order)."""
+
+        def expert(w13: CudaLinear, w2: CudaLinear, x: torch.Tensor) -> torch.Tensor:
+            gu = w13.matmul(x)
+            n_ff = gu.shape[1] // 2
+            return w2.matmul(F.silu(gu[:, :n_ff]) * gu[:, n_ff:])
+
+        chosen, weights = moe.route(self.router.matmul(a), n_used)
+        runs = [functools.partial(expert, w13, w2) for w13, w2 in self.experts]
+        return moe.combine(a, chosen, weights, runs)
 
 
 class CudaFastModel(StaticKVState):
@@ -341,7 +381,7 @@ class CudaFastModel(StaticKVState):
         )  # fmt: skip
         self._kv_len = 0
         # Decode state: every kernel of a step reads or writes only these.
-        n_ff = layers[0].w13.out_features // 2 if layers else 0
+        n_ff = layers[0].w13.out_features // 2 if layers and layers[0].w13 is not None else 0
         n_qkv = layers[0].wqkv.out_features if layers else 0
         self._tok = torch.zeros(1, dtype=torch.int64, device=device)
         self._tok_host: int | None = None  # the id self._tok holds when known (greedy_step)
@@ -415,7 +455,14 @@ class CudaFastModel(StaticKVState):
         auto, note = decode == "auto", "as asked"
         mats = {n: KERNEL_TYPE.get(i.dtype.name, i.dtype.name)
                 for n, i in content.tensor_infos.items() if len(i.shape) == 2}  # fmt: skip
-        if auto:
+        moe_file = config.expert_count > 1
+        if moe_file:  # the routing is torch's: the fused kernels, no CUDA graphs
+            if decode not in ("auto", "fused"):
+                raise ModelError(f"decode {decode} has no routing for a mixture of experts "
+                                 "(llama.expert_count > 1): decode fused runs it")  # fmt: skip
+            decode, graphs = "fused", False
+            note = "fused without CUDA graphs: a mixture of experts routes in torch"
+        elif auto:
             cc = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
             decode, note = auto_decode(mats, config, cc)
         elif decode == "persistent":
@@ -436,7 +483,9 @@ class CudaFastModel(StaticKVState):
 
         dense = PREFILL_DTYPES.get(prefill)  # None: "packed"
         blocks = progress.layers(range(config.block_count), config.block_count)
-        layers = [CudaLayer(get, f"blk.{i}", dense) for i in blocks]
+        layers = [CudaLayer(get, f"blk.{i}", dense, config.expert_count,
+                            f"blk.{i}.ffn_gate_exps.weight" in content.tensor_infos)
+                  for i in blocks]  # fmt: skip
         tok = get("token_embd.weight")
         out = get("output.weight") if "output.weight" in content.tensor_infos else tok
         tok_p = _prepare_stacked([tok])[0]
@@ -463,7 +512,7 @@ class CudaFastModel(StaticKVState):
 
     def nbytes(self) -> int:
         """Bytes held by the weights (packed planes, dense prefill copies, embedding)."""
-        lin = [w for ly in self.layers for w in (ly.wqkv, ly.wo, ly.w13, ly.w2)]
+        lin = [w for ly in self.layers for w in ly.linears()]
         extra = 0 if self.output is self.tok_embd else self.output.nbytes()
         return sum(w.nbytes() for w in lin) + self.tok_embd.nbytes() + extra
 
@@ -522,6 +571,10 @@ class CudaFastModel(StaticKVState):
             else:
                 attend(self._q, kc, vc, self._att, self._pos)
                 gemv(self._att, ly.wo.parts[0], h, epilogue=EPI_ADD)
+            if ly.experts is not None:  # a mixture of experts: routed in torch (no graphs)
+                h += ly.experts_ffn(F.rms_norm(h, (c.embedding_length,), ly.ffn_norm, eps),
+                                    c.expert_used_count)  # fmt: skip
+                continue
             if len(ly.w13.parts) == 1:
                 gemv(h, ly.w13.parts[0], self._g, norm=ly.ffn_norm, eps=eps, epilogue=EPI_SWIGLU)
             else:
@@ -699,6 +752,9 @@ class CudaFastModel(StaticKVState):
                 enable_gqa=k.shape[0] != nq,
             )  # fmt: skip
             h = h + ly.wo.matmul(y[0].transpose(0, 1).reshape(t, nq * hd))
+            if ly.experts is not None:
+                h = h + ly.experts_ffn(F.rms_norm(h, dims, ly.ffn_norm, eps), c.expert_used_count)
+                continue
             gu = ly.w13.matmul(F.rms_norm(h, dims, ly.ffn_norm, eps))
             n_ff = gu.shape[1] // 2
             h = h + ly.w2.matmul(F.silu(gu[:, :n_ff]) * gu[:, n_ff:])
