@@ -74,8 +74,7 @@ def _info(a: argparse.Namespace) -> int:
               f"vocabulary {summary['vocab']}, context {summary['context']}")  # fmt: skip
         if c.expert_count > 1:
             print(f"  mixture of experts: {c.expert_count} experts a layer, "
-                  f"{c.expert_used_count} used a token (the faithful and fast CPU engines "
-                  "run it)")  # fmt: skip
+                  f"{c.expert_used_count} used a token")  # fmt: skip
         if len(summary["shards"]) > 1:
             print(f"  split model: {len(summary['shards'])} shards, "
                   f"{', '.join(p.name for p in summary['shards'])}")  # fmt: skip
