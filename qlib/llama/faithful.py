@@ -262,8 +262,8 @@ class MoE:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b_size, seq_len, hidden = x.shape
         xs = x.reshape(-1, hidden)
-        chosen, weights = moe.route(self.feed_forward_gate_inp.forward(xs), self.n_expert_used)
-        ys = moe.combine(xs, chosen, weights, [e.forward for e in self.experts])
+        ys = moe.ffn(xs, self.feed_forward_gate_inp.forward, [e.forward for e in self.experts],
+                     self.n_expert_used)  # fmt: skip
         return ys.reshape(b_size, seq_len, hidden)
 
 
@@ -444,14 +444,9 @@ class ModelWeights:
             return RmsNorm(tensor(name).dequantize(), config.rms_norm_eps)
 
         def experts(p: str) -> list[Mlp]:
-            if f"{p}.ffn_gate_exps.weight" in content.tensor_infos:  # llama.cpp's stacked ones
-                gate, down, up = (tensor(f"{p}.ffn_{n}_exps.weight").unstack()
-                                  for n in ("gate", "down", "up"))  # fmt: skip
-                return [Mlp(QMatMul(g, form), QMatMul(d, form), QMatMul(u, form))
-                        for g, d, u in zip(gate, down, up, strict=True)]  # fmt: skip
-            return [Mlp(qmatmul(f"{p}.ffn_gate.{e}.weight"), qmatmul(f"{p}.ffn_down.{e}.weight"),
-                        qmatmul(f"{p}.ffn_up.{e}.weight"))
-                    for e in range(config.expert_count)]  # fmt: skip
+            return [Mlp(QMatMul(g, form), QMatMul(d, form), QMatMul(u, form))
+                    for g, u, d in moe.expert_matrices(tensor, p, config.expert_count,
+                                                       content.tensor_infos)]  # fmt: skip
 
         tok_embeddings_q = tensor("token_embd.weight")
         tok_embeddings = dequantize_rows(tok_embeddings_q)

@@ -408,15 +408,14 @@ def _swiglu(w13: FastLinear, w2: FastLinear, rows: int, a: torch.Tensor) -> torc
 def _experts(ly: FastLayer, a: torch.Tensor, rows: int, n_used: int) -> torch.Tensor:
     """A mixture of experts' FFN of the normed rows ``a``: each row's ``n_used`` experts
     (``moe.route`` of the router's output) and their weighted sum (``moe.combine``)."""
-    chosen, weights = moe.route(ly.router.forward(a, rows), n_used)
     runs = [functools.partial(_swiglu, w13, w2, rows) for w13, w2 in ly.experts]
-    return moe.combine(a, chosen, weights, runs)
+    return moe.ffn(a, functools.partial(ly.router.forward, bf16_min_rows=rows), runs, n_used)
 
 
 class FastLayer:
     """One block's fused weights: wqkv, wo, and w13 (gate | up) and w2 (down), or for a
-    mixture of experts (``n_expert`` > 1) the router and each expert's (w13, w2), from
-    llama.cpp's ``ffn_*_exps`` (``stacked``) or one tensor an expert."""
+    mixture of experts (``n_expert`` > 1) the router and each expert's (w13, w2)
+    (``moe.expert_matrices``; ``tensor_names``: the file's)."""
 
     wqkv: FastLinear
     wo: FastLinear
@@ -425,7 +424,7 @@ class FastLayer:
 
     def __init__(self, get, p: str, eps: float, bf16: bool, amx: bool = False,
                  amx_packed: bool = True, release: Release | None = None,
-                 panels: bool = True, n_expert: int = 0, stacked: bool = False):  # fmt: skip
+                 panels: bool = True, n_expert: int = 0, tensor_names=()):  # fmt: skip
         def linear(qtensors: list[QTensor], interleave: bool = False) -> FastLinear:
             return FastLinear(qtensors, bf16, amx, interleave=interleave, amx_packed=amx_packed,
                               release=release, panels=panels)  # fmt: skip
@@ -439,14 +438,8 @@ class FastLayer:
             setattr(self, attr, linear([get(f"{p}.{n}.weight") for n in names], attr == "w13"))
         if n_expert > 1:
             self.router = linear([get(f"{p}.ffn_gate_inp.weight")])
-            if stacked:  # llama.cpp's ffn_*_exps: one 3-D tensor each
-                gate, up, down = (get(f"{p}.ffn_{n}_exps.weight").unstack()
-                                  for n in ("gate", "up", "down"))  # fmt: skip
-            else:  # one tensor an expert
-                gate, up, down = ([get(f"{p}.ffn_{n}.{e}.weight") for e in range(n_expert)]
-                                  for n in ("gate", "up", "down"))  # fmt: skip
-            self.experts = [(linear([g, u], True), linear([d]))
-                            for g, u, d in zip(gate, up, down, strict=True)]  # fmt: skip
+            mats = moe.expert_matrices(get, p, n_expert, tensor_names)
+            self.experts = [(linear([g, u], True), linear([d])) for g, u, d in mats]
         self.attn_norm = _owned(get(f"{p}.attn_norm.weight"))
         self.ffn_norm = _owned(get(f"{p}.ffn_norm.weight"))
 
@@ -797,17 +790,16 @@ class FastModel(StaticKVState):
                           w2.plan(gu, out, swiglu=True)))  # fmt: skip
             outs.append(out)
 
+        def expert(e: int, _a: torch.Tensor) -> torch.Tensor:  # (its input: h, in the calls)
+            if calls[e][0]() or calls[e][1]():
+                raise MemoryError("the C decode step: out of memory")
+            return outs[e]
+
         def step() -> int:
             if router():
                 return 1
-            chosen, weights = moe.route(logits, c.expert_used_count)
-            ys = torch.zeros_like(h)
-            for slot in torch.argsort(chosen[0]).tolist():
-                e = int(chosen[0, slot])
-                if calls[e][0]() or calls[e][1]():
-                    return 1
-                ys = ys + outs[e] * weights[0, slot]
-            h.add_(ys)
+            runs = [functools.partial(expert, e) for e in range(len(calls))]
+            h.add_(moe.ffn(h, lambda _a: logits, runs, c.expert_used_count))
             return 0
 
         return step
@@ -941,10 +933,9 @@ class FastModel(StaticKVState):
         # streams them every token; moved onto them after the load instead, 1.2 GB took 2 s
         with cpu.hugepage_weights(hugepages):
             for i in progress.layers(range(config.block_count), config.block_count):
-                stacked = f"blk.{i}.ffn_gate_exps.weight" in content.tensor_infos
                 layers.append(FastLayer(get, f"blk.{i}", config.rms_norm_eps, bf16, amx_layers,
                                         amx_packed, release, panels, config.expert_count,
-                                        stacked))  # fmt: skip
+                                        content.tensor_infos))  # fmt: skip
                 release_pages(f)  # repacked: the layer's mapped pages are not needed any more
             tok_embd = get("token_embd.weight")  # a view of the mapped file: rows read on lookup
             tied = "output.weight" not in content.tensor_infos

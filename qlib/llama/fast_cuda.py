@@ -284,8 +284,8 @@ def _fp32_precision(mode: str):
 
 class CudaLayer:
     """One block's weights: wqkv, wo, w13 (gate | up), w2 (down), or for a mixture of experts
-    (``n_expert`` > 1) the router and each expert's (w13, w2), from llama.cpp's stacked
-    ``ffn_*_exps`` (``stacked``) or one tensor an expert."""
+    (``n_expert`` > 1) the router and each expert's (w13, w2) (``moe.expert_matrices``;
+    ``tensor_names``: the file's)."""
 
     wqkv: CudaLinear
     wo: CudaLinear
@@ -293,7 +293,7 @@ class CudaLayer:
     w2: CudaLinear | None
 
     def __init__(self, get, p: str, dense: torch.dtype | None, n_expert: int = 0,
-                 stacked: bool = False):  # fmt: skip
+                 tensor_names=()):  # fmt: skip
         self.router: CudaLinear | None = None
         self.experts: list[tuple[CudaLinear, CudaLinear]] | None = None
         for attr, names in FUSED_STACKS.items():  # wqkv, wo, w13, w2
@@ -303,14 +303,8 @@ class CudaLayer:
             setattr(self, attr, CudaLinear([get(f"{p}.{n}.weight") for n in names], dense))
         if n_expert > 1:
             self.router = CudaLinear([get(f"{p}.ffn_gate_inp.weight")], dense)
-            if stacked:
-                gate, up, down = (get(f"{p}.ffn_{n}_exps.weight").unstack()
-                                  for n in ("gate", "up", "down"))  # fmt: skip
-            else:
-                gate, up, down = ([get(f"{p}.ffn_{n}.{e}.weight") for e in range(n_expert)]
-                                  for n in ("gate", "up", "down"))  # fmt: skip
-            self.experts = [(CudaLinear([g, u], dense), CudaLinear([d], dense))
-                            for g, u, d in zip(gate, up, down, strict=True)]  # fmt: skip
+            mats = moe.expert_matrices(get, p, n_expert, tensor_names)
+            self.experts = [(CudaLinear([g, u], dense), CudaLinear([d], dense)) for g, u, d in mats]
         self.attn_norm = get(f"{p}.attn_norm.weight").dequantize()
         self.ffn_norm = get(f"{p}.ffn_norm.weight").dequantize()
 
@@ -329,9 +323,8 @@ class CudaLayer:
             n_ff = gu.shape[1] // 2
             return w2.matmul(F.silu(gu[:, :n_ff]) * gu[:, n_ff:])
 
-        chosen, weights = moe.route(self.router.matmul(a), n_used)
         runs = [functools.partial(expert, w13, w2) for w13, w2 in self.experts]
-        return moe.combine(a, chosen, weights, runs)
+        return moe.ffn(a, self.router.matmul, runs, n_used)
 
 
 class CudaFastModel(StaticKVState):
@@ -483,8 +476,7 @@ class CudaFastModel(StaticKVState):
 
         dense = PREFILL_DTYPES.get(prefill)  # None: "packed"
         blocks = progress.layers(range(config.block_count), config.block_count)
-        layers = [CudaLayer(get, f"blk.{i}", dense, config.expert_count,
-                            f"blk.{i}.ffn_gate_exps.weight" in content.tensor_infos)
+        layers = [CudaLayer(get, f"blk.{i}", dense, config.expert_count, content.tensor_infos)
                   for i in blocks]  # fmt: skip
         tok = get("token_embd.weight")
         out = get("output.weight") if "output.weight" in content.tensor_infos else tok

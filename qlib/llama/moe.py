@@ -5,7 +5,7 @@ experts' own matmuls."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import torch
 
@@ -41,3 +41,26 @@ def combine(xs: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
         out = expert(xs.index_select(0, rows)) * weights[rows, slot][:, None]
         ys = ys.index_add(0, rows, out.to(ys.dtype))
     return ys
+
+
+Rows = Callable[[torch.Tensor], torch.Tensor]  # rows in, rows out (a matmul, an expert)
+
+
+def ffn(a: torch.Tensor, router: Rows, experts: list[Rows], n_used: int) -> torch.Tensor:
+    """The FFN of the normed rows ``a``: each row's ``n_used`` experts by the router's output
+    (``route``), their weighted sum (``combine``)."""
+    chosen, weights = route(router(a), n_used)
+    return combine(a, chosen, weights, experts)
+
+
+def expert_matrices(get: Callable[[str], object], p: str, n_expert: int,
+                    names: Container[str]) -> list[tuple[object, object, object]]:  # fmt: skip
+    """Each expert's (gate, up, down) matrices of layer ``p`` as ``get`` gives tensors:
+    llama.cpp's stacked ``ffn_*_exps`` (one 3-D tensor each, ``unstack``-ed: views) where
+    ``names`` holds them, else the older files' one tensor an expert (``ffn_gate.{i}``)."""
+    if f"{p}.ffn_gate_exps.weight" in names:
+        gate, up, down = (get(f"{p}.ffn_{n}_exps.weight").unstack() for n in ("gate", "up", "down"))
+    else:
+        gate, up, down = ([get(f"{p}.ffn_{n}.{e}.weight") for e in range(n_expert)]
+                          for n in ("gate", "up", "down"))  # fmt: skip
+    return list(zip(gate, up, down, strict=True))
