@@ -795,11 +795,13 @@ class FastModel(StaticKVState):
                 raise MemoryError("the C decode step: out of memory")
             return outs[e]
 
+        runs = [functools.partial(expert, e) for e in range(len(calls))]  # made once
+
         def step() -> int:
             if router():
                 return 1
-            runs = [functools.partial(expert, e) for e in range(len(calls))]
-            h.add_(moe.ffn(h, lambda _a: logits, runs, c.expert_used_count))
+            chosen, weights = moe.route(logits, c.expert_used_count)
+            h.add_(moe.combine(h, chosen, weights, runs))
             return 0
 
         return step
