@@ -14,6 +14,10 @@ from qlib.gguf import Content, GGUFValueType, Typed, write_path
 from qlib.llama.engine import load
 from qlib.llama.errors import ModelError, ModelFileError
 from qlib.llama.faithful import MoE
+from qlib.llama.moe import combine, route
+from qlib.quants import cpu
+
+needs_c = pytest.mark.skipif(not cpu.available(), reason=f"C: {cpu.unavailable_reason()}")
 
 FOR_LLAMA_CPP = {"tokenizer.ggml.model": "none",
                  "llama.vocab_size": Typed(GGUFValueType.UINT32, 256)}  # fmt: skip
@@ -109,6 +113,76 @@ def test_the_fast_cpu_engine_runs_them_as_the_quantized_form(tmp_path, stacked):
         assert (got - want).abs().max() <= 1e-6 * want.abs().max()
     step = ref.forward(torch.tensor([[3]]), len(PROMPT[0]) + 1)
     assert fast.greedy_step(3, len(PROMPT[0]) + 1) == int(step.argmax())
+
+
+@needs_c
+@pytest.mark.parametrize(("logits", "n_used"), [
+    ([2.0, 0.0, 1.0, 2.0], 2),  # a tie: the lower index first
+    ([0.0, 3.0, 3.0, 3.0], 2),  # three tied, two taken
+    ([0.5, -1.0, 4.0, 0.25, 4.0, -3.0, 1.0, 2.0], 2),
+    ([0.5, -1.0, 4.0, 0.25, 4.0, -3.0, 1.0, 2.0], 3),
+    ([1.0, 2.0, 3.0], 1),
+    ([1.0, 2.0, 3.0], 3),
+])  # fmt: skip
+def test_the_c_routing_is_moe_route_and_combine(logits, n_used):
+    """decode.c's MoE step (experts without GEMVs: constant outputs) chooses the experts of
+    ``moe.route`` with its weights (to 2 ulp: its own softmax) and adds them to h as
+    ``moe.combine`` does (to 1e-6 relative: the same order, the weights' last bits)."""
+    n, k = len(logits), 40
+    router = torch.tensor([logits])
+    outs = [torch.randn(1, k, generator=torch.Generator().manual_seed(e)) for e in range(n)]
+    h = torch.randn(1, k, generator=torch.Generator().manual_seed(99))
+    want_chosen, want_weights = route(router, n_used)
+    want = h + combine(h, want_chosen, want_weights, [lambda _x, o=o: o for o in outs])
+    call = cpu.moe_decode_plan(router, h, [[] for _ in range(n)], outs, n_used)
+    assert call() == 0
+    order = torch.argsort(want_chosen[0])
+    assert call.chosen.tolist() == want_chosen[0, order].tolist()
+    assert torch.allclose(call.weights, want_weights[0, order], rtol=2.5e-7, atol=0)
+    assert torch.allclose(h, want, rtol=1e-6, atol=1e-6)
+
+
+@needs_c
+def test_the_c_routing_refuses_bad_counts():
+    h = torch.zeros(1, 8)
+    with pytest.raises(ValueError, match="3 of 2 experts"):
+        cpu.moe_decode_plan(torch.zeros(1, 2), h, [[], []], [h.clone(), h.clone()], 3)
+    with pytest.raises(ValueError, match="like h"):
+        cpu.moe_decode_plan(torch.zeros(1, 2), h, [[], []], [h.clone(), torch.zeros(4)], 1)
+
+
+@needs_c
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_K"])
+def test_the_fast_cpu_decode_step_is_one_c_call(tmp_path, weight_type):
+    """With the routing in C the fast CPU engine's decode step is one C call (a
+    ``DecodeChain``): its logits, by every decode mode, are those of the same engine with
+    the routing in torch (measured equal bit for bit; held to 1e-6 of their scale, as the
+    two softmaxes may differ in a last bit), and each layer's routing is ``moe.route``'s."""
+    from qlib.llama import fast_cpu
+
+    sizes = dict(n_embd=256, n_ff=256) if weight_type == "Q4_K" else {}
+    path, _ = write_tiny_moe(tmp_path / "moe.gguf", weight_type=weight_type, **sizes)
+    real = fast_cpu.cpu.moe_decode_plan
+    try:
+        fast_cpu.cpu.moe_decode_plan = lambda *a, **k: None  # the routing in torch
+        in_torch, _ = load(path, engine="fast")
+    finally:
+        fast_cpu.cpu.moe_decode_plan = real
+    fast, _ = load(path, engine="fast")
+    assert fast.decode_chained and not in_torch.decode_chained
+    prompt = torch.tensor(PROMPT)
+    want = [in_torch.forward(prompt, 0), in_torch.forward(torch.tensor([[44]]), 7)]
+    for mode in ("region", "c", "python"):
+        fast.decode_mode = mode
+        got = [fast.forward(prompt, 0), fast.forward(torch.tensor([[44]]), 7)]
+        for g, w in zip(got, want, strict=True):
+            assert (g - w).abs().max() <= 1e-6 * w.abs().max(), mode
+    for layer in fast._plan:
+        routed = layer[-1].routed
+        chosen, weights = route(routed.router_logits, fast.config.expert_used_count)
+        order = torch.argsort(chosen[0])
+        assert routed.chosen.tolist() == chosen[0, order].tolist()
+        assert torch.allclose(routed.weights, weights[0, order], rtol=2.5e-7, atol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -488,8 +488,8 @@ class FastModel(StaticKVState):
         self._embed_rows = embed_rows
         self._embed_release = embed_release
         self.layers = layers
-        # a mixture of experts: the layers' FFNs route in torch (``moe``): the decode step
-        # calls it from Python between its C calls, and the prefill runs the torch path
+        # a mixture of experts: the decode step routes each layer in C (``_moe_plan``), the
+        # prefill runs the torch path (``moe.ffn``)
         self.moe = bool(layers) and layers[0].experts is not None
         self.norm = norm
         self.output = output
@@ -572,7 +572,7 @@ class FastModel(StaticKVState):
                 cpu.attn_decode_plan(qkv, kc, vc, self._pos, att, **heads),
                 ly.wo.plan(att, h, accumulate=True),
             )  # fmt: skip
-            if ly.experts is not None:  # the experts' routing in torch: one Python call
+            if ly.experts is not None:  # the router's GEMV, the routing, the chosen experts
                 plan.append((*attention, self._moe_plan(ly)))
                 continue
             plan.append((*attention, ly.w13.plan(h, gu, norm=ly.ffn_norm, eps=eps),
@@ -774,37 +774,47 @@ class FastModel(StaticKVState):
                 raise MemoryError("the C decode step: out of memory")
         return self._logits_plan()
 
-    def _moe_plan(self, ly: FastLayer) -> Callable[[], int]:
+    def _moe_plan(self, ly: FastLayer) -> cpu.KernelCall:
         """A mixture of experts' FFN in the decode step, prepared: the router's GEMV of the
-        RmsNorm of ``h`` (a C call), the token's experts (``moe.route``, torch), each chosen
-        expert's gate/up and down GEMVs (C calls into buffers of their own, the RmsNorm and the
-        SwiGLU inside them), then ``h +=`` their weighted sum in expert order (``moe.combine``'s
-        additions)."""
+        RmsNorm of ``h``, then (``cpu.moe_decode_plan``) the token's experts by
+        ``moe.route``'s rule, each chosen expert's gate/up and down GEMVs (into buffers of
+        their own, the RmsNorm and the SwiGLU inside them) and ``h +=`` their weighted sum in
+        expert order (``moe.combine``'s additions): all C steps, so that the decode step stays
+        one C call. Where an expert has torch parts, the routing and the sum run in torch."""
         c, h, eps = self.config, self._h, self.config.rms_norm_eps
         logits = torch.empty(1, ly.router.out_features)
         router = ly.router.plan(h, logits, norm=ly.ffn_norm, eps=eps)
         calls, outs = [], []
         for w13, w2 in ly.experts:
             gu, out = torch.empty(w13.out_features), torch.empty(1, c.embedding_length)
-            calls.append((w13.plan(h, gu, norm=ly.ffn_norm, eps=eps),
-                          w2.plan(gu, out, swiglu=True)))  # fmt: skip
+            calls.append([w13.plan(h, gu, norm=ly.ffn_norm, eps=eps),
+                          w2.plan(gu, out, swiglu=True)])  # fmt: skip
             outs.append(out)
+        routed = cpu.moe_decode_plan(logits, h, calls, outs, c.expert_used_count)
+        if routed is not None and cpu.has_steps(router):
+
+            def step() -> int:
+                return router() or routed()
+
+            step.keep, step.routed = (router, routed), routed
+            step.steps = (*router.steps, *routed.steps)
+            return step
 
         def expert(e: int, _a: torch.Tensor) -> torch.Tensor:  # (its input: h, in the calls)
-            if calls[e][0]() or calls[e][1]():
+            if any(call() for call in calls[e]):
                 raise MemoryError("the C decode step: out of memory")
             return outs[e]
 
         runs = [functools.partial(expert, e) for e in range(len(calls))]  # made once
 
-        def step() -> int:
+        def step_in_torch() -> int:
             if router():
                 return 1
             chosen, weights = moe.route(logits, c.expert_used_count)
             h.add_(moe.combine(h, chosen, weights, runs))
             return 0
 
-        return step
+        return step_in_torch
 
     def _decode_inputs(self, token: int, pos: int) -> None:
         """The C decode step's inputs: the token's embedding row, the position and the RoPE

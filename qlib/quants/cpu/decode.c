@@ -1,5 +1,6 @@
 /* qlib CPU decode step in one C call: a list of prepared steps (the GEMVs of kernels.c and
- * kquants.c, the decode attention of attn.c), built once by ops.decode_steps, run in order.
+ * kquants.c, the decode attention of attn.c, a mixture of experts' routing with its chosen
+ * experts' GEMVs and their weighted sum), built once by ops' plans, run in order.
  *
  * mode 0: each step is its kernel's entry point (qlib_qgemm_ex with m = 1, qlib_kgemm,
  *         qlib_attn_decode_kv), one after the other: what the Python loop of prepared calls
@@ -17,17 +18,20 @@
  * The position and the RoPE rows are read through pointers at each run (ops.DecodePosition).
  * Returns 0, or -1 (a step's arguments, out of memory: nothing is run then in mode 1). */
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-enum { STEP_QGEMV = 1, STEP_KGEMV = 2, STEP_ATTN = 3 };
+enum { STEP_QGEMV = 1, STEP_KGEMV = 2, STEP_ATTN = 3, STEP_MOE = 4 };
 /* kernels.c's and kquants.c's QLIB_PANELS: a Q4_0 / Q4_1 / Q8_0 / Q4_K weight as 16-row panels */
 enum { PANELS = 64 };
+/* the most experts a STEP_MOE routes over */
+enum { MAX_EXPERTS = 256 };
 
 /* one step; ops.DecodeStepC mirrors it field for field */
-typedef struct {
+typedef struct qlib_step {
     int kind, type;
     const void *w;                  /* codes (planes) or GGUF blocks */
     const void *d, *m;              /* planes: f16 scales, Q4_1 minimums */
@@ -42,6 +46,16 @@ typedef struct {
     const float *const *cos_row;    /* attention: the RoPE rows of the position */
     const float *const *sin_row;
     int n_head, n_kv, head_dim, max_seq, neox, kv_f16, split;
+    /* a mixture of experts' FFN (STEP_MOE): x the router's logits (n experts), y the residual
+     * (k floats, +=); expert e's GEMV steps are experts[first[e] .. first[e + 1]), its output
+     * outs[e]; the token's n_used experts (ascending) and their weights go into chosen and
+     * weights */
+    const struct qlib_step *experts;
+    const int *first;
+    float *const *outs;
+    int *chosen;
+    float *weights;
+    int n_used;
 } qlib_step;
 
 int qlib_qgemm_ex(int type, const uint8_t *codes, const uint16_t *dw, const uint16_t *mw,
@@ -137,8 +151,48 @@ static int step_ok(const qlib_step *s) {
                                               s->k % 256 == 0;
     case STEP_ATTN:
         return s->head_dim % 16 == 0 && s->head_dim <= 128 && s->n_head % s->n_kv == 0;
+    case STEP_MOE: /* its experts' steps: GEMVs only */
+        if (s->n < 1 || s->n > MAX_EXPERTS || s->n_used < 1 || s->n_used > s->n) return 0;
+        for (int i = 0; i < s->first[s->n]; i++)
+            if (s->experts[i].kind == STEP_ATTN || s->experts[i].kind == STEP_MOE ||
+                !step_ok(&s->experts[i]))
+                return 0;
+        return 1;
     }
     return 0;
+}
+
+/* A token's experts from the router's logits (s->x), as llama.moe.route: the softmax over the
+ * n experts in float32 (the maximum subtracted, expf, the sum in index order), the n_used
+ * largest (the lower index first on ties), each weight over their running sum in that
+ * order; written in ascending expert order (the order their outputs are added in). */
+static void moe_route(const qlib_step *s) {
+    const int n = s->n, used = s->n_used;
+    float p[MAX_EXPERTS], top[MAX_EXPERTS];
+    unsigned char taken[MAX_EXPERTS] = {0};
+    float mx = s->x[0], sum = 0.0f, total = 0.0f;
+    for (int i = 1; i < n; i++) mx = s->x[i] > mx ? s->x[i] : mx;
+    for (int i = 0; i < n; i++) sum += p[i] = expf(s->x[i] - mx);
+    for (int i = 0; i < n; i++) p[i] = p[i] / sum;
+    for (int j = 0; j < used; j++) {
+        int best = -1;
+        for (int i = 0; i < n; i++)
+            if (!taken[i] && (best < 0 || p[i] > p[best])) best = i;
+        taken[best] = 1;
+        total += top[best] = p[best];
+    }
+    for (int i = 0, j = 0; i < n; i++)
+        if (taken[i]) s->chosen[j] = i, s->weights[j++] = top[i] / total;
+}
+
+/* y[i0 .. i1) += the chosen experts' outputs times their weights, summed in expert order
+ * from zero (llama.moe.combine's additions, each product rounded before its add) */
+static void moe_combine(const qlib_step *s, int i0, int i1) {
+    for (int i = i0; i < i1; i++) {
+        float acc = 0.0f;
+        for (int j = 0; j < s->n_used; j++) acc = acc + s->outs[s->chosen[j]][i] * s->weights[j];
+        s->y[i] = s->y[i] + acc;
+    }
 }
 
 static int run_one(const qlib_step *s) {
@@ -153,8 +207,70 @@ static int run_one(const qlib_step *s) {
         return qlib_attn_decode_kv((float *)s->x, s->kc, s->vc, *s->pos, s->n_head, s->n_kv,
                                    s->head_dim, s->max_seq, *s->cos_row, *s->sin_row, s->neox,
                                    s->y, s->kv_f16, s->split);
+    case STEP_MOE:
+        moe_route(s);
+        for (int j = 0; j < s->n_used; j++)
+            for (int i = s->first[s->chosen[j]]; i < s->first[s->chosen[j] + 1]; i++)
+                if (run_one(&s->experts[i])) return -1;
+        moe_combine(s, 0, s->k);
+        return 0;
     }
     return -1;
+}
+
+/* a step's bytes of scratch: each thread's (GEMV), the team's shared buffer */
+static void scratch_need(const qlib_step *s, int nth, size_t *per_thread, size_t *shared) {
+    size_t b = 0;
+    if (s->kind == STEP_QGEMV) b = qlib_qgemv_scratch(s->k);
+    if (s->kind == STEP_KGEMV) b = qlib_kgemv_scratch(s->k);
+    if (b > *per_thread) *per_thread = b;
+    b = 0;
+    if ((s->kind == STEP_QGEMV || s->kind == STEP_KGEMV) && s->swiglu)
+        b = sizeof(float) * (size_t)s->k; /* silu(gate) * up, shared by the team */
+    if (s->kind == STEP_ATTN)
+        b = sizeof(float) * qlib_attn_region_floats(*s->pos, s->n_head, s->n_kv, s->head_dim,
+                                                    s->split, nth, nth, s->kv_f16);
+    if (b > *shared) *shared = b;
+    if (s->kind == STEP_MOE)
+        for (int i = 0; i < s->first[s->n]; i++)
+            scratch_need(&s->experts[i], nth, per_thread, shared);
+}
+
+/* step s by thread t of the region's team (every in-region kernel ends with a barrier) */
+static void region_step(const qlib_step *s, int t, int team, int nth, uint8_t *mine,
+                        float *buf) {
+    switch (s->kind) {
+    case STEP_QGEMV:
+        qlib_qgemv_region(s->type, s->w, s->d, s->m, s->n, s->k, s->x, s->y, s->norm, s->eps,
+                          s->swiglu, s->accumulate, mine, buf);
+        break;
+    case STEP_KGEMV:
+        qlib_kgemv_region(s->type, s->w, s->n, s->k, s->x, s->y, s->norm, s->eps, s->swiglu,
+                          s->accumulate, mine, buf);
+        break;
+    case STEP_ATTN:
+        qlib_attn_decode_region((float *)s->x, s->kc, s->vc, *s->pos, s->n_head, s->n_kv,
+                                s->head_dim, s->max_seq, *s->cos_row, *s->sin_row, s->neox, s->y,
+                                s->kv_f16, s->split, nth, buf);
+        break;
+    case STEP_MOE: { /* the routing on thread 0, the chosen experts' GEMVs, the weighted sum */
+        if (t == 0) moe_route(s);
+#pragma omp barrier
+        const qlib_step *order[s->first[s->n] + 1]; /* the chosen experts' steps in order */
+        int count = 0;
+        for (int j = 0; j < s->n_used; j++)
+            for (int i = s->first[s->chosen[j]]; i < s->first[s->chosen[j] + 1]; i++)
+                order[count++] = &s->experts[i];
+        for (int i = 0; i < count; i++) {
+            if (i + 1 < count) prefetch_share(order[i + 1], t, team);
+            region_step(order[i], t, team, nth, mine, buf);
+        }
+        const int per = (s->k + team - 1) / team, i0 = t * per;
+        moe_combine(s, i0 < s->k ? i0 : s->k, i0 + per < s->k ? i0 + per : s->k);
+#pragma omp barrier
+        break;
+    }
+    }
 }
 
 int qlib_decode_run(const qlib_step *steps, int count, int mode) {
@@ -167,20 +283,7 @@ int qlib_decode_run(const qlib_step *steps, int count, int mode) {
     }
     const int nth = omp_get_max_threads();
     size_t per_thread = 64, shared = 16; /* bytes: each thread's GEMV scratch, the team's buffer */
-    for (int i = 0; i < count; i++) {
-        const qlib_step *s = &steps[i];
-        if (s->kind == STEP_QGEMV && qlib_qgemv_scratch(s->k) > per_thread)
-            per_thread = qlib_qgemv_scratch(s->k);
-        if (s->kind == STEP_KGEMV && qlib_kgemv_scratch(s->k) > per_thread)
-            per_thread = qlib_kgemv_scratch(s->k);
-        if (s->kind != STEP_ATTN && s->swiglu && sizeof(float) * (size_t)s->k > shared)
-            shared = sizeof(float) * (size_t)s->k; /* silu(gate) * up, shared by the team */
-        if (s->kind == STEP_ATTN) {
-            const size_t b = sizeof(float) * qlib_attn_region_floats(
-                *s->pos, s->n_head, s->n_kv, s->head_dim, s->split, nth, nth, s->kv_f16);
-            shared = b > shared ? b : shared;
-        }
-    }
+    for (int i = 0; i < count; i++) scratch_need(&steps[i], nth, &per_thread, &shared);
     per_thread = (per_thread + 63) / 64 * 64, shared = (shared + 63) / 64 * 64;
     uint8_t *scratch = aligned_alloc(64, per_thread * nth + shared);
     if (!scratch) return -1;
@@ -193,24 +296,8 @@ int qlib_decode_run(const qlib_step *steps, int count, int mode) {
         uint8_t *mine = scratch + per_thread * t;
         double last = times && t == 0 ? omp_get_wtime() : 0.0;
         for (int i = 0; i < count; i++) {
-            const qlib_step *s = &steps[i];
             if (i + 1 < count) prefetch_share(&steps[i + 1], t, team);
-            switch (s->kind) {
-            case STEP_QGEMV:
-                qlib_qgemv_region(s->type, s->w, s->d, s->m, s->n, s->k, s->x, s->y, s->norm,
-                                  s->eps, s->swiglu, s->accumulate, mine, buf);
-                break;
-            case STEP_KGEMV:
-                qlib_kgemv_region(s->type, s->w, s->n, s->k, s->x, s->y, s->norm, s->eps,
-                                  s->swiglu, s->accumulate, mine, buf);
-                break;
-            case STEP_ATTN:
-                qlib_attn_decode_region((float *)s->x, s->kc, s->vc, *s->pos, s->n_head,
-                                        s->n_kv, s->head_dim, s->max_seq, *s->cos_row,
-                                        *s->sin_row, s->neox, s->y, s->kv_f16, s->split, nth,
-                                        buf);
-                break;
-            }
+            region_step(&steps[i], t, team, nth, mine, buf);
             if (times && t == 0) {
                 const double now = omp_get_wtime();
                 times[i] += now - last;

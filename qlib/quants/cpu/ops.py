@@ -23,6 +23,7 @@ references to its tensors, which must not be resized or reallocated while it is 
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -299,21 +300,25 @@ def _prepared(fn, *args, keep: tuple, step: DecodeStepC | None = None) -> Kernel
 
 # -- decode.c: the whole decode step in one C call -----------------------------------------
 
-STEP_QGEMV, STEP_KGEMV, STEP_ATTN = 1, 2, 3  # qlib_step.kind of decode.c
+STEP_QGEMV, STEP_KGEMV, STEP_ATTN, STEP_MOE = 1, 2, 3, 4  # qlib_step.kind of decode.c
+MAX_EXPERTS = 256  # decode.c's: the most experts a MoE step routes over
 DECODE_MODES = {"c": 0, "region": 1}  # qlib_decode_run's modes (see decode_chain)
 
 
 class DecodeStepC(ctypes.Structure):
-    """``qlib_step`` of decode.c: one prepared GEMV or attention step (raw pointers: the plan
-    that made it keeps its tensors)."""
+    """``qlib_step`` of decode.c: one prepared GEMV, attention or mixture-of-experts step (raw
+    pointers: the plan that made it keeps its tensors)."""
 
-    _fields_ = [
-        ("kind", _i), ("type", _i), ("w", _p), ("d", _p), ("m", _p), ("n", _i), ("k", _i),
-        ("x", _p), ("y", _p), ("norm", _p), ("eps", _f), ("swiglu", _i), ("accumulate", _i),
-        ("kc", _p), ("vc", _p), ("pos", _p), ("cos_row", _p), ("sin_row", _p),
-        ("n_head", _i), ("n_kv", _i), ("head_dim", _i), ("max_seq", _i), ("neox", _i),
-        ("kv_f16", _i), ("split", _i),
-    ]  # fmt: skip
+
+DecodeStepC._fields_ = [
+    ("kind", _i), ("type", _i), ("w", _p), ("d", _p), ("m", _p), ("n", _i), ("k", _i),
+    ("x", _p), ("y", _p), ("norm", _p), ("eps", _f), ("swiglu", _i), ("accumulate", _i),
+    ("kc", _p), ("vc", _p), ("pos", _p), ("cos_row", _p), ("sin_row", _p),
+    ("n_head", _i), ("n_kv", _i), ("head_dim", _i), ("max_seq", _i), ("neox", _i),
+    ("kv_f16", _i), ("split", _i),
+    ("experts", ctypes.POINTER(DecodeStepC)), ("first", _p), ("outs", _p), ("chosen", _p),
+    ("weights", _p), ("n_used", _i),
+]  # fmt: skip
 
 
 class DecodeChain:
@@ -770,6 +775,49 @@ def attn_decode_plan(
         out.data_ptr(), int(kv_dtype == torch.float16), split,
         keep=(qkv, k_cache, v_cache, out, position), step=step,
     )  # fmt: skip
+
+
+def moe_decode_plan(router_logits: torch.Tensor, h: torch.Tensor,
+                    experts: list[list[KernelCall]], outs: list[torch.Tensor],
+                    n_used: int) -> KernelCall | None:  # fmt: skip
+    """A mixture of experts' FFN in the decode step as one prepared call, after the router's
+    GEMV into ``router_logits`` (``n_expert`` floats): the token's ``n_used`` experts and
+    their weights (``llama.moe.route``'s: softmax, the largest, over their sum), each chosen
+    expert's prepared calls (``experts[e]``, its GEMVs into ``outs[e]``), then ``h +=`` their
+    weighted sum in expert order (``llama.moe.combine``'s additions), all in C (``decode.c``),
+    so that it runs in a ``DecodeChain``. The call's ``chosen`` and ``weights`` tensors hold
+    the last routing (of its ``router_logits``). None where an expert's calls have torch
+    parts (no C steps)."""
+    _check(router_logits, torch.float32, "router_logits")
+    _check(h, torch.float32, "h")
+    n = router_logits.numel()
+    if not 1 <= n_used <= n <= MAX_EXPERTS or len(experts) != n or len(outs) != n:
+        raise ValueError(f"moe_decode_plan: {n_used} of {n} experts ({len(experts)} given; "
+                         f"at most {MAX_EXPERTS})")  # fmt: skip
+    if not all(has_steps(call) for calls in experts for call in calls):
+        return None
+    for out in outs:
+        _check(out, torch.float32, "outs")
+        if out.numel() != h.numel():
+            raise ValueError("moe_decode_plan: each expert's output must be like h")
+    steps = [[s for call in calls for s in call.steps] for calls in experts]
+    first = torch.tensor([0, *itertools.accumulate(len(e) for e in steps)], dtype=torch.int32)
+    array = (DecodeStepC * max(1, int(first[-1])))(*(s for e in steps for s in e))
+    out_ptrs = (ctypes.c_void_p * n)(*(o.data_ptr() for o in outs))
+    chosen = torch.zeros(n_used, dtype=torch.int32)
+    weights = torch.zeros(n_used)
+    step = DecodeStepC(
+        kind=STEP_MOE, n=n, k=h.numel(), x=router_logits.data_ptr(), y=h.data_ptr(),
+        experts=ctypes.cast(array, ctypes.POINTER(DecodeStepC)), first=first.data_ptr(),
+        outs=ctypes.addressof(out_ptrs), chosen=chosen.data_ptr(), weights=weights.data_ptr(),
+        n_used=n_used,
+    )  # fmt: skip
+    one = (DecodeStepC * 1)(step)
+    call = _prepared(_lib().qlib_decode_run, one, 1, DECODE_MODES["c"],
+                     keep=(router_logits, h, experts, outs, first, array, out_ptrs, one),
+                     step=step)  # fmt: skip
+    call.router_logits, call.chosen, call.weights = router_logits, chosen, weights
+    return call
 
 
 # -- prefill.c: float32 arithmetic, bf16 matmul inputs/outputs -----------------------------
