@@ -185,23 +185,56 @@ def test_the_fast_cpu_decode_step_is_one_c_call(tmp_path, weight_type):
         assert torch.allclose(routed.weights, weights[0, order], rtol=2.5e-7, atol=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("stacked", [True, False])
-def test_the_fast_cuda_engine_runs_them_as_the_f32_form(tmp_path, stacked):
-    """The fast CUDA engine (the fused kernels, routing in torch, no CUDA graphs; weights
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize(("weight_type", "stacked", "on_device"), [
+    ("Q8_0", True, True), ("Q8_0", False, True), ("Q4_K", True, True), ("F32", True, False),
+])  # fmt: skip
+def test_the_fast_cuda_engine_runs_them_as_the_f32_form(tmp_path, weight_type, stacked,
+                                                         on_device):  # fmt: skip
+    """The fast CUDA engine (its fused kernels; experts of one packed type routed on the
+    device and replayed from a CUDA graph, else routed in torch without graphs; weights
     dequantized exactly, float32 activations): the CPU's f32 form to 1e-4 of its logits'
-    scale, a prompt, a decode step and a greedy step; a persistent decode is refused."""
-    path, _ = write_tiny_moe(tmp_path / "moe.gguf", weight_type="Q8_0", stacked=stacked)
+    scale, a prompt and four decode steps (the first eager, the rest the graph's), and a
+    greedy step; a persistent decode is refused."""
+    sizes = dict(n_embd=256, n_ff=256) if weight_type == "Q4_K" else {}
+    path, _ = write_tiny_moe(tmp_path / "moe.gguf", weight_type=weight_type, stacked=stacked,
+                             **sizes)  # fmt: skip
     ref, _ = load(path, form="f32")
     fast, _ = load(path, "cuda", engine="fast")
-    assert not fast.graphs and "mixture of experts" in fast.decode_note
-    for ids, pos in ((torch.tensor(PROMPT), 0), (torch.tensor([[44]]), len(PROMPT[0]))):
+    assert fast.graphs == on_device
+    assert ("routed on the device" if on_device else "routes in torch") in fast.decode_note
+    steps = [(torch.tensor(PROMPT), 0)] + [(torch.tensor([[t]]), 7 + i)
+                                           for i, t in enumerate((44, 3, 250, 9))]  # fmt: skip
+    for ids, pos in steps:
         want, got = ref.forward(ids, pos), fast.forward(ids, pos).cpu()
-        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
-    step = ref.forward(torch.tensor([[3]]), len(PROMPT[0]) + 1)
-    assert fast.greedy_step(3, len(PROMPT[0]) + 1) == int(step.argmax())
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), pos
+    step = ref.forward(torch.tensor([[3]]), 12)
+    assert fast.greedy_step(3, 12) == int(step.argmax())
     with pytest.raises(ModelError, match="no routing for a mixture of experts"):
         load(path, "cuda", engine="fast", decode="persistent")
+
+
+@needs_cuda
+@pytest.mark.parametrize(("logits", "n_used"), [
+    ([2.0, 0.0, 1.0, 2.0], 2), ([0.0, 3.0, 3.0, 3.0], 2),
+    ([0.5, -1.0, 4.0, 0.25, 4.0, -3.0, 1.0, 2.0], 3), ([1.0, 2.0, 3.0], 3),
+])  # fmt: skip
+def test_the_device_routing_is_moe_route(logits, n_used):
+    """``fused.moe_route`` chooses ``moe.route``'s experts (ties: the lower index) with its
+    weights to 1e-6 (its own exp), in ascending expert order."""
+    from qlib.quants.cuda import fused
+
+    router = torch.tensor([logits])
+    want_chosen, want_weights = route(router, n_used)
+    order = torch.argsort(want_chosen[0])
+    chosen = torch.zeros(n_used, dtype=torch.int32, device="cuda")
+    weights = torch.zeros(n_used, device="cuda")
+    fused.moe_route(router[0].cuda(), chosen, weights)
+    assert chosen.tolist() == want_chosen[0, order].tolist()
+    assert torch.allclose(weights.cpu(), want_weights[0, order], rtol=1e-6, atol=0)
 
 
 def test_a_missing_expert_or_a_wrong_router_is_named(tmp_path):

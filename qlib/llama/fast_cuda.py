@@ -282,6 +282,35 @@ def _fp32_precision(mode: str):
         matmul.fp32_precision = old
 
 
+Experts = list[tuple[CudaLinear, CudaLinear]]  # each expert's (gate | up, down)
+
+
+def _stack_experts(experts: Experts) -> tuple[Prepared, Prepared] | None:
+    """Every expert's gate | up planes in one ``Prepared`` (their rows one expert after
+    another), and their down planes in another, for the decode step's device routing
+    (``fused.experts_gemv``); each expert's own parts become row views of them (no second
+    copy). None where an expert's projections are not one packed part of one type and shape
+    (they stay as they are: the routing in torch)."""
+    stacks = []
+    for i in (0, 1):
+        parts = [pair[i].parts for pair in experts]
+        first = parts[0][0]
+        shape = (first.type_name, first.n, first.k)
+        if any(len(ps) != 1 or not isinstance(ps[0], Prepared) for ps in parts) or any(
+                (ps[0].type_name, ps[0].n, ps[0].k) != shape for ps in parts):  # fmt: skip
+            return None
+        planes = {}
+        for name in ("qs", "qh", "d", "dm", "sc", "mn"):
+            got = [getattr(ps[0], name) for ps in parts]
+            planes[name] = torch.cat(got) if got[0] is not None else None
+        for e, pair in enumerate(experts):
+            rows = slice(e * first.n, (e + 1) * first.n)
+            views = {n: t[rows] if t is not None else None for n, t in planes.items()}
+            pair[i].parts = [Prepared(first.type_name, first.n, first.k, **views)]
+        stacks.append(Prepared(first.type_name, first.n * len(experts), first.k, **planes))
+    return stacks[0], stacks[1]
+
+
 class CudaLayer:
     """One block's weights: wqkv, wo, w13 (gate | up), w2 (down), or for a mixture of experts
     (``n_expert`` > 1) the router and each expert's (w13, w2) (``moe.expert_matrices``;
@@ -295,16 +324,18 @@ class CudaLayer:
     def __init__(self, get, p: str, dense: torch.dtype | None, n_expert: int = 0,
                  tensor_names=()):  # fmt: skip
         self.router: CudaLinear | None = None
-        self.experts: list[tuple[CudaLinear, CudaLinear]] | None = None
+        self.experts: Experts | None = None
         for attr, names in FUSED_STACKS.items():  # wqkv, wo, w13, w2
             if n_expert > 1 and attr in ("w13", "w2"):
                 setattr(self, attr, None)
                 continue
             setattr(self, attr, CudaLinear([get(f"{p}.{n}.weight") for n in names], dense))
+        self.expert_stacks: tuple[Prepared, Prepared] | None = None
         if n_expert > 1:
             self.router = CudaLinear([get(f"{p}.ffn_gate_inp.weight")], dense)
             mats = moe.expert_matrices(get, p, n_expert, tensor_names)
             self.experts = [(CudaLinear([g, u], dense), CudaLinear([d], dense)) for g, u, d in mats]
+            self.expert_stacks = _stack_experts(self.experts)
         self.attn_norm = get(f"{p}.attn_norm.weight").dequantize()
         self.ffn_norm = get(f"{p}.ffn_norm.weight").dequantize()
 
@@ -384,6 +415,12 @@ class CudaFastModel(StaticKVState):
         self._q = torch.empty(c.head_count * c.head_dim, device=device)
         self._att = torch.empty(c.head_count * c.head_dim, device=device)
         self._g = torch.empty(n_ff, device=device)
+        if layers and layers[0].experts is not None:  # a mixture of experts' routing, outputs
+            moe_ff = layers[0].experts[0][0].out_features // 2
+            self._moe_logits = torch.empty(c.expert_count, device=device)
+            self._moe_chosen = torch.zeros(c.expert_used_count, dtype=torch.int32, device=device)
+            self._moe_weights = torch.empty(c.expert_used_count, device=device)
+            self._moe_g = torch.empty(c.expert_used_count, moe_ff, device=device)
         self.merged = False  # decode="merged": the combine in the output projection's kernel
         self.decode_note = "as asked"  # why this decode (from_gguf's decode="auto" says)
         self._logits = torch.empty(1, output.n, device=device)
@@ -449,12 +486,11 @@ class CudaFastModel(StaticKVState):
         mats = {n: KERNEL_TYPE.get(i.dtype.name, i.dtype.name)
                 for n, i in content.tensor_infos.items() if len(i.shape) == 2}  # fmt: skip
         moe_file = config.expert_count > 1
-        if moe_file:  # the routing is torch's: the fused kernels, no CUDA graphs
+        if moe_file:  # the fused kernels, the routing on the device (see below)
             if decode not in ("auto", "fused"):
                 raise ModelError(f"decode {decode} has no routing for a mixture of experts "
                                  "(llama.expert_count > 1): decode fused runs it")  # fmt: skip
-            decode, graphs = "fused", False
-            note = "fused without CUDA graphs: a mixture of experts routes in torch"
+            decode, note = "fused", "fused: a mixture of experts routed on the device"
         elif auto:
             cc = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
             decode, note = auto_decode(mats, config, cc)
@@ -490,6 +526,10 @@ class CudaFastModel(StaticKVState):
                     rope_freqs=rope_freqs, pdl=pdl, kv_type=kv_type)  # fmt: skip
         model.merged = decode == "merged"
         model.decode_note = note
+        if moe_file and any(ly.expert_stacks is None for ly in layers):
+            model.graphs = False  # the routing reads the choice back to the host
+            model.decode_note = ("fused without CUDA graphs: a mixture of experts routes in "
+                                 "torch (experts of mixed types or without kernels)")  # fmt: skip
         if decode == "persistent":
             try:
                 model._persistent = _persistent_decoder(model, get, tok, out,
@@ -563,7 +603,16 @@ class CudaFastModel(StaticKVState):
             else:
                 attend(self._q, kc, vc, self._att, self._pos)
                 gemv(self._att, ly.wo.parts[0], h, epilogue=EPI_ADD)
-            if ly.experts is not None:  # a mixture of experts: routed in torch (no graphs)
+            if ly.expert_stacks is not None:  # a mixture of experts routed on the device
+                gate_up, down = ly.expert_stacks
+                gemv(h, ly.router.parts[0], self._moe_logits, norm=ly.ffn_norm, eps=eps)
+                fused.moe_route(self._moe_logits, self._moe_chosen, self._moe_weights)
+                fused.experts_gemv(h, gate_up, self._moe_g, self._moe_chosen, c.expert_count,
+                                   norm=ly.ffn_norm, eps=eps)  # fmt: skip
+                fused.experts_gemv(self._moe_g, down, h, self._moe_chosen, c.expert_count,
+                                   weights=self._moe_weights)  # fmt: skip
+                continue
+            if ly.experts is not None:  # routed in torch (reads the choice back: no graphs)
                 h += ly.experts_ffn(F.rms_norm(h, (c.embedding_length,), ly.ffn_norm, eps),
                                     c.expert_used_count)  # fmt: skip
                 continue

@@ -337,6 +337,67 @@ def _embed_kernel(
     tl.store(p + 16, v_hi, mask=gmask)
 
 
+@triton.jit
+def _moe_route_kernel(logits, chosen, weights, E, NU: tl.constexpr, EB: tl.constexpr,
+                      PDL: tl.constexpr):  # fmt: skip
+    """A token's experts (``llama.moe.route``'s rule): the softmax over the ``E`` router
+    logits, the ``NU`` largest (the lower index first on ties), each over their running sum;
+    written in ascending expert order, the order their outputs are added in."""
+    _pdl_start(PDL)
+    e = tl.arange(0, EB)
+    live = e < E
+    x = tl.load(logits + e, mask=live, other=float("-inf"))
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(live, p, 0.0)
+    p = p / tl.sum(p, 0)
+    taken = e < 0
+    total = 0.0
+    for _ in tl.static_range(NU):
+        q = tl.where(taken | ~live, -1.0, p)
+        taken = taken | (e == tl.argmax(q, 0, tie_break_left=True))
+        total += tl.max(q, 0)
+    slot = tl.cumsum(taken.to(tl.int32), 0) - 1
+    tl.store(chosen + slot, e, mask=taken)
+    tl.store(weights + slot, p / total, mask=taken)
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _experts_gemv_kernel(
+    x, nw, y, chosen, weights, qs, qh, d, dm, sc, mn, N, K, G, eps, qs_stride, qh_stride,
+    d_stride, sc_stride, FMT: tl.constexpr, HAS_OFF: tl.constexpr, NORM: tl.constexpr,
+    GATE_UP: tl.constexpr, NU: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
+    KB: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The chosen experts' GEMVs of one token; ``W`` holds every expert's ``N`` rows, one
+    expert after another. ``GATE_UP``: program (i, j) writes ``y[j] = silu(gate) * up`` of
+    the j-th chosen expert (its rows gate then up) for the (normed) row ``x``; else (down)
+    ``y += sum_j weights[j] * (x[j] @ W_j.T)``, summed from zero in slot order."""
+    _pdl_start(PDL)
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_out = N // 2 if GATE_UP else N
+    mask = rows < n_out
+    row = tl.minimum(rows, n_out - 1).to(tl.int64)
+    if GATE_UP:
+        j = tl.program_id(1)
+        row += tl.load(chosen + j).to(tl.int64) * N
+        rstd = 1.0
+        if NORM:
+            rstd = _rstd(x, K, eps, KB)
+        a = _dot_rows(x, nw, rstd, row, qs, qh, d, dm, sc, mn, G, qs_stride, qh_stride,
+                      d_stride, sc_stride, FMT, HAS_OFF, NORM, BN, NG)  # fmt: skip
+        b = _dot_rows(x, nw, rstd, row + n_out, qs, qh, d, dm, sc, mn, G, qs_stride, qh_stride,
+                      d_stride, sc_stride, FMT, HAS_OFF, NORM, BN, NG)  # fmt: skip
+        tl.store(y + j * n_out + rows, a / (1.0 + tl.exp(-a)) * b, mask=mask)
+    else:
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for j in tl.static_range(NU):
+            e_row = row + tl.load(chosen + j).to(tl.int64) * N
+            a = _dot_rows(x + j * K, x, 1.0, e_row, qs, qh, d, dm, sc, mn, G, qs_stride,
+                          qh_stride, d_stride, sc_stride, FMT, HAS_OFF, False, BN, NG)  # fmt: skip
+            acc = acc + a * tl.load(weights + j)
+        tl.store(y + rows, tl.load(y + rows, mask=mask, other=0.0) + acc, mask=mask)
+
+
 # --- launchers -----------------------------------------------------------------------------
 
 
@@ -403,6 +464,36 @@ def norm_gemv(
         FMT=fmt, HAS_OFF=fmt in _HAS_OFFSET, NORM=norm is not None, EPI=epilogue,
         BN=bn, NG=min(ng, _np2(w.groups)), KB=_np2(w.k), num_warps=num_warps, **_pdl(),
         QL=_np2(triton.cdiv(w.qs.stride(0) * w.qs.element_size(), 128)) if _PREFETCH[0] else 0,
+    )  # fmt: skip
+
+
+def moe_route(logits: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> None:
+    """A token's experts from the router's ``logits`` ``[E]``: ``chosen`` (int32 ``[n_used]``,
+    ascending) and their ``weights`` (float32), as ``llama.moe.route`` chooses them."""
+    n = logits.numel()
+    _moe_route_kernel[(1,)](logits, chosen, weights, n, NU=chosen.numel(), EB=_np2(n),
+                            num_warps=1, **_pdl())  # fmt: skip
+
+
+def experts_gemv(x: torch.Tensor, w: Prepared, y: torch.Tensor, chosen: torch.Tensor,
+                 n_expert: int, *, weights: torch.Tensor | None = None,
+                 norm: torch.Tensor | None = None, eps: float = 0.0, ng: int = 32,
+                 num_warps: int = 4) -> None:  # fmt: skip
+    """The chosen experts' GEMVs (``w``: every expert's rows, ``n_expert`` equal runs).
+    Without ``weights``: each expert's rows are its gate then its up rows, and ``y`` ``[n_used,
+    n_ff]`` receives ``silu(gate) * up`` of ``rms_norm(x)`` (norm optional) per chosen expert;
+    with them (the down projection): ``y += sum_j weights[j] * x[j] @ W_j.T`` for the rows
+    ``x`` ``[n_used, k]``."""
+    planes, strides = _args(w)
+    n, n_used, gate_up = w.n // n_expert, chosen.numel(), weights is None
+    n_out = n // 2 if gate_up else n
+    bn = 32 if n_out >= 16384 else 4
+    fmt = w.format_id
+    _experts_gemv_kernel[(triton.cdiv(n_out, bn), n_used if gate_up else 1)](
+        x, norm if norm is not None else x, y, chosen, weights if weights is not None else x,
+        *planes, n, w.k, w.groups, eps, *strides, FMT=fmt, HAS_OFF=fmt in _HAS_OFFSET,
+        NORM=norm is not None, GATE_UP=gate_up, NU=n_used, BN=bn, NG=min(ng, _np2(w.groups)),
+        KB=_np2(w.k), num_warps=num_warps, **_pdl(),
     )  # fmt: skip
 
 
