@@ -4,7 +4,7 @@ rounds alternating in one process, llama.cpp beside them where it is installed (
 
     python tools/moe_speed.py [--model PATH | --out PATH --type Q8_0 --layers 8 --hidden 512
         --ff 1024 --experts 8 --used 2] [--device cpu|cuda] [--engines fast,faithful]
-        [--steps 32] [--rounds 2] [--llama-cpp]
+        [--steps 32] [--rounds 2] [--llama-cpp] [--torch-routing]
 
 Per round and engine: a 32-token prompt, then ``--steps`` greedy steps; ms a token, min and
 median of the steps, and how many leading greedy ids agree with the first engine's.
@@ -69,6 +69,25 @@ def llama_cpp_ms(path: Path, steps: int, threads: int) -> tuple[float, float, li
     return min(times) * 1e3, statistics.median(times) * 1e3, ids
 
 
+def torch_routing(path: Path, device: str):
+    """The fast engine with each layer's routing in torch, as before the routing in C (CPU)
+    or on the device (CUDA, then without CUDA graphs)."""
+    from qlib.llama import fast_cpu
+
+    if device.startswith("cuda"):
+        model, _ = load(path, device, engine="fast")
+        for layer in model.layers:
+            layer.expert_stacks = None
+        model.graphs = False
+        return model
+    real = fast_cpu.cpu.moe_decode_plan
+    fast_cpu.cpu.moe_decode_plan = lambda *a, **k: None
+    try:
+        return load(path, device, engine="fast")[0]
+    finally:
+        fast_cpu.cpu.moe_decode_plan = real
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, help="a mixture-of-experts GGUF (else synthetic)")
@@ -86,6 +105,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-cpp", action="store_true", help="time llama.cpp too (CPU)")
+    ap.add_argument("--torch-routing", action="store_true",
+                    help="also the fast engine with the routing in torch (the A/B)")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = args.model
@@ -105,6 +126,8 @@ def main() -> None:
     for name in args.engines.split(","):
         models[name], _ = load(path, args.device, engine=name)
         print(name, getattr(models[name], "decode_note", ""))
+    if args.torch_routing:
+        models["fast/torch"] = torch_routing(path, args.device)
     first_ids = None
     for r in range(args.rounds):
         order = list(models.items())
