@@ -393,6 +393,7 @@ class CudaFastModel(StaticKVState):
         self.norm = norm
         self.output = output
         self.graphs = graphs and device.type == "cuda"
+        self.moe = bool(layers) and layers[0].experts is not None  # a mixture of experts
         self.max_seq_len = check_max_seq_len(max_seq_len)
         self.cos, self.sin = rope_tables(config, device, max(self.max_seq_len, MAX_SEQ_LEN),
                                          rope_freqs)  # the file's RoPE scaling  # fmt: skip
@@ -415,7 +416,7 @@ class CudaFastModel(StaticKVState):
         self._q = torch.empty(c.head_count * c.head_dim, device=device)
         self._att = torch.empty(c.head_count * c.head_dim, device=device)
         self._g = torch.empty(n_ff, device=device)
-        if layers and layers[0].experts is not None:  # a mixture of experts' routing, outputs
+        if self.moe:  # the decode step's routing and the chosen experts' outputs
             moe_ff = layers[0].experts[0][0].out_features // 2
             self._moe_logits = torch.empty(c.expert_count, device=device)
             self._moe_chosen = torch.zeros(c.expert_used_count, dtype=torch.int32, device=device)
@@ -817,7 +818,8 @@ class CudaFastModel(StaticKVState):
         self._pos.fill_(pos)
         self._device_pos = pos
         t = ids.numel()
-        if not self.graphs or pos != 0 or all_logits or t not in self._prefill_seen:
+        # (a mixture of experts' prefill routes in torch, reading the choice back: no graph)
+        if not self.graphs or self.moe or pos != 0 or all_logits or t not in self._prefill_seen:
             self._prefill_seen.add(t)
             with self._matmul_precision():
                 return self._prefill_rows(ids, pos, all_logits)
