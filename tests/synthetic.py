@@ -41,16 +41,23 @@ def tiny_llama_metadata(
     context_length: int = 256,
     rope_freq_base: float = 10000.0,
     rms_eps: float = 1e-5,
+    head_dim: int | None = None,
 ) -> dict[str, Any]:
-    """The metadata of a tiny llama, typed as llama.cpp expects (UINT32 counts, FLOAT32)."""
-    return {
+    """The metadata of a tiny llama, typed as llama.cpp expects (UINT32 counts, FLOAT32);
+    ``head_dim`` other than ``n_embd / n_head`` is written as ``llama.attention.key_length``
+    and ``value_length`` (Mistral NeMo's layout)."""
+    hd = head_dim or n_embd // n_head
+    extra = {}
+    if head_dim is not None:
+        extra = {f"llama.attention.{n}_length": Typed(U32, hd) for n in ("key", "value")}
+    return extra | {
         "general.architecture": arch,
         "general.name": "tiny-llama",
         "llama.context_length": Typed(U32, context_length),
         "llama.embedding_length": Typed(U32, n_embd),
         "llama.block_count": Typed(U32, n_layer),
         "llama.feed_forward_length": Typed(U32, n_ff),
-        "llama.rope.dimension_count": Typed(U32, n_embd // n_head),
+        "llama.rope.dimension_count": Typed(U32, hd),
         "llama.attention.head_count": Typed(U32, n_head),
         "llama.attention.head_count_kv": Typed(U32, n_kv_head),
         "llama.attention.layer_norm_rms_epsilon": Typed(F32, rms_eps),
@@ -68,12 +75,14 @@ def tiny_llama_float_weights(
     vocab: int = 256,
     seed: int = 0,
     tie_output: bool = True,
+    head_dim: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Random float32 weights (before any rounding), llama.cpp names, torch shapes."""
-    if n_embd % n_head or n_head % n_kv_head:
+    if (head_dim is None and n_embd % n_head) or n_head % n_kv_head:
         raise ValueError(f"n_embd {n_embd}, n_head {n_head}, n_kv_head {n_kv_head} do not divide")
     rng = np.random.default_rng(seed)
-    kv_dim = n_kv_head * (n_embd // n_head)
+    hd = head_dim or n_embd // n_head
+    q_dim, kv_dim = n_head * hd, n_kv_head * hd
 
     def linear(out_f: int, in_f: int) -> np.ndarray:
         return (rng.standard_normal((out_f, in_f)) / np.sqrt(in_f)).astype(np.float32)
@@ -85,10 +94,10 @@ def tiny_llama_float_weights(
     for i in range(n_layer):
         p = f"blk.{i}."
         w[p + "attn_norm.weight"] = norm(n_embd)
-        w[p + "attn_q.weight"] = linear(n_embd, n_embd)
+        w[p + "attn_q.weight"] = linear(q_dim, n_embd)
         w[p + "attn_k.weight"] = linear(kv_dim, n_embd)
         w[p + "attn_v.weight"] = linear(kv_dim, n_embd)
-        w[p + "attn_output.weight"] = linear(n_embd, n_embd)
+        w[p + "attn_output.weight"] = linear(n_embd, q_dim)
         w[p + "ffn_norm.weight"] = norm(n_embd)
         w[p + "ffn_gate.weight"] = linear(n_ff, n_embd)
         w[p + "ffn_up.weight"] = linear(n_ff, n_embd)
@@ -180,11 +189,11 @@ def tiny_llama_weights(
     seed: int = 0,
     tie_output: bool = True,
     weight_types: Mapping[str, str] | None = None,
+    head_dim: int | None = None,
 ) -> dict[str, np.ndarray]:
     """The float32 values ``write_tiny_llama`` with the same arguments stores."""
-    sizes = dict(
-        n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, n_ff=n_ff, vocab=vocab
-    )
+    sizes = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, n_ff=n_ff,
+                 vocab=vocab, head_dim=head_dim)  # fmt: skip
     return _build(weight_type, tie_output, seed, sizes, weight_types)[1]
 
 
@@ -205,6 +214,7 @@ def write_tiny_llama(
     tie_output: bool = True,
     return_weights: bool = False,
     weight_types: Mapping[str, str] | None = None,
+    head_dim: int | None = None,
 ) -> Path | tuple[Path, dict[str, np.ndarray]]:
     """Write a small random llama GGUF to ``path``; returns the path (and weights if asked).
 
@@ -212,14 +222,14 @@ def write_tiny_llama(
     ``qlib.quants``), or the type of the first ``weight_types`` pattern their name matches
     (``fnmatch``); norms are F32. ``drop_keys`` removes metadata keys,
     ``extra_metadata`` adds or overrides some (values may be ``Typed``).
-    ``tie_output=True`` writes no ``output.weight`` (the embedding is shared).
+    ``tie_output=True`` writes no ``output.weight`` (the embedding is shared). ``head_dim``:
+    heads of another size than ``n_embd / n_head`` (``llama.attention.key_length``).
     """
-    sizes = dict(
-        n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, n_ff=n_ff, vocab=vocab
-    )
-    metadata = tiny_llama_metadata(
-        n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, n_ff=n_ff, arch=arch
-    )
+    sizes = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, n_ff=n_ff,
+                 vocab=vocab, head_dim=head_dim)  # fmt: skip
+    metadata = tiny_llama_metadata(n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+                                   n_kv_head=n_kv_head, n_ff=n_ff, arch=arch,
+                                   head_dim=head_dim)  # fmt: skip
     metadata.update(extra_metadata or {})
     for key in drop_keys:
         metadata.pop(key, None)

@@ -68,6 +68,8 @@ def test_unsupported_reasons():
     assert "rope_dim" in persistent.unsupported({"w": "Q8_0"}, 64, 32)
     why = persistent.unsupported({"w": "IQ4_NL", "v": "Q8_1", "o": "Q4_K"}, 64, 64)
     assert "no code for IQ4_NL, Q8_1 " in why
+    assert persistent.unsupported({"w": "Q8_0"}, 64, 64, 256, 256) is None
+    assert "as wide as the model" in persistent.unsupported({"w": "Q8_0"}, 32, 32, 128, 256)
 
 
 def test_auto_decode_choice():

@@ -1,5 +1,7 @@
 """Model shapes people download, on every engine (issue 13, item 4): MHA and GQA ratios of 2 to
-8, head_dim 32 to 256, tied and untied output, a 128k vocabulary.
+8, head_dim 32 to 256, tied and untied output, a 128k vocabulary, and heads of another size
+than embedding_length / head_count (``llama.attention.key_length``: Mistral NeMo and Mistral
+Small, 5120 wide with 32 heads of 128, queries narrower than the model; and wider).
 
 Each shape is a small synthetic file (2 layers, seeded random weights, Q8_0 matrices). The
 f32 form is held to transformers loading the same weights (the file exported by
@@ -20,7 +22,7 @@ from synthetic import write_tiny_llama
 from qlib.convert import gguf_to_hf
 from qlib.llama.engine import load
 
-SHAPES = {  # name: (n_embd, n_head, n_kv_head, vocab, tie_output)
+SHAPES = {  # name: (n_embd, n_head, n_kv_head, vocab, tie_output[, head_dim])
     "mha-hd64": (256, 4, 4, 256, True),
     "gqa3-hd64-untied": (384, 6, 2, 256, False),
     "gqa8-hd64": (512, 8, 1, 256, True),
@@ -28,6 +30,8 @@ SHAPES = {  # name: (n_embd, n_head, n_kv_head, vocab, tie_output)
     "hd128-untied": (256, 2, 1, 256, False),
     "hd256": (512, 2, 1, 256, True),
     "vocab128k": (128, 2, 1, 131072, True),
+    "narrow-heads-nemo": (256, 4, 1, 256, False, 32),  # q 128 of 256 (NeMo: 4096 of 5120)
+    "wide-heads": (128, 4, 1, 256, True, 64),  # q 256 of 128
 }
 IDS = [1, 7, 33, 100, 5, 250, 17, 2, 99, 64, 128, 3]
 STEPS = (11, 200, 42)
@@ -38,10 +42,11 @@ FAST_CUDA_TOL = 1e-5
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def shape_file(request, tmp_path_factory):
-    n_embd, n_head, n_kv, vocab, tie = SHAPES[request.param]
+    n_embd, n_head, n_kv, vocab, tie, *head_dim = SHAPES[request.param]
     path = tmp_path_factory.mktemp(request.param) / "m.gguf"
     write_tiny_llama(path, n_layer=2, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv, n_ff=256,
-                     vocab=vocab, weight_type="Q8_0", tie_output=tie)  # fmt: skip
+                     vocab=vocab, weight_type="Q8_0", tie_output=tie,
+                     head_dim=head_dim[0] if head_dim else None)  # fmt: skip
     return path
 
 
@@ -87,3 +92,45 @@ def test_fast_cuda_engine_matches_f32_form(shape_file):
     got = run(load(shape_file, "cuda", engine="fast")[0])
     scale = max(r.abs().max().item() for r in ref)
     assert_close(got, ref, FAST_CUDA_TOL * scale)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name", [name for name, shape in SHAPES.items() if len(shape) > 5])
+def test_head_size_from_key_length_is_llama_cpp(name, tmp_path):
+    """llama.cpp takes the head size from ``llama.attention.key_length`` too: on the same file
+    the faithful quantized form's logits at every position of a prompt (attention mixing
+    included) are llama.cpp's to 1e-4 of their scale (f32 KV cache both sides; measured
+    1.3e-7 and 8e-8 of it)."""
+    pytest.importorskip("llama_cpp")
+    import numpy as np
+    import test_position0 as pos0
+
+    from qlib.gguf import GGUFValueType, Typed
+
+    n_embd, n_head, n_kv, vocab, tie, head_dim = SHAPES[name]
+    path = write_tiny_llama(tmp_path / "m.gguf", n_layer=2, n_embd=n_embd, n_head=n_head,
+                            n_kv_head=n_kv, n_ff=256, vocab=vocab, weight_type="Q8_0",
+                            tie_output=tie, head_dim=head_dim,
+                            extra_metadata={"tokenizer.ggml.model": "none",
+                                            "llama.vocab_size": Typed(GGUFValueType.UINT32,
+                                                                      vocab)})  # fmt: skip
+    llm = pos0.llama_cpp_model(path)
+    try:
+        llm.eval(IDS)
+        ref = np.array(llm.scores[: len(IDS)], dtype=np.float32)
+    finally:
+        llm.close()
+    model, _ = load(path, "cpu", form="quantized")
+    with torch.inference_mode():
+        got = model.forward(torch.tensor([IDS]), 0, all_logits=True)[0].numpy()
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_a_value_length_unlike_the_key_length_is_named(tmp_path):
+    from qlib.gguf import GGUFValueType, Typed
+    from qlib.llama.errors import ModelError
+
+    path = write_tiny_llama(tmp_path / "m.gguf", head_dim=32, extra_metadata={
+        "llama.attention.value_length": Typed(GGUFValueType.UINT32, 16)})  # fmt: skip
+    with pytest.raises(ModelError, match="value_length 16 differs from the key length 32"):
+        load(path, "cpu")

@@ -75,7 +75,8 @@ def config_from_metadata(
     n_head = int(_arch_key(md, arch, "attention.head_count"))
     n_kv = int(md.get(f"{arch}.attention.head_count_kv", n_head))
     hidden = int(_arch_key(md, arch, "embedding_length"))
-    head_dim = int(md.get(f"{arch}.rope.dimension_count", hidden // n_head))
+    head_dim = int(md.get(f"{arch}.attention.key_length",
+                          md.get(f"{arch}.rope.dimension_count", hidden // n_head)))  # fmt: skip
     vocab = shapes["token_embd.weight"][0]
     ffn = shapes["blk.0.ffn_gate.weight"][0] if "blk.0.ffn_gate.weight" in shapes else None
     rope_theta = f32_value(md.get(f"{arch}.rope.freq_base", 10000.0))

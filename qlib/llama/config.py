@@ -42,10 +42,18 @@ class LlamaConfig:
     rope_scaling_factor: float = 1.0  # llama.rope.scaling.factor (linear: positions / factor)
     expert_count: int = 0  # llama.expert_count: > 1, a mixture of experts (Mixtral-style)
     expert_used_count: int = 0  # llama.expert_used_count: the experts each token runs
+    # llama.attention.key_length where the head size is not embedding_length / head_count
+    # (Mistral NeMo, Mistral Small: 5120 wide, 32 heads of 128); 0: that quotient
+    key_length: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.embedding_length // self.head_count
+        return self.key_length or self.embedding_length // self.head_count
+
+    @property
+    def q_dim(self) -> int:
+        """The width of the queries and of the attention's output: head_count x head_dim."""
+        return self.head_count * self.head_dim
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, Any]) -> LlamaConfig:
@@ -74,7 +82,6 @@ class LlamaConfig:
         head_count_kv = md_int("llama.attention.head_count_kv", 1)
         block_count = md_int("llama.block_count", 1)
         embedding_length = md_int("llama.embedding_length", 1)
-        rope_dim = md_int("llama.rope.dimension_count", 0)
         eps_key = "llama.attention.layer_norm_rms_epsilon"
         rms_norm_eps = md_float(eps_key, md_get(eps_key))
         freq_key = "llama.rope.freq_base"
@@ -89,14 +96,28 @@ class LlamaConfig:
                 f"head_count {head_count} must be a positive multiple of head_count_kv "
                 f"{head_count_kv}"
             )
-        if embedding_length % head_count:
+        key_length = 0  # the head size, where the file gives one (llama.cpp's n_embd_head_k)
+        if "llama.attention.key_length" in metadata:
+            key_length = md_int("llama.attention.key_length", 1)
+        elif embedding_length % head_count:
             raise ModelFileError(
                 f"embedding_length {embedding_length} is not divisible by head_count {head_count}"
             )
-        if rope_dim != embedding_length // head_count:
+        head_dim = key_length or embedding_length // head_count
+        if key_length == embedding_length / head_count:
+            key_length = 0  # the usual shape: nothing to remember
+        if "llama.attention.value_length" in metadata:
+            value_length = md_int("llama.attention.value_length", 1)
+            if value_length != head_dim:
+                raise ModelFileError(
+                    f"llama.attention.value_length {value_length} differs from the key length "
+                    f"{head_dim}: llama's attention has one head size (llama.cpp asserts it too)"
+                )
+        rope_dim = md_int("llama.rope.dimension_count", 0)  # (required, as candle has it)
+        if rope_dim != head_dim:
             raise ModelFileError(
                 f"llama.rope.dimension_count {rope_dim} differs from head_dim "
-                f"{embedding_length // head_count}: a llama model rotates whole heads (llama.cpp "
+                f"{head_dim}: a llama model rotates whole heads (llama.cpp "
                 f"refuses this file too: 'invalid n_rot')"
             )
         if rope_dim % 2:
@@ -134,6 +155,7 @@ class LlamaConfig:
             rope_scaling_factor=factor,
             expert_count=n_expert,
             expert_used_count=n_used,
+            key_length=key_length,
         )
 
 
@@ -158,7 +180,7 @@ def check_tensors(content, config: LlamaConfig, form: str | None = None) -> int:
     with the shape it implies and a type qlib computes with; returns the vocabulary size.
     """
     infos = content.tensor_infos
-    e, kv = config.embedding_length, config.head_count_kv * config.head_dim
+    e, q, kv = config.embedding_length, config.q_dim, config.head_count_kv * config.head_dim
 
     def get(name: str, matmul: bool):
         info = infos.get(name)
@@ -198,11 +220,12 @@ def check_tensors(content, config: LlamaConfig, form: str | None = None) -> int:
             )
         expect(f"{p}.attn_norm.weight", (e,), f"embedding_length {e}", matmul=False)
         expect(f"{p}.ffn_norm.weight", (e,), f"embedding_length {e}", matmul=False)
-        expect(f"{p}.attn_q.weight", (e, e), f"embedding_length {e}")
+        q_why = f"head_count {config.head_count} x head_dim {config.head_dim}, embedding_length {e}"
+        expect(f"{p}.attn_q.weight", (q, e), q_why)
         kv_why = f"head_count_kv {config.head_count_kv} x head_dim {config.head_dim}"
         expect(f"{p}.attn_k.weight", (kv, e), kv_why)
         expect(f"{p}.attn_v.weight", (kv, e), kv_why)
-        expect(f"{p}.attn_output.weight", (e, e), f"embedding_length {e}")
+        expect(f"{p}.attn_output.weight", (e, q), q_why)
         if config.expert_count > 1:
             n = config.expert_count
             expect(f"{p}.ffn_gate_inp.weight", (n, e), f"expert_count {n}, embedding_length {e}")

@@ -23,6 +23,10 @@ sharp edges, because the experiments measure them:
 ``index_pos + seq_len`` passes the RoPE table (candle: the narrow error) and an
 input that is not a 1 x T integer tensor of token ids in the vocabulary.
 
+Unlike candle, the head size is ``llama.attention.key_length`` where the file gives one
+(Mistral NeMo's and Mistral Small's 128 in 5120-wide models, as llama.cpp reads them; candle
+takes ``embedding_length / head_count`` and cannot run those files); elsewhere the same.
+
 Unlike candle, ``from_gguf`` checks the file before it reads any tensor data or
 builds the RoPE tables: metadata types and ranges, that every tensor exists
 with the shape the configuration implies and a type qlib can compute with. A
@@ -351,7 +355,7 @@ class LayerWeights:
     ) -> torch.Tensor:
         """Attention block: q, k, v projections, RoPE, the KV cache (``put_kv``), ``attend``."""
         with span("attn"):
-            b, seq_len, n_embd = x.shape
+            b, seq_len, _ = x.shape
             q = self.attention_wq.forward(x)
             k = self.attention_wk.forward(x)
             v = self.attention_wv.forward(x)
@@ -364,7 +368,7 @@ class LayerWeights:
 
             k, v = self.put_kv(k, v, index_pos, static_len)
             y = attend(q, k, v, mask, core, 1.0 / math.sqrt(self.head_dim))
-            y = y.transpose(1, 2).reshape(b, seq_len, n_embd)
+            y = y.transpose(1, 2).reshape(b, seq_len, self.n_head * self.head_dim)
             return self.attention_wo.forward(y)
 
 

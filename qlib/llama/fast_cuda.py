@@ -239,7 +239,8 @@ def auto_decode(types: dict[str, str], config: LlamaConfig,
     fused."""
     from ..quants.cuda import persistent
 
-    why = persistent.unsupported(types, config.head_dim, config.rope_dim)
+    why = persistent.unsupported(types, config.head_dim, config.rope_dim, config.q_dim,
+                                 config.embedding_length)  # fmt: skip
     if why:
         return "fused", why
     if capability[0] != 9:
@@ -500,7 +501,8 @@ class CudaFastModel(StaticKVState):
 
             if dev.type != "cuda":
                 raise ModelError(f"decode persistent runs on a CUDA device, not {dev.type}")
-            why = persistent.unsupported(mats, config.head_dim, config.rope_dim)
+            why = persistent.unsupported(mats, config.head_dim, config.rope_dim, config.q_dim,
+                                         config.embedding_length)  # fmt: skip
             if why:
                 raise ModelError(why)
         if max_seq_len is None:

@@ -85,8 +85,11 @@ class PersistentError(RuntimeError):
     """The persistent kernel cannot be built or run here (the message says why)."""
 
 
-def unsupported(types: dict[str, str], head_dim: int, rope_dim: int) -> str | None:
-    """Why a model with these tensor types and head size cannot run the kernel, or None."""
+def unsupported(types: dict[str, str], head_dim: int, rope_dim: int,
+                q_dim: int | None = None, width: int | None = None) -> str | None:  # fmt: skip
+    """Why a model with these tensor types and head size (its query width ``q_dim``, head
+    count x head_dim, against its ``width``, embedding_length, where given) cannot run the
+    kernel, or None."""
     bad = sorted({t for t in types.values() if t not in SUPPORTED})
     if bad:
         runs = ", ".join(SUPPORTED)
@@ -95,6 +98,9 @@ def unsupported(types: dict[str, str], head_dim: int, rope_dim: int) -> str | No
         return f"the persistent kernel needs head_dim a multiple of 32 up to 256, not {head_dim}"
     if rope_dim != head_dim:
         return "the persistent kernel rotates whole heads (rope_dim == head_dim)"
+    if q_dim is not None and q_dim != width:
+        return (f"the persistent kernel needs the heads as wide as the model (head_count x "
+                f"head_dim {q_dim}, embedding_length {width})")  # fmt: skip
     return None
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ...generate import greedy_id
+from ...llama.config import LlamaConfig
 from ...llama.engine import load
 from ...llama.faithful import ModelWeights
 from ...quants import cpu
@@ -153,8 +154,6 @@ def bytes_per_step(content: Any, context: int, kv_bytes_per_value: int = 4) -> d
             expert = len(i.shape) == 3 or (n.count(".") == 4 and n.split(".")[3].isdigit())
             weights += i.nbytes * (used if expert else 1.0)
     weights += infos.get("output.weight", infos["token_embd.weight"]).nbytes
-    layers = md["llama.block_count"]
-    n_kv = md["llama.attention.head_count_kv"]
-    head_dim = md["llama.embedding_length"] // md["llama.attention.head_count"]
-    kv = 2 * layers * n_kv * head_dim * kv_bytes_per_value * context
+    c = LlamaConfig.from_metadata(md)
+    kv = 2 * c.block_count * c.head_count_kv * c.head_dim * kv_bytes_per_value * context
     return {"weight_bytes": float(weights), "kv_bytes": float(kv)}
