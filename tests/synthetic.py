@@ -76,8 +76,11 @@ def tiny_llama_float_weights(
     seed: int = 0,
     tie_output: bool = True,
     head_dim: int | None = None,
+    biases: tuple[str, ...] = (),
 ) -> dict[str, np.ndarray]:
-    """Random float32 weights (before any rounding), llama.cpp names, torch shapes."""
+    """Random float32 weights (before any rounding), llama.cpp names, torch shapes; ``biases``:
+    the projections (``attn_q``, ``ffn_down``, ...) that get a random bias, as some llama
+    files have."""
     if (head_dim is None and n_embd % n_head) or n_head % n_kv_head:
         raise ValueError(f"n_embd {n_embd}, n_head {n_head}, n_kv_head {n_kv_head} do not divide")
     rng = np.random.default_rng(seed)
@@ -102,6 +105,9 @@ def tiny_llama_float_weights(
         w[p + "ffn_gate.weight"] = linear(n_ff, n_embd)
         w[p + "ffn_up.weight"] = linear(n_ff, n_embd)
         w[p + "ffn_down.weight"] = linear(n_embd, n_ff)
+        for name in biases:
+            rows = w[p + name + ".weight"].shape[0]
+            w[p + name + ".bias"] = (0.5 * rng.standard_normal(rows)).astype(np.float32)
     w["output_norm.weight"] = norm(n_embd)
     if not tie_output:
         w["output.weight"] = linear(vocab, n_embd)
@@ -190,10 +196,11 @@ def tiny_llama_weights(
     tie_output: bool = True,
     weight_types: Mapping[str, str] | None = None,
     head_dim: int | None = None,
+    biases: tuple[str, ...] = (),
 ) -> dict[str, np.ndarray]:
     """The float32 values ``write_tiny_llama`` with the same arguments stores."""
     sizes = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, n_ff=n_ff,
-                 vocab=vocab, head_dim=head_dim)  # fmt: skip
+                 vocab=vocab, head_dim=head_dim, biases=biases)  # fmt: skip
     return _build(weight_type, tie_output, seed, sizes, weight_types)[1]
 
 
@@ -215,6 +222,7 @@ def write_tiny_llama(
     return_weights: bool = False,
     weight_types: Mapping[str, str] | None = None,
     head_dim: int | None = None,
+    biases: tuple[str, ...] = (),
 ) -> Path | tuple[Path, dict[str, np.ndarray]]:
     """Write a small random llama GGUF to ``path``; returns the path (and weights if asked).
 
@@ -223,10 +231,11 @@ def write_tiny_llama(
     (``fnmatch``); norms are F32. ``drop_keys`` removes metadata keys,
     ``extra_metadata`` adds or overrides some (values may be ``Typed``).
     ``tie_output=True`` writes no ``output.weight`` (the embedding is shared). ``head_dim``:
-    heads of another size than ``n_embd / n_head`` (``llama.attention.key_length``).
+    heads of another size than ``n_embd / n_head`` (``llama.attention.key_length``);
+    ``biases``: the projections with a bias (``attn_q``, ..., ``ffn_down``).
     """
     sizes = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, n_ff=n_ff,
-                 vocab=vocab, head_dim=head_dim)  # fmt: skip
+                 vocab=vocab, head_dim=head_dim, biases=biases)  # fmt: skip
     metadata = tiny_llama_metadata(n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                                    n_kv_head=n_kv_head, n_ff=n_ff, arch=arch,
                                    head_dim=head_dim)  # fmt: skip

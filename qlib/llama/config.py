@@ -226,6 +226,9 @@ def check_tensors(content, config: LlamaConfig, form: str | None = None) -> int:
         expect(f"{p}.attn_k.weight", (kv, e), kv_why)
         expect(f"{p}.attn_v.weight", (kv, e), kv_why)
         expect(f"{p}.attn_output.weight", (e, q), q_why)
+        for name, width in (("attn_q", q), ("attn_k", kv), ("attn_v", kv), ("attn_output", e)):
+            if f"{p}.{name}.bias" in infos:  # optional, as in llama.cpp's llama graph
+                expect(f"{p}.{name}.bias", (width,), f"the rows of {p}.{name}", matmul=False)
         if config.expert_count > 1:
             n = config.expert_count
             expect(f"{p}.ffn_gate_inp.weight", (n, e), f"expert_count {n}, embedding_length {e}")
@@ -234,7 +237,17 @@ def check_tensors(content, config: LlamaConfig, form: str | None = None) -> int:
             continue
         _check_ffn(f"{p}.ffn_gate.weight", f"{p}.ffn_up.weight", f"{p}.ffn_down.weight", (), e,
                    get, expect)  # fmt: skip
+        n_ff = infos[f"{p}.ffn_gate.weight"].shape[0]
+        for name, width in (("ffn_gate", n_ff), ("ffn_up", n_ff), ("ffn_down", e)):
+            if f"{p}.{name}.bias" in infos:
+                expect(f"{p}.{name}.bias", (width,), f"the rows of {p}.{name}", matmul=False)
     return vocab
+
+
+def bias_names(infos) -> list[str]:
+    """The file's optional projection biases (``blk.N.attn_q.bias``, ...), which the fast
+    engines add as llama.cpp does and candle's quantized_llama (the faithful engine) ignores."""
+    return [n for n in infos if n.startswith("blk.") and n.endswith(".bias")]
 
 
 def _expert_names(p: str, n: int, infos) -> list[tuple[str, str, str, tuple]]:

@@ -11,6 +11,8 @@ sharp edges, because the experiments measure them:
 * the RoPE variant is picked from ``general.architecture`` (NEOX list); RoPE
   scaling (``rope_freqs.weight``, ``llama.rope.scaling.*``) is ignored, as candle
   does (``strict=True`` refuses such a file, saying so; the fast engines honour it);
+  so are the projections' optional biases (``blk.N.attn_q.bias``, ...: a warning;
+  ``strict=True`` refuses; the fast engines add them, as llama.cpp);
 * cos/sin tables hold ``MAX_SEQ_LEN = 4096`` positions, beyond that the
   narrow fails;
 * the causal mask is built on the host only for ``seq_len > 1`` and cached
@@ -62,6 +64,7 @@ Options that go beyond candle are explicit, and their defaults are candle:
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, BinaryIO
 
 import torch
@@ -76,6 +79,7 @@ from . import moe
 from .config import (
     MAX_SEQ_LEN,
     LlamaConfig,
+    bias_names,
     check_tensors,
     precompute_freqs_cis,
     scaling_ignored,
@@ -436,6 +440,14 @@ class ModelWeights:
                 f"strict=True: this file asks for RoPE {ignored}, which candle's quantized_llama "
                 "(this engine) ignores; the fast engine (engine='fast') applies it"
             )
+        biases = bias_names(content.tensor_infos)
+        if biases:
+            why = (f"this file has projection biases ({biases[0]} and {len(biases) - 1} more), "
+                   "which candle's quantized_llama (this engine) ignores; the fast engine "
+                   "(engine='fast') adds them, as llama.cpp does")  # fmt: skip
+            if strict:
+                raise ModelError(f"strict=True: {why}")
+            warnings.warn(why, stacklevel=2)
         cos, sin = precompute_freqs_cis(config.rope_dim, config.rope_freq_base, device)
 
         def tensor(name: str) -> QTensor:

@@ -112,10 +112,10 @@ from .checks import (
     check_token_ids,
     context_length,
 )
-from .config import MAX_SEQ_LEN, LlamaConfig, rope_tables
+from .config import MAX_SEQ_LEN, LlamaConfig, check_tensors, rope_tables
 from .errors import ModelError
 from .faithful import rope_neox
-from .fused import FUSED_STACKS
+from .fused import FUSED_STACKS, stacked_bias
 
 PREFILL_MODES = ("bf16", "int8", "int8-attn")
 # The CPU feature that makes the bf16 prefill the faster default: AMX tiles. With AVX512-BF16
@@ -321,15 +321,18 @@ class FastLinear:
             return qmatmul_prepared(x.float(), self.prepared)
         return torch.cat([p.matmul(x) for p in self.parts], dim=1)
 
-    def quantized_into(self, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
+    def quantized_into(self, x: torch.Tensor, out: torch.Tensor,
+                       accumulate: bool = False) -> torch.Tensor:  # fmt: skip
         """``out (+)= x @ W.T`` with ggml semantics (``quantized``), written into ``out``
-        (``[m, n]`` float32, contiguous): one C call for a single C part, no new tensor."""
+        (``[m, n]`` float32, contiguous; returned): one C call for a single C part, no new
+        tensor."""
         if self.packed is not None:
             cpu.qgemm(x, self.packed, out, accumulate=accumulate)
         elif accumulate:
             out.add_(self.quantized(x))
         else:
             out.copy_(self.quantized(x))
+        return out
 
     def plan(self, x: torch.Tensor, out: torch.Tensor, *, norm: torch.Tensor | None = None,
              eps: float = 0.0, swiglu: bool = False,
@@ -397,12 +400,20 @@ class FastLinear:
         return n + (self.amx.nbytes() if self.amx is not None else 0)
 
 
-def _swiglu(w13: FastLinear, w2: FastLinear, rows: int, a: torch.Tensor) -> torch.Tensor:
+Bias = torch.Tensor | None  # a projection's bias, where the file has one
+
+
+def _swiglu(w13: FastLinear, w2: FastLinear, rows: int, a: torch.Tensor, b13: Bias = None,
+            b2: Bias = None) -> torch.Tensor:  # fmt: skip
     """The SwiGLU MLP: ``down(silu(a gate) * (a up))``, gate | up one fused weight (the
-    gate/up output, t x 2 n_ff floats, is freed on return)."""
+    gate/up output, t x 2 n_ff floats, is freed on return), plus the file's biases if any
+    (``b13`` on gate | up, ``b2`` on down)."""
     gu = w13.forward(a, rows)
+    if b13 is not None:
+        gu += b13
     n_ff = gu.shape[1] // 2
-    return w2.forward(F.silu(gu[:, :n_ff], inplace=True).mul_(gu[:, n_ff:]), rows)
+    y = w2.forward(F.silu(gu[:, :n_ff], inplace=True).mul_(gu[:, n_ff:]), rows)
+    return y if b2 is None else y.add_(b2)
 
 
 def _experts(ly: FastLayer, a: torch.Tensor, rows: int, n_used: int) -> torch.Tensor:
@@ -442,6 +453,24 @@ class FastLayer:
             self.experts = [(linear([g, u], True), linear([d])) for g, u, d in mats]
         self.attn_norm = _owned(get(f"{p}.attn_norm.weight"))
         self.ffn_norm = _owned(get(f"{p}.ffn_norm.weight"))
+        # the file's optional projection biases, by stacked projection (llama.cpp adds them)
+        self.biases: dict[str, torch.Tensor] = {}
+        for attr in FUSED_STACKS:
+            w = getattr(self, attr)
+            rows = [get(f"{p}.{n}.weight").shape[0] for n in FUSED_STACKS[attr]] if w else []
+            b = stacked_bias(tensor_names, lambda n: _owned(get(n)), p, attr, rows) if w else None
+            if b is not None:
+                self.biases[attr] = b
+
+    def add_bias(self, attr: str, y: torch.Tensor) -> torch.Tensor:
+        """``y += `` the bias of projection ``attr`` where the file has one (its rows ``y``)."""
+        b = self.biases.get(attr)
+        return y if b is None else y.add_(b)
+
+    def bias_plan(self, attr: str, y: torch.Tensor) -> tuple[cpu.KernelCall, ...]:
+        """``add_bias`` of one decode row ``y`` as a prepared C call (none without a bias)."""
+        b = self.biases.get(attr)
+        return () if b is None else (cpu.add_plan(b, y.view(-1)),)
 
     def linears(self) -> list[FastLinear]:
         """Every weight of the block."""
@@ -548,7 +577,8 @@ class FastModel(StaticKVState):
     def _decode_plan(self) -> list[tuple[cpu.KernelCall, ...]] | None:
         """The fused C decode step, prepared once: per layer 5 calls (qkv GEMV of the RmsNorm
         of ``h``; RoPE + KV write + attention; ``h +=`` wo GEMV; gate/up GEMV of the RmsNorm of
-        ``h``; ``h +=`` down GEMV of the SwiGLU), or None (torch decode). A GEMV whose weight
+        ``h``; ``h +=`` down GEMV of the SwiGLU; each followed by ``+= bias`` where the file
+        has one), or None (torch decode). A GEMV whose weight
         is not one C part (a mix of types, a type without a kernel) is ``FastLinear.plan``'s
         call: its C parts as kernel calls into slices of the same buffer, the rest in torch."""
         c = self.config
@@ -568,15 +598,16 @@ class FastModel(StaticKVState):
         for i, ly in enumerate(self.layers):
             kc, vc = self.cache[i, 0], self.cache[i, 1]
             attention = (
-                ly.wqkv.plan(h, qkv, norm=ly.attn_norm, eps=eps),
+                ly.wqkv.plan(h, qkv, norm=ly.attn_norm, eps=eps), *ly.bias_plan("wqkv", qkv),
                 cpu.attn_decode_plan(qkv, kc, vc, self._pos, att, **heads),
-                ly.wo.plan(att, h, accumulate=True),
+                ly.wo.plan(att, h, accumulate=True), *ly.bias_plan("wo", h),
             )  # fmt: skip
             if ly.experts is not None:  # the router's GEMV, the routing, the chosen experts
                 plan.append((*attention, self._moe_plan(ly)))
                 continue
             plan.append((*attention, ly.w13.plan(h, gu, norm=ly.ffn_norm, eps=eps),
-                         ly.w2.plan(gu, h, swiglu=True, accumulate=True)))  # fmt: skip
+                         *ly.bias_plan("w13", gu), ly.w2.plan(gu, h, swiglu=True, accumulate=True),
+                         *ly.bias_plan("w2", h)))  # fmt: skip
         if self.output.packed is not None:
             self._logits_plan = cpu.qgemm_alloc_plan(self.output.packed, h, norm=self.norm, eps=eps)
         else:  # an output type without a kernel: the torch matmul with ggml semantics
@@ -622,6 +653,8 @@ class FastModel(StaticKVState):
         (AMX tiles built at load), or oneDNN matmuls with C calls between them."""
         c = self.config
         if self.prefill != "bf16" or not cpu.available() or not self.layers or self.moe:
+            return False
+        if any(ly.biases for ly in self.layers):  # (no bias epilogues there: int8 or torch)
             return False
         if self.amx_layers:  # the layer kernel writes float32 caches
             # from_gguf checked the shapes (_amx_layer_shapes_ok)
@@ -726,20 +759,20 @@ class FastModel(StaticKVState):
         int8_attention = self.prefill == "int8-attn"
         for i, ly in enumerate(self.layers):
             cpu.add_rmsnorm(h, None, ly.attn_norm, eps, a)
-            ly.wqkv.quantized_into(a, qkv)
+            ly.add_bias("wqkv", ly.wqkv.quantized_into(a, qkv))
             if i == last and not all_logits:
                 r0 = t - 1  # every row's k, v go to the cache; the last row feeds the logits
             m = t - r0
             cpu.attn_prefill(qkv, self.cache[i, 0], self.cache[i, 1], pos, *heads, self.cos,
                              self.sin, c.rope_is_neox, out=y[:m], q_from=r0,
                              int8=int8_attention)  # fmt: skip
-            ly.wo.quantized_into(y[:m], h[r0:], accumulate=True)
+            ly.add_bias("wo", ly.wo.quantized_into(y[:m], h[r0:], accumulate=True))
             for s0 in range(r0, t, chunk):  # the FFN by row chunks: gate/up stay in cache
                 rows, n = h[s0 : s0 + chunk], min(chunk, t - s0)
                 cpu.add_rmsnorm(rows, None, ly.ffn_norm, eps, a[:n])
-                ly.w13.quantized_into(a[:n], gu[:n])
+                ly.add_bias("w13", ly.w13.quantized_into(a[:n], gu[:n]))
                 cpu.swiglu(gu[:n], out=g[:n])
-                ly.w2.quantized_into(g[:n], rows, accumulate=True)
+                ly.add_bias("w2", ly.w2.quantized_into(g[:n], rows, accumulate=True))
         return self._logits(h, r0)
 
     def _prefill_amx(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
@@ -920,6 +953,7 @@ class FastModel(StaticKVState):
         if as_device(device).type != "cpu":
             raise ModelError("the fast path runs on CPU; use ModelWeights on other devices")
         config = LlamaConfig.from_metadata(content.metadata)
+        check_tensors(content, config, "f32")  # names, shapes, types (before any data is read)
         gate = content.tensor_infos.get("blk.0.ffn_gate.weight")
         amx_ok = (amx and gate is not None and cpu.amx_available()
                   and _amx_layer_shapes_ok(config, gate.shape[0]))  # fmt: skip
@@ -1055,16 +1089,17 @@ class FastModel(StaticKVState):
             h = self.embed(x.reshape(-1).cpu())
             for i, layer in enumerate(self.layers):
                 a = F.rms_norm(h, dims, layer.attn_norm, eps)
-                qkv = layer.wqkv.forward(a, rows)
+                qkv = layer.add_bias("wqkv", layer.wqkv.forward(a, rows))
                 qk = self.rope(qkv[:, : nq + nkv].view(t, -1, hd), index_pos)
                 kc, vc = self.cache[i, 0], self.cache[i, 1]
                 kc[:, index_pos:end].copy_(qk[:, c.head_count :].transpose(0, 1))
                 vc[:, index_pos:end].copy_(qkv[:, nq + nkv :].view(t, -1, hd).transpose(0, 1))
                 y = self.attention(qk[:, : c.head_count], kc[:, :end], vc[:, :end], index_pos)
-                h += layer.wo.forward(y, rows)
+                h += layer.add_bias("wo", layer.wo.forward(y, rows))
                 a = F.rms_norm(h, dims, layer.ffn_norm, eps)
                 if layer.experts is None:
-                    h += _swiglu(layer.w13, layer.w2, rows, a)
+                    h += _swiglu(layer.w13, layer.w2, rows, a, layer.biases.get("w13"),
+                                 layer.biases.get("w2"))  # fmt: skip
                 else:  # a mixture of experts: each token's chosen ones
                     h += _experts(layer, a, rows, c.expert_used_count)
                 # free this layer's activations before the next layer makes its own

@@ -80,7 +80,7 @@ from .checks import (
     check_token_ids,
     context_length,
 )
-from .config import MAX_SEQ_LEN, LlamaConfig, rope_tables
+from .config import MAX_SEQ_LEN, LlamaConfig, check_tensors, rope_tables
 from .errors import ModelError
 from .fused import FUSED_STACKS
 
@@ -484,6 +484,7 @@ class CudaFastModel(StaticKVState):
             raise ModelError(f"unknown decode mode {decode!r}: {', '.join(DECODE_MODES)}")
         kv_type = check_kv_type(kv_type)
         config = LlamaConfig.from_metadata(content.metadata)
+        check_tensors(content, config, "f32")  # names, shapes, types (before any data is read)
         auto, note = decode == "auto", "as asked"
         mats = {n: KERNEL_TYPE.get(i.dtype.name, i.dtype.name)
                 for n, i in content.tensor_infos.items() if len(i.shape) == 2}  # fmt: skip

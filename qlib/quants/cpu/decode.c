@@ -1,6 +1,7 @@
 /* qlib CPU decode step in one C call: a list of prepared steps (the GEMVs of kernels.c and
  * kquants.c, the decode attention of attn.c, a mixture of experts' routing with its chosen
- * experts' GEMVs and their weighted sum), built once by ops' plans, run in order.
+ * experts' GEMVs and their weighted sum, y += x of n floats: a projection's bias), built once
+ * by ops' plans, run in order.
  *
  * mode 0: each step is its kernel's entry point (qlib_qgemm_ex with m = 1, qlib_kgemm,
  *         qlib_attn_decode_kv), one after the other: what the Python loop of prepared calls
@@ -24,7 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-enum { STEP_QGEMV = 1, STEP_KGEMV = 2, STEP_ATTN = 3, STEP_MOE = 4 };
+enum { STEP_QGEMV = 1, STEP_KGEMV = 2, STEP_ATTN = 3, STEP_MOE = 4, STEP_ADD = 5 };
 /* kernels.c's and kquants.c's QLIB_PANELS: a Q4_0 / Q4_1 / Q8_0 / Q4_K weight as 16-row panels */
 enum { PANELS = 64 };
 /* the most experts a STEP_MOE routes over */
@@ -151,6 +152,8 @@ static int step_ok(const qlib_step *s) {
                                               s->k % 256 == 0;
     case STEP_ATTN:
         return s->head_dim % 16 == 0 && s->head_dim <= 128 && s->n_head % s->n_kv == 0;
+    case STEP_ADD:
+        return s->n >= 0;
     case STEP_MOE: /* its experts' steps: GEMVs only */
         if (s->n < 1 || s->n > MAX_EXPERTS || s->n_used < 1 || s->n_used > s->n) return 0;
         for (int i = 0; i < s->first[s->n]; i++)
@@ -195,8 +198,16 @@ static void moe_combine(const qlib_step *s, int i0, int i1) {
     }
 }
 
+/* y[i0 .. i1) += x[i0 .. i1) (STEP_ADD) */
+static void add_rows(const qlib_step *s, int i0, int i1) {
+    for (int i = i0; i < i1; i++) s->y[i] = s->y[i] + s->x[i];
+}
+
 static int run_one(const qlib_step *s) {
     switch (s->kind) {
+    case STEP_ADD:
+        add_rows(s, 0, s->n);
+        return 0;
     case STEP_QGEMV:
         return qlib_qgemm_ex(s->type, s->w, s->d, s->m, s->n, s->k, s->x, 1, s->y, s->norm,
                              s->eps, s->swiglu, s->accumulate);
@@ -253,6 +264,12 @@ static void region_step(const qlib_step *s, int t, int team, int nth, uint8_t *m
                                 s->head_dim, s->max_seq, *s->cos_row, *s->sin_row, s->neox, s->y,
                                 s->kv_f16, s->split, nth, buf);
         break;
+    case STEP_ADD: {
+        const int per = (s->n + team - 1) / team, i0 = t * per;
+        add_rows(s, i0 < s->n ? i0 : s->n, i0 + per < s->n ? i0 + per : s->n);
+#pragma omp barrier
+        break;
+    }
     case STEP_MOE: { /* the routing on thread 0, the chosen experts' GEMVs, the weighted sum */
         if (t == 0) moe_route(s);
 #pragma omp barrier

@@ -300,7 +300,7 @@ def _prepared(fn, *args, keep: tuple, step: DecodeStepC | None = None) -> Kernel
 
 # -- decode.c: the whole decode step in one C call -----------------------------------------
 
-STEP_QGEMV, STEP_KGEMV, STEP_ATTN, STEP_MOE = 1, 2, 3, 4  # qlib_step.kind of decode.c
+STEP_QGEMV, STEP_KGEMV, STEP_ATTN, STEP_MOE, STEP_ADD = 1, 2, 3, 4, 5  # decode.c's qlib_step.kind
 MAX_EXPERTS = 256  # decode.c's: the most experts a MoE step routes over
 DECODE_MODES = {"c": 0, "region": 1}  # qlib_decode_run's modes (see decode_chain)
 
@@ -775,6 +775,19 @@ def attn_decode_plan(
         out.data_ptr(), int(kv_dtype == torch.float16), split,
         keep=(qkv, k_cache, v_cache, out, position), step=step,
     )  # fmt: skip
+
+
+def add_plan(x: torch.Tensor, y: torch.Tensor) -> KernelCall:
+    """``y += x`` (float32, as many values: a projection's bias added to its output in the
+    decode step) as a prepared call, a ``DecodeChain`` step."""
+    _check(x, torch.float32, "x")
+    _check(y, torch.float32, "y")
+    if x.numel() != y.numel():
+        raise ValueError(f"add_plan: {x.numel()} values added to {y.numel()}")
+    step = DecodeStepC(kind=STEP_ADD, n=y.numel(), x=x.data_ptr(), y=y.data_ptr())
+    one = (DecodeStepC * 1)(step)
+    return _prepared(_lib().qlib_decode_run, one, 1, DECODE_MODES["c"], keep=(x, y, one),
+                     step=step)  # fmt: skip
 
 
 def moe_decode_plan(router_logits: torch.Tensor, h: torch.Tensor,
