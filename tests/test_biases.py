@@ -109,7 +109,11 @@ def test_the_fast_cuda_engine_adds_them(tmp_path, biases):
     (llama.cpp's, above) to the int8 activations' drift."""
     path = write(tmp_path / "m.gguf", biases)
     ref = run(load(path, "cpu", engine="fast")[0])
-    got = run(load(path, "cuda", engine="fast")[0])
+    model, _ = load(path, "cuda", engine="fast")
+    assert model.decode == "fused" and model.graphs  # (the persistent kernel has no biases)
+    got = run(model)
     scale = max(np.abs(r).max() for r in ref)
     for g, w in zip(got, ref, strict=True):
         assert np.abs(g - w).max() <= 2e-2 * scale
+    with pytest.raises(ModelError, match="no projection biases"):
+        load(path, "cuda", engine="fast", decode="persistent")

@@ -70,6 +70,7 @@ def test_unsupported_reasons():
     assert "no code for IQ4_NL, Q8_1 " in why
     assert persistent.unsupported({"w": "Q8_0"}, 64, 64, 256, 256) is None
     assert "as wide as the model" in persistent.unsupported({"w": "Q8_0"}, 32, 32, 128, 256)
+    assert "biases" in persistent.unsupported({"w": "Q8_0"}, 64, 64, 256, 256, biases=True)
 
 
 def test_auto_decode_choice():

@@ -115,7 +115,7 @@ from .checks import (
 from .config import MAX_SEQ_LEN, LlamaConfig, check_tensors, rope_tables
 from .errors import ModelError
 from .faithful import rope_neox
-from .fused import FUSED_STACKS, stacked_bias
+from .fused import FUSED_STACKS, layer_biases
 
 PREFILL_MODES = ("bf16", "int8", "int8-attn")
 # The CPU feature that makes the bf16 prefill the faster default: AMX tiles. With AVX512-BF16
@@ -454,13 +454,9 @@ class FastLayer:
         self.attn_norm = _owned(get(f"{p}.attn_norm.weight"))
         self.ffn_norm = _owned(get(f"{p}.ffn_norm.weight"))
         # the file's optional projection biases, by stacked projection (llama.cpp adds them)
-        self.biases: dict[str, torch.Tensor] = {}
-        for attr in FUSED_STACKS:
-            w = getattr(self, attr)
-            rows = [get(f"{p}.{n}.weight").shape[0] for n in FUSED_STACKS[attr]] if w else []
-            b = stacked_bias(tensor_names, lambda n: _owned(get(n)), p, attr, rows) if w else None
-            if b is not None:
-                self.biases[attr] = b
+        dense = [attr for attr in FUSED_STACKS if getattr(self, attr) is not None]
+        self.biases = layer_biases(tensor_names, lambda n: _owned(get(n)),
+                                   lambda n: get(n).shape[0], p, dense)  # fmt: skip
 
     def add_bias(self, attr: str, y: torch.Tensor) -> torch.Tensor:
         """``y += `` the bias of projection ``attr`` where the file has one (its rows ``y``)."""

@@ -80,9 +80,9 @@ from .checks import (
     check_token_ids,
     context_length,
 )
-from .config import MAX_SEQ_LEN, LlamaConfig, check_tensors, rope_tables
+from .config import MAX_SEQ_LEN, LlamaConfig, bias_names, check_tensors, rope_tables
 from .errors import ModelError
-from .fused import FUSED_STACKS
+from .fused import FUSED_STACKS, layer_biases
 
 PREFILL_MODES = ("f32", "tf32", "bf16", "packed")
 PREFILL_DTYPES = {"f32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
@@ -231,8 +231,8 @@ def embed(ids: torch.Tensor, w: Part, out: torch.Tensor) -> None:
     fused.embed(ids, w, out)
 
 
-def auto_decode(types: dict[str, str], config: LlamaConfig,
-                capability: tuple[int, int]) -> tuple[str, str]:  # fmt: skip
+def auto_decode(types: dict[str, str], config: LlamaConfig, capability: tuple[int, int],
+                biases: bool = False) -> tuple[str, str]:  # fmt: skip
     """What ``decode="auto"`` runs for a model (its matrices' GGUF types), and why: the
     persistent kernel where it was measured faster than the fused kernels (docs/gpu.md: a
     Hopper GPU, a float32 or float16 cache, models up to ``PERSISTENT_MAX_WIDTH`` wide), else
@@ -240,7 +240,7 @@ def auto_decode(types: dict[str, str], config: LlamaConfig,
     from ..quants.cuda import persistent
 
     why = persistent.unsupported(types, config.head_dim, config.rope_dim, config.q_dim,
-                                 config.embedding_length)  # fmt: skip
+                                 config.embedding_length, biases)  # fmt: skip
     if why:
         return "fused", why
     if capability[0] != 9:
@@ -339,6 +339,15 @@ class CudaLayer:
             self.expert_stacks = _stack_experts(self.experts)
         self.attn_norm = get(f"{p}.attn_norm.weight").dequantize()
         self.ffn_norm = get(f"{p}.ffn_norm.weight").dequantize()
+        # the file's optional projection biases, by stacked projection (llama.cpp adds them)
+        dense = [attr for attr in FUSED_STACKS if getattr(self, attr) is not None]
+        self.biases = layer_biases(tensor_names, lambda n: get(n).dequantize(),
+                                   lambda n: get(n).shape[0], p, dense)  # fmt: skip
+
+    def add_bias(self, attr: str, y: torch.Tensor) -> torch.Tensor:
+        """``y + `` the bias of projection ``attr`` where the file has one (rows ``y``)."""
+        b = self.biases.get(attr)
+        return y if b is None else y + b
 
     def linears(self) -> list[CudaLinear]:
         """Every weight of the block."""
@@ -417,6 +426,7 @@ class CudaFastModel(StaticKVState):
         self._q = torch.empty(c.head_count * c.head_dim, device=device)
         self._att = torch.empty(c.head_count * c.head_dim, device=device)
         self._g = torch.empty(n_ff, device=device)
+        self._gu = torch.empty(2 * n_ff, device=device)  # gate | up, where they have a bias
         if self.moe:  # the decode step's routing and the chosen experts' outputs
             moe_ff = layers[0].experts[0][0].out_features // 2
             self._moe_logits = torch.empty(c.expert_count, device=device)
@@ -485,6 +495,7 @@ class CudaFastModel(StaticKVState):
         kv_type = check_kv_type(kv_type)
         config = LlamaConfig.from_metadata(content.metadata)
         check_tensors(content, config, "f32")  # names, shapes, types (before any data is read)
+        biased = bool(bias_names(content.tensor_infos))
         auto, note = decode == "auto", "as asked"
         mats = {n: KERNEL_TYPE.get(i.dtype.name, i.dtype.name)
                 for n, i in content.tensor_infos.items() if len(i.shape) == 2}  # fmt: skip
@@ -496,14 +507,14 @@ class CudaFastModel(StaticKVState):
             decode, note = "fused", "fused: a mixture of experts routed on the device"
         elif auto:
             cc = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
-            decode, note = auto_decode(mats, config, cc)
+            decode, note = auto_decode(mats, config, cc, biased)
         elif decode == "persistent":
             from ..quants.cuda import persistent
 
             if dev.type != "cuda":
                 raise ModelError(f"decode persistent runs on a CUDA device, not {dev.type}")
             why = persistent.unsupported(mats, config.head_dim, config.rope_dim, config.q_dim,
-                                         config.embedding_length)  # fmt: skip
+                                         config.embedding_length, biased)  # fmt: skip
             if why:
                 raise ModelError(why)
         if max_seq_len is None:
@@ -590,7 +601,7 @@ class CudaFastModel(StaticKVState):
         for i, ly in enumerate(self.layers):
             kc, vc = self.cache[i, 0], self.cache[i, 1]
             qkv = ly.wqkv.parts
-            if len(qkv) == 1 and isinstance(qkv[0], Prepared):
+            if len(qkv) == 1 and isinstance(qkv[0], Prepared) and "wqkv" not in ly.biases:
                 fused.qkv_rope(h, ly.attn_norm, eps, qkv[0], self._q, kc, vc, self._pos,
                                self.cos, self.sin, heads=self.heads,
                                neox=c.rope_is_neox)  # fmt: skip
@@ -599,6 +610,8 @@ class CudaFastModel(StaticKVState):
                 for p in qkv:
                     gemv(h, p, self._qkv[row : row + p.n], norm=ly.attn_norm, eps=eps)
                     row += p.n
+                if "wqkv" in ly.biases:  # (before RoPE, as llama.cpp adds it)
+                    self._qkv += ly.biases["wqkv"]
                 fused.rope_store(self._qkv[None], self._q[None], kc, vc, self._pos, self.cos,
                                  self.sin, heads=self.heads, neox=c.rope_is_neox)  # fmt: skip
             if self._mergeable(ly):  # h is read by no kernel while the heads' shares land
@@ -607,6 +620,8 @@ class CudaFastModel(StaticKVState):
             else:
                 attend(self._q, kc, vc, self._att, self._pos)
                 gemv(self._att, ly.wo.parts[0], h, epilogue=EPI_ADD)
+            if "wo" in ly.biases:
+                h += ly.biases["wo"]
             if ly.expert_stacks is not None:  # a mixture of experts routed on the device
                 gate_up, down = ly.expert_stacks
                 gemv(h, ly.router.parts[0], self._moe_logits, norm=ly.ffn_norm, eps=eps)
@@ -620,13 +635,22 @@ class CudaFastModel(StaticKVState):
                 h += ly.experts_ffn(F.rms_norm(h, (c.embedding_length,), ly.ffn_norm, eps),
                                     c.expert_used_count)  # fmt: skip
                 continue
-            if len(ly.w13.parts) == 1:
+            if "w13" in ly.biases:  # gate | up, + their bias, then SwiGLU
+                row, gu, n_ff = 0, self._gu, self._g.numel()
+                for p in ly.w13.parts:
+                    gemv(h, p, gu[row : row + p.n], norm=ly.ffn_norm, eps=eps)
+                    row += p.n
+                gu += ly.biases["w13"]
+                torch.mul(F.silu(gu[:n_ff]), gu[n_ff:], out=self._g)
+            elif len(ly.w13.parts) == 1:
                 gemv(h, ly.w13.parts[0], self._g, norm=ly.ffn_norm, eps=eps, epilogue=EPI_SWIGLU)
             else:
                 gate, up = ly.w13.parts
                 gemv(h, gate, self._g, norm=ly.ffn_norm, eps=eps)
                 gemv(h, up, self._g, norm=ly.ffn_norm, eps=eps, epilogue=EPI_GATE)
             gemv(self._g, ly.w2.parts[0], h, epilogue=EPI_ADD)
+            if "w2" in ly.biases:
+                h += ly.biases["w2"]
         gemv(h, self.output, self._logits, norm=self.norm, eps=eps)
 
     def _decode_step(self) -> None:
@@ -781,7 +805,7 @@ class CudaFastModel(StaticKVState):
             mask = cols[None, :] <= torch.arange(t, device=self.device)[:, None] + pos
         for i, ly in enumerate(self.layers):
             kc, vc = self.cache[i, 0], self.cache[i, 1]
-            qkv = ly.wqkv.matmul(F.rms_norm(h, dims, ly.attn_norm, eps))
+            qkv = ly.add_bias("wqkv", ly.wqkv.matmul(F.rms_norm(h, dims, ly.attn_norm, eps)))
             q = torch.empty(t, nq * hd, device=self.device)
             fused.rope_store(qkv, q, kc, vc, self._pos, self.cos, self.sin, heads=self.heads,
                              neox=c.rope_is_neox)  # fmt: skip
@@ -796,13 +820,13 @@ class CudaFastModel(StaticKVState):
                 attn_mask=mask, is_causal=mask is None, scale=1.0 / math.sqrt(hd),
                 enable_gqa=k.shape[0] != nq,
             )  # fmt: skip
-            h = h + ly.wo.matmul(y[0].transpose(0, 1).reshape(t, nq * hd))
+            h = h + ly.add_bias("wo", ly.wo.matmul(y[0].transpose(0, 1).reshape(t, nq * hd)))
             if ly.experts is not None:
                 h = h + ly.experts_ffn(F.rms_norm(h, dims, ly.ffn_norm, eps), c.expert_used_count)
                 continue
-            gu = ly.w13.matmul(F.rms_norm(h, dims, ly.ffn_norm, eps))
+            gu = ly.add_bias("w13", ly.w13.matmul(F.rms_norm(h, dims, ly.ffn_norm, eps)))
             n_ff = gu.shape[1] // 2
-            h = h + ly.w2.matmul(F.silu(gu[:, :n_ff]) * gu[:, n_ff:])
+            h = h + ly.add_bias("w2", ly.w2.matmul(F.silu(gu[:, :n_ff]) * gu[:, n_ff:]))
         if all_logits:
             out = self.output
             w = out.w if isinstance(out, DenseWeight) else kernels.dequantize(out, torch.float32)

@@ -3,7 +3,7 @@ their biases where a file has them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 
 import torch
 
@@ -17,15 +17,24 @@ FUSED_STACKS: dict[str, tuple[str, ...]] = {
 }
 
 
-def stacked_bias(names: Container[str], read: Callable[[str], torch.Tensor], p: str, attr: str,
-                 rows: list[int]) -> torch.Tensor | None:  # fmt: skip
-    """The bias of layer ``p``'s stacked projection ``attr`` (llama.cpp's optional
-    ``blk.N.<name>.bias`` of a llama file: ``names`` holds the file's tensors, ``read`` gives
-    one as float32), its projections' in row order (``rows`` each), zeros where one has none;
-    None where none has one."""
-    biases = [f"{p}.{n}.bias" for n in FUSED_STACKS[attr]]
-    if not any(b in names for b in biases):
-        return None
-    parts = [read(b).float().reshape(-1) if b in names else torch.zeros(n)
-             for b, n in zip(biases, rows, strict=True)]  # fmt: skip
-    return torch.cat([t.to(parts[0].device) for t in parts])
+Read = Callable[[str], torch.Tensor]  # a tensor of the file by name, as float32 values
+
+
+def layer_biases(names: Container[str], read: Read, rows: Callable[[str], int], p: str,
+                 attrs: Iterable[str]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The biases of layer ``p``'s stacked projections ``attrs`` (llama.cpp's optional
+    ``blk.N.<name>.bias`` of a llama file; ``names`` holds the file's tensors, ``read`` gives
+    one as float32, ``rows`` a weight's row count), each over its projections in row order,
+    zeros where one has none; only the projections where one has a bias."""
+    out = {}
+    for attr in attrs:
+        biases = [f"{p}.{n}.bias" for n in FUSED_STACKS[attr]]
+        if not any(b in names for b in biases):
+            continue
+        parts = [read(b).float().reshape(-1) if b in names else None for b in biases]
+        device = next(t for t in parts if t is not None).device
+        out[attr] = torch.cat([
+            t if t is not None else torch.zeros(rows(f"{p}.{n}.weight"), device=device)
+            for t, n in zip(parts, FUSED_STACKS[attr], strict=True)
+        ])  # fmt: skip
+    return out

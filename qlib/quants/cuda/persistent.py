@@ -86,10 +86,11 @@ class PersistentError(RuntimeError):
 
 
 def unsupported(types: dict[str, str], head_dim: int, rope_dim: int,
-                q_dim: int | None = None, width: int | None = None) -> str | None:  # fmt: skip
+                q_dim: int | None = None, width: int | None = None,
+                biases: bool = False) -> str | None:  # fmt: skip
     """Why a model with these tensor types and head size (its query width ``q_dim``, head
-    count x head_dim, against its ``width``, embedding_length, where given) cannot run the
-    kernel, or None."""
+    count x head_dim, against its ``width``, embedding_length, where given; ``biases``: its
+    projections have some) cannot run the kernel, or None."""
     bad = sorted({t for t in types.values() if t not in SUPPORTED})
     if bad:
         runs = ", ".join(SUPPORTED)
@@ -101,6 +102,8 @@ def unsupported(types: dict[str, str], head_dim: int, rope_dim: int,
     if q_dim is not None and q_dim != width:
         return (f"the persistent kernel needs the heads as wide as the model (head_count x "
                 f"head_dim {q_dim}, embedding_length {width})")  # fmt: skip
+    if biases:
+        return "the persistent kernel adds no projection biases (this file has some)"
     return None
 
 
