@@ -4,9 +4,10 @@ faithful engine ignores them as candle's quantized_llama does, with a warning (`
 refuses the file).
 
 Tolerances: llama.cpp's logits on the same Q8_0 file to 1e-4 of their scale (both quantize
-the activations to Q8_0 blocks and sum exact integer dots; measured below 1e-6 of it); the
-fast CUDA engine (float32 activations, weights dequantized exactly) to the fast CPU engine's
-int8 activations' drift, 2e-2 of the scale (measured ~4e-3)."""
+the activations to Q8_0 blocks and sum exact integer dots; measured 1.1e-7 and 1.2e-7 of it);
+the fast CUDA engine (float32 activations, weights dequantized exactly) against the fast CPU
+engine: the CPU's int8 activations' drift, 2e-2 of the scale (measured 5.7e-3 to 9.2e-3 on an
+H100)."""
 
 from __future__ import annotations
 
