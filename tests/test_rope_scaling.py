@@ -1,10 +1,12 @@
-"""RoPE scaling (Llama 3.1+ ``rope_freqs.weight``; linear ``llama.rope.scaling.*``): the fast
-engine applies it as llama.cpp does (teacher-forced logits against llama-cpp-python's on the
-same file); the faithful engine ignores it, as candle, and refuses it under ``strict=True``.
+"""RoPE scaling (Llama 3.1+ ``rope_freqs.weight``; linear and YaRN ``llama.rope.scaling.*``):
+the fast engine applies it as llama.cpp does (teacher-forced logits against llama-cpp-python's
+on the same file); the faithful engine ignores it, as candle, and refuses it under
+``strict=True``.
 
 The file: the synthetic ``tiny`` shape (random seeded weights, F32, 2 layers, head_dim 64),
 rewritten with the scaling added. Positions up to 96 so that rotations differ visibly.
-Tolerance: 1e-5 x max |logit| (measured 5.9e-7 for both kinds): llama.cpp's F32 matmuls and
+Tolerance: 1e-5 x max |logit| (measured 5.9e-7 for the first two kinds, 1.7e-6 / 1.3e-6 for
+YaRN): llama.cpp's F32 matmuls and
 its RoPE (theta raised by repeated multiplication) round differently from ours; without the
 scaling the logits differ by about 0.5 x max |logit| (checked below).
 """
@@ -34,8 +36,10 @@ def tiny() -> str:
         pytest.skip(f"cannot make the synthetic model: {e}")
 
 
-def with_scaling(src: str, dst, *, freqs: np.ndarray | None = None, linear: float | None = None):
-    """``src`` rewritten with ``rope_freqs.weight`` and/or linear scaling metadata."""
+def with_scaling(src: str, dst, *, freqs: np.ndarray | None = None, linear: float | None = None,
+                 yarn: tuple[float, int] | None = None):  # fmt: skip
+    """``src`` rewritten with ``rope_freqs.weight`` and/or linear scaling metadata, or YaRN's
+    (``yarn``: the factor and the original context length)."""
     content = Content.read_path(src)
     metadata = {k: Typed(content.metadata_types[k], v) for k, v in content.metadata.items()}
     with open(src, "rb") as f:
@@ -49,6 +53,11 @@ def with_scaling(src: str, dst, *, freqs: np.ndarray | None = None, linear: floa
     if linear is not None:
         metadata["llama.rope.scaling.type"] = Typed(GGUFValueType.STRING, "linear")
         metadata["llama.rope.scaling.factor"] = Typed(GGUFValueType.FLOAT32, linear)
+    if yarn is not None:
+        metadata["llama.rope.scaling.type"] = Typed(GGUFValueType.STRING, "yarn")
+        metadata["llama.rope.scaling.factor"] = Typed(GGUFValueType.FLOAT32, yarn[0])
+        metadata["llama.rope.scaling.original_context_length"] = Typed(GGUFValueType.UINT32,
+                                                                       yarn[1])  # fmt: skip
     with open(dst, "wb") as f:
         write(f, metadata, tensors)
     return str(dst)
@@ -76,13 +85,17 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@pytest.mark.parametrize("kind", ["freqs", "linear"])
+@pytest.mark.parametrize("kind", ["freqs", "linear", "yarn", "yarn+freqs"])
 def test_fast_engine_scales_rope_as_llama_cpp(tiny, tmp_path, kind):
+    """YaRN: factor 4 over an original context of 48 positions, so that the ramp between
+    interpolated and original frequencies runs over pairs 0..8 of the 32 (and the cos / sin
+    magnitude 1 + 0.1 ln 4)."""
     rng = np.random.default_rng(0)
     half = Content.read_path(tiny).metadata["llama.rope.dimension_count"] // 2
-    freqs = rng.uniform(1.0, 32.0, half) if kind == "freqs" else None
+    freqs = rng.uniform(1.0, 32.0, half) if "freqs" in kind else None
     path = with_scaling(tiny, tmp_path / "scaled.gguf", freqs=freqs,
-                        linear=4.0 if kind == "linear" else None)  # fmt: skip
+                        linear=4.0 if kind == "linear" else None,
+                        yarn=(4.0, 48) if "yarn" in kind else None)  # fmt: skip
     ref = llama_cpp_logits(path)
     got = fast_logits(path)
     assert rel(got, ref) <= TOL
@@ -112,8 +125,8 @@ def test_tables():
     ff = torch.full((4,), 2.0)
     cos3, _ = rope_tables(plain, torch.device("cpu"), 10, ff)
     torch.testing.assert_close(cos3, cos, rtol=0, atol=1e-6)  # factors 2 == positions / 2
-    with pytest.warns(UserWarning, match="yarn"):
-        rope_tables(LlamaConfig.from_metadata({**md, "llama.rope.scaling.type": "yarn"}),
+    with pytest.warns(UserWarning, match="longrope"):
+        rope_tables(LlamaConfig.from_metadata({**md, "llama.rope.scaling.type": "longrope"}),
                     torch.device("cpu"), 4)  # fmt: skip
 
 

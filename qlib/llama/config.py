@@ -3,6 +3,7 @@ that every engine runs before reading any data."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import warnings
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ class LlamaConfig:
     rope_scaling_factor: float = 1.0  # llama.rope.scaling.factor (linear: positions / factor)
     expert_count: int = 0  # llama.expert_count: > 1, a mixture of experts (Mixtral-style)
     expert_used_count: int = 0  # llama.expert_used_count: the experts each token runs
+    # YaRN scaling (llama.rope.scaling.type "yarn"): the context the model was trained with
+    # (llama.rope.scaling.original_context_length, else llama.context_length) and the
+    # magnitude factor (llama.rope.scaling.attn_factor, 1 when absent)
+    rope_orig_ctx: int = 0
+    rope_attn_factor: float = 1.0
     # llama.attention.key_length where the head size is not embedding_length / head_count
     # (Mistral NeMo, Mistral Small: 5120 wide, 32 heads of 128); 0: that quotient
     key_length: int = 0
@@ -134,6 +140,14 @@ class LlamaConfig:
             factor = md_float("llama.rope.scale_linear", metadata["llama.rope.scale_linear"])
         if factor <= 0:
             raise ModelFileError(f"metadata key {factor_key} = {factor} must be > 0")
+        orig_key = "llama.rope.scaling.original_context_length"
+        orig_ctx = 0
+        if orig_key in metadata:
+            orig_ctx = md_int(orig_key, 1)
+        elif "llama.context_length" in metadata:
+            orig_ctx = md_int("llama.context_length", 1)
+        attn_key = "llama.rope.scaling.attn_factor"
+        attn_factor = md_float(attn_key, metadata.get(attn_key, 1.0))
         n_expert = md_int("llama.expert_count", 0) if "llama.expert_count" in metadata else 0
         n_used = 0
         if n_expert > 1:
@@ -153,6 +167,8 @@ class LlamaConfig:
             rope_is_neox=arch in NEOX_ARCHITECTURES,
             rope_scaling=scaling,
             rope_scaling_factor=factor,
+            rope_orig_ctx=orig_ctx,
+            rope_attn_factor=attn_factor,
             expert_count=n_expert,
             expert_used_count=n_used,
             key_length=key_length,
@@ -297,7 +313,38 @@ def precompute_freqs_cis(
     return idx_theta.cos().to(device), idx_theta.sin().to(device)
 
 
-HONOURED_SCALING = ("none", "linear")  # the rope scaling types the fast engines apply
+HONOURED_SCALING = ("none", "linear", "yarn")  # the rope scaling types the fast engines apply
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # llama.cpp's defaults: the ramp's ends (rotations)
+
+
+def yarn_tables(config: LlamaConfig, length: int, freq_factors: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """YaRN's RoPE tables as ggml's ``rope_yarn`` makes them (llama.cpp's YaRN for a llama
+    file: extrapolation factor 1, ``beta_fast`` 32, ``beta_slow`` 1): each pair's angle is
+    the interpolated one (``position / factor``) for the low frequencies, the original one
+    for the high, a linear ramp between the pairs ``config.rope_orig_ctx`` makes the
+    boundaries of; cos and sin both times ``attn_factor * (1 + 0.1 ln(factor))``."""
+    d, base = config.rope_dim, config.rope_freq_base
+    scale = 1.0 / config.rope_scaling_factor
+    if config.rope_orig_ctx < 1:
+        raise ModelFileError("YaRN scaling needs llama.rope.scaling.original_context_length "
+                             "(or llama.context_length)")  # fmt: skip
+
+    def corr_dim(rotations: float) -> float:  # ggml_rope_yarn_corr_dim
+        return d * math.log(config.rope_orig_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(0.0, math.floor(corr_dim(YARN_BETA_FAST)))
+    high = min(d - 1.0, math.ceil(corr_dim(YARN_BETA_SLOW)))
+    pair = torch.arange(d // 2, dtype=torch.float32)
+    ramp = 1.0 - ((pair - low) / max(0.001, high - low)).clamp(0.0, 1.0)  # 1: extrapolate
+    theta = 1.0 / torch.pow(torch.tensor(base, dtype=torch.float32), 2 * pair / d)
+    if freq_factors is not None:
+        theta = theta / freq_factors.reshape(-1).float().cpu()
+    extrap = torch.arange(length, dtype=torch.float32).reshape(length, 1) @ theta.reshape(1, -1)
+    interp = extrap * scale
+    angle = interp * (1 - ramp) + extrap * ramp
+    mscale = config.rope_attn_factor * (1.0 + 0.1 * math.log(1.0 / scale))
+    return angle.cos() * mscale, angle.sin() * mscale
 
 
 def rope_tables(
@@ -307,8 +354,16 @@ def rope_tables(
 
     ``freq_factors``: the file's ``rope_freqs.weight`` (Llama 3.1+ "llama3" scaling, stored by
     the converter as one factor per frequency); linear scaling divides positions by
-    ``rope_scaling_factor``. Other scaling types (yarn, longrope) are not applied: a warning
-    says so."""
+    ``rope_scaling_factor``; YaRN as ``yarn_tables``. Other scaling types (longrope, ...) are
+    not applied: a warning says so."""
+    if freq_factors is not None and freq_factors.numel() != config.rope_dim // 2:
+        raise ModelFileError(
+            f"tensor rope_freqs.weight has {freq_factors.numel()} values, expected "
+            f"rope_dim / 2 = {config.rope_dim // 2}"
+        )
+    if config.rope_scaling == "yarn":
+        cos, sin = yarn_tables(config, length, freq_factors)
+        return cos.to(device), sin.to(device)
     if config.rope_scaling not in HONOURED_SCALING:
         warnings.warn(
             f"rope scaling {config.rope_scaling!r} is not implemented in qlib: positions are "
@@ -316,11 +371,6 @@ def rope_tables(
             stacklevel=2,
         )
     scale = 1.0 / config.rope_scaling_factor if config.rope_scaling == "linear" else 1.0
-    if freq_factors is not None and freq_factors.numel() != config.rope_dim // 2:
-        raise ModelFileError(
-            f"tensor rope_freqs.weight has {freq_factors.numel()} values, expected "
-            f"rope_dim / 2 = {config.rope_dim // 2}"
-        )
     return precompute_freqs_cis(config.rope_dim, config.rope_freq_base, device, length,
                                 freq_factors=freq_factors, position_scale=scale)  # fmt: skip
 
