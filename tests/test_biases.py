@@ -118,3 +118,24 @@ def test_the_fast_cuda_engine_adds_them(tmp_path, biases):
         assert np.abs(g - w).max() <= 2e-2 * scale
     with pytest.raises(ModelError, match="no projection biases"):
         load(path, "cuda", engine="fast", decode="persistent")
+
+
+@pytest.mark.parametrize("biases", [ALL, QKV], ids=["all", "qkv"])
+def test_the_fast_cpu_engine_adds_them_as_transformers(tmp_path, biases):
+    """The same F32 file exported to transformers (``gguf_to_hf``: ``attention_bias`` /
+    ``mlp_bias`` on, zeros where the file has none): its logits of the prompt and the decode
+    steps to 1e-3 (float32 both sides, other summation orders, as tests/test_shapes.py)."""
+    transformers = pytest.importorskip("transformers")
+    from qlib.convert import gguf_to_hf
+
+    path = write_tiny_llama(tmp_path / "m.gguf", n_layer=2, n_embd=128, n_head=4, n_kv_head=2,
+                            n_ff=256, vocab=256, weight_type="F32", tie_output=False,
+                            biases=biases)  # fmt: skip
+    hf = gguf_to_hf(path, tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf.path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = model(torch.tensor([IDS + list(STEPS)])).logits[0].numpy()
+    got = run(load(path, "cpu", engine="fast")[0])
+    n = len(IDS)
+    for g, w in zip(got, [ref[:n], *(ref[n + i][None] for i in range(len(STEPS)))], strict=True):
+        assert np.abs(g - w).max() <= 1e-3

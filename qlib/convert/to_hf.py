@@ -51,6 +51,10 @@ class ExportReport:
         )
 
 
+ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")  # projections with a bias or not
+MLP = ("ffn_gate", "ffn_up", "ffn_down")
+
+
 def f32_value(v: float) -> float:
     """The shortest decimal that rounds to the same float32 (9.99999974e-06 -> 1e-05)."""
     return float(str(np.float32(v)))
@@ -98,8 +102,10 @@ def config_from_metadata(
         "vocab_size": int(md.get(f"{arch}.vocab_size", vocab)),
         "max_position_embeddings": int(md.get(f"{arch}.context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in shapes,
-        "attention_bias": False,
-        "mlp_bias": False,
+        # transformers has all four attention biases or none (and all three MLP ones):
+        # gguf_to_hf writes zeros for those a file lacks
+        "attention_bias": any(f"blk.0.{n}.bias" in shapes for n in ATTENTION),
+        "mlp_bias": any(f"blk.0.{n}.bias" in shapes for n in MLP),
         "bos_token_id": md.get(tok + "bos_token_id"),
         "eos_token_id": md.get(tok + "eos_token_id"),
         "pad_token_id": md.get(tok + "padding_token_id"),
@@ -195,6 +201,13 @@ def gguf_to_hf(
             if permute and heads is not None:
                 w = unpermute(w, heads)
             tensors[hf] = w.to(HF_DTYPES[dtype]).contiguous()
+        for i in range(config["num_hidden_layers"]):  # biases transformers needs, as zeros
+            for names, on in ((ATTENTION, config["attention_bias"]), (MLP, config["mlp_bias"])):
+                for n in names if on else ():
+                    hf = hf_name(f"blk.{i}.{n}.bias")
+                    if hf not in tensors:
+                        rows = shapes[f"blk.{i}.{n}.weight"][0]
+                        tensors[hf] = torch.zeros(rows, dtype=HF_DTYPES[dtype])
     tmp = out / ".model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.chmod(tmp, 0o644)
