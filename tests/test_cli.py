@@ -350,3 +350,18 @@ def test_models_info_counts_every_type(tmp_path, capsys):
                            drop_keys=("llama.attention.head_count",))  # fmt: skip
     rc, err = run(["models", "info", str(bad)], capsys)
     assert rc == 1 and "general.architecture is 'gpt2'" in err
+
+
+def test_models_info_names_biases_and_rope_scaling(tmp_path, capsys):
+    from synthetic import write_tiny_llama
+
+    from qlib.gguf import GGUFValueType, Typed
+
+    path = write_tiny_llama(tmp_path / "m.gguf", biases=("attn_q", "attn_k", "attn_v"),
+                            extra_metadata={"llama.rope.scaling.type": "yarn",
+                                            "llama.rope.scaling.factor":
+                                                Typed(GGUFValueType.FLOAT32, 4.0)})  # fmt: skip
+    assert main(["models", "info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "projection biases: attn_q, attn_k, attn_v (the fast engines add them" in out
+    assert "RoPE scaling: yarn scaling x4 (the fast engines apply it" in out

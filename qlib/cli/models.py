@@ -10,7 +10,7 @@ from pathlib import Path
 from .. import models
 from ..gguf import SplitContent, read_content
 from ..llama.checks import context_length
-from ..llama.config import LlamaConfig
+from ..llama.config import HONOURED_SCALING, LlamaConfig, bias_names, scaling_ignored
 
 
 def _derive(a: argparse.Namespace) -> int:
@@ -42,7 +42,8 @@ def _summary(path: str) -> dict:
     """What a llama GGUF file holds: its shape (``config``: ``LlamaConfig``; ``vocab``,
     ``context``) and, per ggml type, its tensors, weights and bytes (``types``: largest bytes
     first), with the totals (``weights``, ``bytes``: the tensors' data) and the files
-    (``shards``: a split model's, or the one file). Raises the reader's
+    (``shards``: a split model's, or the one file), its RoPE scaling (``rope``) and which
+    projections have biases (``biases``). Raises the reader's
     and the config's errors (a missing, corrupt or non-llama file)."""
     content = read_content(Path(path))
     config = LlamaConfig.from_metadata(content.metadata)
@@ -62,6 +63,10 @@ def _summary(path: str) -> dict:
         "weights": sum(r["weights"] for r in types.values()),
         "bytes": sum(r["bytes"] for r in types.values()),
         "shards": content.paths if isinstance(content, SplitContent) else [Path(path)],
+        "rope": scaling_ignored(config, "rope_freqs.weight" in content.tensor_infos),
+        "rope_applied": config.rope_scaling in HONOURED_SCALING,
+        "biases": list(dict.fromkeys(n.split(".", 2)[2].removesuffix(".bias")
+                                     for n in bias_names(content.tensor_infos))),
     }  # fmt: skip
 
 
@@ -75,6 +80,14 @@ def _info(a: argparse.Namespace) -> int:
         if c.expert_count > 1:
             print(f"  mixture of experts: {c.expert_count} experts a layer, "
                   f"{c.expert_used_count} used a token")  # fmt: skip
+        if summary["rope"]:
+            how = ("the fast engines apply it" if summary["rope_applied"]
+                   else f"qlib does not apply {c.rope_scaling} scaling")  # fmt: skip
+            print(f"  RoPE scaling: {summary['rope']} ({how}; the faithful engine, as candle, "
+                  "ignores it)")  # fmt: skip
+        if summary["biases"]:
+            print(f"  projection biases: {', '.join(summary['biases'])} (the fast engines add "
+                  "them; the faithful engine, as candle, does not)")  # fmt: skip
         if len(summary["shards"]) > 1:
             print(f"  split model: {len(summary['shards'])} shards, "
                   f"{', '.join(p.name for p in summary['shards'])}")  # fmt: skip
