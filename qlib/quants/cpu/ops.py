@@ -306,8 +306,8 @@ DECODE_MODES = {"c": 0, "region": 1}  # qlib_decode_run's modes (see decode_chai
 
 
 class DecodeStepC(ctypes.Structure):
-    """``qlib_step`` of decode.c: one prepared GEMV, attention or mixture-of-experts step (raw
-    pointers: the plan that made it keeps its tensors)."""
+    """``qlib_step`` of decode.c: one prepared GEMV, attention, mixture-of-experts or add step
+    (raw pointers: the plan that made it keeps its tensors)."""
 
 
 DecodeStepC._fields_ = [
@@ -784,9 +784,15 @@ def add_plan(x: torch.Tensor, y: torch.Tensor) -> KernelCall:
     _check(y, torch.float32, "y")
     if x.numel() != y.numel():
         raise ValueError(f"add_plan: {x.numel()} values added to {y.numel()}")
-    step = DecodeStepC(kind=STEP_ADD, n=y.numel(), x=x.data_ptr(), y=y.data_ptr())
+    return _step_call(DecodeStepC(kind=STEP_ADD, n=y.numel(), x=x.data_ptr(), y=y.data_ptr()),
+                      keep=(x, y))  # fmt: skip
+
+
+def _step_call(step: DecodeStepC, keep: tuple) -> KernelCall:
+    """A decode.c step of its own as a prepared call (``qlib_decode_run`` of it alone, its
+    kernels' entry points) that is also that ``DecodeChain`` step."""
     one = (DecodeStepC * 1)(step)
-    return _prepared(_lib().qlib_decode_run, one, 1, DECODE_MODES["c"], keep=(x, y, one),
+    return _prepared(_lib().qlib_decode_run, one, 1, DECODE_MODES["c"], keep=(*keep, one),
                      step=step)  # fmt: skip
 
 
@@ -825,10 +831,7 @@ def moe_decode_plan(router_logits: torch.Tensor, h: torch.Tensor,
         outs=ctypes.addressof(out_ptrs), chosen=chosen.data_ptr(), weights=weights.data_ptr(),
         n_used=n_used,
     )  # fmt: skip
-    one = (DecodeStepC * 1)(step)
-    call = _prepared(_lib().qlib_decode_run, one, 1, DECODE_MODES["c"],
-                     keep=(router_logits, h, experts, outs, first, array, out_ptrs, one),
-                     step=step)  # fmt: skip
+    call = _step_call(step, keep=(router_logits, h, experts, outs, first, array, out_ptrs))
     call.router_logits, call.chosen, call.weights = router_logits, chosen, weights
     return call
 
