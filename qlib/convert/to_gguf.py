@@ -11,6 +11,7 @@ is copied, as llama-quantize does) and keeps its metadata.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -167,14 +168,39 @@ def read_hf_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def rope_theta(cfg: dict[str, Any]) -> float:
-    """rope_theta from ``rope_parameters`` (transformers 5) or the top level; 10000 if absent."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise NotImplementedError(f"rope type {kind!r} is not supported (qlib has plain RoPE)")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+ROPE_TYPES = ("default", "linear", "llama3")  # the RoPE scalings hf_to_gguf converts
+
+
+def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters of a transformers config, ``rope_parameters`` (transformers 5) over
+    ``rope_scaling`` and the top level: ``rope_type`` (one of ``ROPE_TYPES``), ``rope_theta``
+    (10000 if absent) and the scaling's own keys."""
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in ROPE_TYPES:
+        raise NotImplementedError(f"rope type {kind!r} is not supported (qlib converts "
+                                  f"{', '.join(ROPE_TYPES)})")  # fmt: skip
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return {**params, "rope_type": kind, "rope_theta": theta}
+
+
+def llama3_rope_factors(params: dict[str, Any], head_dim: int) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling as llama.cpp stores it (``rope_freqs.weight``, one divisor per
+    frequency, as its converter computes them): 1 for wavelengths shorter than
+    ``original_max_position_embeddings / high_freq_factor``, ``factor`` for those longer than
+    ``... / low_freq_factor``, and between them ``1 / ((1 - s) / factor + s)`` with ``s`` the
+    smooth ramp transformers uses."""
+    factor = float(params.get("factor", 8.0))
+    low = float(params.get("low_freq_factor", 1.0))
+    high = float(params.get("high_freq_factor", 4.0))
+    old_len = float(params.get("original_max_position_embeddings", 8192))
+    i = torch.arange(0, head_dim, 2, dtype=torch.float64)
+    wavelen = 2 * math.pi * params["rope_theta"] ** (i / head_dim)  # 2 pi / frequency
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    out = torch.where(wavelen > old_len / low, factor, mid)
+    out = torch.where(wavelen < old_len / high, 1.0, out)
+    return out.float()
 
 
 def hf_metadata(
@@ -186,6 +212,7 @@ def hf_metadata(
     n_head = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or hidden // n_head)
+    rope = rope_parameters(cfg)
     name = cfg.get("_name_or_path") or Path(folder).resolve().name
     md: dict[str, Any] = {
         "general.architecture": "llama",
@@ -201,8 +228,11 @@ def hf_metadata(
         "llama.attention.head_count": Typed(U32, n_head),
         "llama.attention.head_count_kv": Typed(U32, int(cfg.get("num_key_value_heads") or n_head)),
         "llama.attention.layer_norm_rms_epsilon": Typed(F32, float(cfg.get("rms_norm_eps", 1e-6))),
-        "llama.rope.freq_base": Typed(F32, rope_theta(cfg)),
+        "llama.rope.freq_base": Typed(F32, rope["rope_theta"]),
     }
+    if rope["rope_type"] == "linear":
+        md["llama.rope.scaling.type"] = "linear"
+        md["llama.rope.scaling.factor"] = Typed(F32, float(rope["factor"]))
     if head_dim * n_head != hidden:
         md["llama.attention.key_length"] = Typed(U32, head_dim)
         md["llama.attention.value_length"] = Typed(U32, head_dim)
@@ -249,6 +279,10 @@ def hf_to_gguf(
         if permute_qk and heads is not None:
             w = permute(w, heads)
         floats[name] = w
+    rope = rope_parameters(cfg)
+    if rope["rope_type"] == "llama3":  # as llama.cpp's converter: the factors as a tensor
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_head)
+        floats["rope_freqs.weight"] = llama3_rope_factors(rope, head_dim)
     floats = {k: floats[k] for k in sorted(floats, key=sort_key)}
     md = hf_metadata(folder, cfg, floats["token_embd.weight"].shape[0], spec, pre)
     md = _edit_metadata(md, metadata, drop_keys, log)
