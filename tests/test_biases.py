@@ -139,3 +139,22 @@ def test_the_fast_cpu_engine_adds_them_as_transformers(tmp_path, biases):
     n = len(IDS)
     for g, w in zip(got, [ref[:n], *(ref[n + i][None] for i in range(len(STEPS)))], strict=True):
         assert np.abs(g - w).max() <= 1e-3
+
+
+def test_biases_round_trip_through_transformers(tmp_path):
+    """GGUF -> transformers -> GGUF keeps every bias byte for byte (q and k permuted to
+    transformers' row order and back, as their weights)."""
+    pytest.importorskip("safetensors")
+    from qlib.convert import gguf_to_hf, hf_to_gguf
+    from qlib.gguf import Content
+
+    path = write_tiny_llama(tmp_path / "m.gguf", n_layer=2, n_embd=128, n_head=4, n_kv_head=2,
+                            n_ff=256, vocab=256, weight_type="F32", biases=ALL)  # fmt: skip
+    hf = gguf_to_hf(path, tmp_path / "hf")
+    back = hf_to_gguf(hf.path, tmp_path / "back.gguf", "F32").path
+    with open(path, "rb") as f, open(back, "rb") as g:
+        a, b = Content.read(f), Content.read(g)
+        names = [n for n in a.tensor_infos if n.endswith(".bias")]
+        assert len(names) == 14 and set(names) <= set(b.tensor_infos)
+        for n in names:
+            assert torch.equal(a.tensor(f, n).dequantize(), b.tensor(g, n).dequantize()), n
