@@ -365,3 +365,18 @@ def test_models_info_names_biases_and_rope_scaling(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "projection biases: attn_q, attn_k, attn_v (the fast engines add them" in out
     assert "RoPE scaling: yarn scaling x4 (the fast engines apply it" in out
+
+
+def test_a_warning_is_one_line(tmp_path, capsys, monkeypatch):
+    """A library warning on the command line: ``qlib COMMAND: warning: ...``, no file:line."""
+    import warnings
+
+    from qlib.cli import models as models_cli
+
+    def info(_args) -> int:
+        warnings.warn("something to know", stacklevel=1)
+        return 0
+
+    monkeypatch.setattr(models_cli, "_info", info)
+    rc, err = run(["models", "info", "x.gguf"], capsys)
+    assert rc == 0 and err.strip() == "qlib models: warning: something to know"

@@ -9,9 +9,11 @@ traceback only with ``--traceback`` or ``QLIB_TRACEBACK=1``.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import sys
+import warnings
 from importlib.metadata import PackageNotFoundError, version
 
 # command modules, in the order `--help` lists them
@@ -66,6 +68,10 @@ def _message(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _show_warning(command: str, message, category, *_args, **_kwargs) -> None:
+    print(f"qlib {command}: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     traceback = "--traceback" in argv or os.environ.get("QLIB_TRACEBACK", "") not in ("", "0")
@@ -76,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            if not traceback:  # a library warning as one line, not Python's file:line, source
+                warnings.showwarning = functools.partial(_show_warning, args.command)
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
