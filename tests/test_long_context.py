@@ -127,7 +127,7 @@ def test_ffn_row_chunks_equal_whole(long_file):
 def test_positions_past_4096(long_file):
     model, _ = load(long_file, engine="fast", prefill="int8")
     assert model.max_seq_len == 8192  # the file's llama.context_length
-    assert model.cos.shape[0] >= 8192
+    assert model.cos.shape[0] == 4096  # the RoPE tables grow with the cache
     per_pos = 2 * 2 * 2 * 64 * 4  # layers, k / v, KV heads, d, float32
     rsv = model.kv_bytes()  # the cache holds kv_first positions at first, not 8192
     assert rsv["used"] == 0 and rsv["reserved"] == model.kv_first * per_pos
@@ -136,6 +136,7 @@ def test_positions_past_4096(long_file):
     model.forward(ids[:, :n], 0)
     kv = model.kv_bytes()  # grown to 1.25x what the prompt needs (steps of 256), not to 8192
     assert kv["used"] == n * per_pos and kv["reserved"] == 5376 * per_pos
+    assert model.cos.shape[0] == 5376
     if kv["resident"] is not None:
         assert kv["resident"] <= kv["reserved"]
     state = model.cache[:, :, :, : n + 8].clone()
@@ -313,3 +314,23 @@ def test_bench_context_point():
     assert "error" not in r, r
     assert r["prompt_tokens"] == 750 and r["context"] == 750  # the passage has ~720 tokens
     assert r["kv_type"] == "f16" and r["engine"] == "fast"
+
+
+def test_the_cuda_cache_that_does_not_fit_is_named():
+    """The fast CUDA engine's static KV cache for a file's (long or corrupt) context: a
+    ``ModelError`` naming the positions and the GiB before any allocation, when it would not
+    fit the device's free memory (checked without a GPU: the sizes are arithmetic)."""
+    from qlib.llama.config import LlamaConfig
+    from qlib.llama.errors import ModelError
+    from qlib.llama.fast_cuda import check_cache_fits
+
+    md = {"llama.attention.head_count": 32, "llama.attention.head_count_kv": 8,
+          "llama.block_count": 16, "llama.embedding_length": 2048,
+          "llama.rope.dimension_count": 64,
+          "llama.attention.layer_norm_rms_epsilon": 1e-5}  # fmt: skip
+    c = LlamaConfig.from_metadata(md)
+    check_cache_fits(c, 131072, torch.float32, 80 << 30, "cuda:0")  # 8 GiB of 80: fits
+    check_cache_fits(c, 1 << 31, torch.float32, None, "cpu")  # no device limit known
+    with pytest.raises(ModelError, match=r"2147483648 positions needs 131584\.0 GiB, more than "
+                                         r"the 80\.0 GiB free on cuda:0"):  # fmt: skip
+        check_cache_fits(c, 1 << 31, torch.float32, 80 << 30, "cuda:0")

@@ -530,12 +530,10 @@ class FastModel(StaticKVState):
         self.bf16_min_rows = bf16_min_rows if prefill == "bf16" else 1 << 62
         self.max_seq_len = check_max_seq_len(max_seq_len)
         self.kv_type = check_kv_type(kv_type)
-        cos, sin = rope_tables(config, self.device, max(self.max_seq_len, MAX_SEQ_LEN),
-                               rope_freqs)  # the file's RoPE scaling, as llama.cpp  # fmt: skip
-        self.cos, self.sin = cos, sin
-        self.rot = torch.complex(cos, sin)  # (positions, d/2) for rope_i
         self._kv_hugepages = hugepages if kv_hugepages is None else kv_hugepages
         self.cache = self._new_cache(min(self.kv_first, self.max_seq_len))
+        self._rope_freqs = rope_freqs  # the file's RoPE scaling, applied as llama.cpp does
+        self._rope_tables(max(MAX_SEQ_LEN, self.cache.shape[3]))
         self._kv_len = 0
         self._plan = self._decode_plan()
         self._chains: dict[str, cpu.DecodeChain] = {}
@@ -544,6 +542,14 @@ class FastModel(StaticKVState):
         self._c_int8_prefill = self._int8_prefill_ok()
         if hugepages:  # the rest onto 2 MB pages too (from_gguf packs the weights onto them)
             cpu.collapse_hugepages()
+
+    def _rope_tables(self, positions: int) -> None:
+        """The RoPE tables (``cos``, ``sin``, ``rot``) for ``positions`` positions: built for
+        candle's 4096 at first and again as the KV cache grows past them (``_grow_cache``), so
+        a file's long context costs nothing until it is used (the same values at every
+        length: each angle is one product)."""
+        self.cos, self.sin = rope_tables(self.config, self.device, positions, self._rope_freqs)
+        self.rot = torch.complex(self.cos, self.sin)  # (positions, d/2) for rope_i
 
     def _new_cache(self, positions: int) -> torch.Tensor:
         """A KV cache buffer for ``positions`` positions: reserved address space, never
@@ -566,6 +572,8 @@ class FastModel(StaticKVState):
         new = self._new_cache(min(self.max_seq_len, grown))
         new[:, :, :, :keep].copy_(self.cache[:, :, :, :keep])
         self.cache = new
+        if self.cos.shape[0] < new.shape[3]:
+            self._rope_tables(new.shape[3])
         self._chains = {}
         self._plan = self._decode_plan()
         self.decode_mode = self._decode_mode
