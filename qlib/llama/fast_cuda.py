@@ -231,6 +231,20 @@ def embed(ids: torch.Tensor, w: Part, out: torch.Tensor) -> None:
     fused.embed(ids, w, out)
 
 
+def check_cache_fits(config: LlamaConfig, positions: int, dtype: torch.dtype,
+                     free: int | None, device: str) -> None:  # fmt: skip
+    """A ``ModelError`` where the static KV cache (and its RoPE tables) for ``positions``
+    would not fit the ``free`` bytes of ``device`` (a file's ``llama.context_length`` is the
+    default: a long or corrupt one should say so, not fail inside an allocation)."""
+    c = config
+    cache = c.block_count * 2 * c.head_count_kv * c.head_dim * positions * dtype.itemsize
+    need = cache + 2 * 4 * positions * (c.rope_dim // 2)
+    if free is not None and need > free:
+        raise ModelError(f"a KV cache of {positions} positions needs {need / 2**30:.1f} GiB, more "
+                         f"than the {free / 2**30:.1f} GiB free on {device}: pass a smaller "
+                         "max_seq_len")  # fmt: skip
+
+
 def auto_decode(types: dict[str, str], config: LlamaConfig, capability: tuple[int, int],
                 biases: bool = False) -> tuple[str, str]:  # fmt: skip
     """What ``decode="auto"`` runs for a model (its matrices' GGUF types), and why: the
@@ -405,9 +419,11 @@ class CudaFastModel(StaticKVState):
         self.graphs = graphs and device.type == "cuda"
         self.moe = bool(layers) and layers[0].experts is not None  # a mixture of experts
         self.max_seq_len = check_max_seq_len(max_seq_len)
+        c = config
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        check_cache_fits(c, self.max_seq_len, KV_TYPES[self.kv_type], free, str(device))
         self.cos, self.sin = rope_tables(config, device, max(self.max_seq_len, MAX_SEQ_LEN),
                                          rope_freqs)  # the file's RoPE scaling  # fmt: skip
-        c = config
         self.heads = (c.head_count, c.head_count_kv, c.head_dim)
         # Allocated once, never zeroed: only positions < kv_len are read.
         self.cache = torch.empty(
