@@ -2,7 +2,10 @@
 
 Each case is a whole file (bytes). It goes to a worker process, which reads it
 with ``Content.read``, loads every tensor with ``Content.tensor``, builds
-``ModelWeights.from_gguf`` and, when that succeeds, runs two forward calls. The
+``ModelWeights.from_gguf`` and the fast CPU engine (``FastModel.from_gguf``, its C kernels
+where the shapes allow) and, when that succeeds, runs two forward calls on each (the fast
+engine within the file's context: a corrupt ``llama.context_length`` of 1 is a model of one
+position, not a failure). The
 outcome is "ok" (loaded and ran), "error" (a ``GGUFError`` with a message) or
 a failure: any other exception, an empty message, a forward call that fails
 on a model that loaded, a crash of the worker, a case running longer than
@@ -100,6 +103,7 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child
 
     from qlib.gguf import Content, GGUFError
     from qlib.llama.faithful import ModelWeights
+    from qlib.llama.fast_cpu import FastModel
 
     torch.set_num_threads(1)
 
@@ -140,6 +144,7 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child
                 for name in content.tensor_infos:
                     content.tensor(f, name)
                 model = ModelWeights.from_gguf(content, f, "cpu")
+                fast = FastModel.from_gguf(content, f, "cpu")
             except GGUFError as e:
                 msg = str(e)
                 if len(msg.strip()) < 10:
@@ -154,11 +159,14 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child
             try:
                 vocab = model.tok_embeddings.shape[0]
                 ids = torch.tensor([[0, vocab - 1, 0]])
-                with torch.inference_mode():
-                    logits = model.forward(ids, 0)
-                    step = model.forward(ids[:, :1], 3)
-                if logits.shape != (1, vocab) or step.shape != logits.shape:
-                    return "fail", f"loaded, but logits have shape {list(logits.shape)}"
+                for m in (model, fast):  # (the fast engine holds the file's context)
+                    limit = getattr(m, "max_seq_len", None) or 4
+                    n = min(3, limit)
+                    with torch.inference_mode():
+                        logits = m.forward(ids[:, :n], 0)
+                        step = m.forward(ids[:, :1], n) if n < limit else logits
+                    if logits.shape != (1, vocab) or step.shape != logits.shape:
+                        return "fail", f"loaded, but logits have shape {list(logits.shape)}"
             except BaseException as e:
                 tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-6:])
                 return "fail", f"loaded, but forward raised {type(e).__name__}: {e}\n{tb}"
