@@ -53,6 +53,12 @@ CASES = [  # argv (with {d} for the folder of bad files), words the message must
     (["bench", "--engine", "fast", "--context", "256,8100"], "--context 8100 and 128 steps"),
     (["bench", "--prompt-tokens", "4000", "--steps", "200"], "lower --prompt-tokens or --steps"),
     (["generate", "-p", "hi", "--engine", "fast", "--form", "f32"], "keeps the weights quantized"),
+    (["generate", "-p", "hi", "--max-seq-len", "64"], "--max-seq-len sizes the fast engine"),
+    (
+        ["generate", "-p", "hi", "-n", "70", "--engine", "fast", "--max-seq-len", "64"],
+        "position limit (64: --max-seq-len)",
+    ),
+    (["generate", "-p", "hi", "--engine", "fast", "--max-seq-len", "0"], "at least 1"),
     (["bench", "--engine", "fast", "--decode", "fused"], "takes no option 'decode'"),
     (["logits", "--text-file", "{d}/missing.txt", "--out", "{d}/x.npy"], "no such file"),
     (["logits", "--text-file", "", "--out", "{d}/x.npy"], "must not be empty"),

@@ -375,7 +375,7 @@ def main(args: argparse.Namespace) -> int:
         flag = "--context" if args.context else "--prompt-tokens"
         check_position_limit(read_content(args.model).metadata, args.engine, args.form,
                              longest + args.steps, f"{flag} {longest} and {args.steps} steps",
-                             f"lower {flag} or --steps")  # fmt: skip
+                             f"lower {flag} or --steps", args.max_seq_len)  # fmt: skip
     if not args.peers:
         apply_seed_and_threads(args)
         result = run_config(args)

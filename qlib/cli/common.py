@@ -170,6 +170,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "halves the bytes each decode step reads at long context)",
     )
     p.add_argument(
+        "--max-seq-len",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="--engine fast: the positions its KV cache can hold (default: the file's "
+        "llama.context_length; the CUDA engine allocates them all at load, so a long-context "
+        "file may need fewer)",
+    )
+    p.add_argument(
         "--decode",
         choices=("auto", "fused", "merged", "persistent"),
         default=None,
@@ -182,27 +191,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def check_position_limit(metadata: dict, engine: str | None, form: str | None, need: int,
-                         what: str, fix: str) -> None:  # fmt: skip
+                         what: str, fix: str, max_seq_len: int | None = None) -> None:  # fmt: skip
     """``need`` positions (``what``, e.g. "the prompt (N tokens) and S new tokens") fit the
     engine chosen for a file with ``metadata``, else ``ValueError`` saying how to fit: the
     faithful engine holds candle's RoPE table (``MAX_SEQ_LEN``), the fast engines the file's
-    ``llama.context_length``."""
+    ``llama.context_length`` (or ``max_seq_len``, ``--max-seq-len``)."""
     from ..llama.checks import context_length
     from ..llama.config import MAX_SEQ_LEN
 
     held = context_length(metadata)
     fast = resolve(engine, form)[0] == FAST
-    limit = held if fast else MAX_SEQ_LEN
+    limit = (max_seq_len or held) if fast else MAX_SEQ_LEN
     if need <= limit:
         return
-    whose = "the file's context length" if fast else "the faithful engine's, candle's RoPE table"
+    whose = ("--max-seq-len" if max_seq_len else "the file's context length") if fast else \
+        "the faithful engine's, candle's RoPE table"  # fmt: skip
     other = f"; --engine fast holds the file's {held}" if not fast and held > limit else ""
     raise ValueError(f"{what} pass the position limit ({limit}: {whose}){other}: {fix}")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine options the command line gave (``--attention``: the faithful engine's;
-    ``--kv-type``, ``--decode``: the fast engines')."""
+    ``--kv-type``, ``--decode``, ``--max-seq-len``: the fast engines')."""
     options = {} if args.attention is None else {"attention": args.attention}
     if getattr(args, "kv_type", None):
         if resolve(args.engine, args.form)[0] != FAST:
@@ -212,4 +222,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         if resolve(args.engine, args.form)[0] != FAST:
             raise ModelError("--decode picks the fast CUDA engine's decode: add --engine fast")
         options["decode"] = args.decode
+    if getattr(args, "max_seq_len", None):
+        if resolve(args.engine, args.form)[0] != FAST:
+            raise ModelError("--max-seq-len sizes the fast engine's KV cache: add --engine fast")
+        options["max_seq_len"] = args.max_seq_len
     return options

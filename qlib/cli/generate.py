@@ -100,7 +100,7 @@ def _model_path(arg: str | None) -> Path:
 
 
 def preflight(path: Path, prompt: str, chat: bool, steps: int, engine: str | None,
-              form: str | None) -> None:  # fmt: skip
+              form: str | None, max_seq_len: int | None = None) -> None:  # fmt: skip
     """Check, before the model loads, the file's llama metadata and that the prompt plus the
     new tokens fit the chosen engine's position limit."""
     from ..gguf import Content
@@ -114,7 +114,7 @@ def preflight(path: Path, prompt: str, chat: bool, steps: int, engine: str | Non
                              add_special_tokens=False))  # fmt: skip
     check_position_limit(metadata, engine, form, n + steps,
                          f"the prompt ({n} tokens) and {steps} new tokens",
-                         "shorten the prompt or lower --steps")  # fmt: skip
+                         "shorten the prompt or lower --steps", max_seq_len)  # fmt: skip
 
 
 class _Stream:
@@ -140,7 +140,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from ..generate import LogitsProcessor, generate_timed
 
     path = _model_path(args.model)
-    preflight(path, args.prompt, args.chat, args.steps, args.engine, args.form)
+    preflight(path, args.prompt, args.chat, args.steps, args.engine, args.form,
+              args.max_seq_len)  # fmt: skip
     apply_seed_and_threads(args)
     stream = _Stream(path) if sys.stdout.isatty() and not args.json else None
     processor = LogitsProcessor(args.seed, args.temperature, args.top_k, args.top_p)

@@ -242,7 +242,7 @@ def check_cache_fits(config: LlamaConfig, positions: int, dtype: torch.dtype,
     if free is not None and need > free:
         raise ModelError(f"a KV cache of {positions} positions needs {need / 2**30:.1f} GiB, more "
                          f"than the {free / 2**30:.1f} GiB free on {device}: pass a smaller "
-                         "max_seq_len")  # fmt: skip
+                         "max_seq_len (--max-seq-len)")  # fmt: skip
 
 
 def auto_decode(types: dict[str, str], config: LlamaConfig, capability: tuple[int, int],

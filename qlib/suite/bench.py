@@ -151,6 +151,8 @@ def bench_qlib(args: argparse.Namespace) -> dict:
         options["kv_type"] = args.kv_type  # (the faithful engine's cache is float32)
     if getattr(args, "decode", None) and resolve(args.engine, args.form)[0] == "fast":
         options["decode"] = args.decode  # (the fast CUDA engine's)
+    if getattr(args, "max_seq_len", None) and resolve(args.engine, args.form)[0] == "fast":
+        options["max_seq_len"] = args.max_seq_len
     times: dict[str, float] = {}
     rss_before_load = rss_mb()
     model, content = load(
