@@ -334,3 +334,21 @@ def test_the_cuda_cache_that_does_not_fit_is_named():
     with pytest.raises(ModelError, match=r"2147483648 positions needs 131584\.0 GiB, more than "
                                          r"the 80\.0 GiB free on cuda:0"):  # fmt: skip
         check_cache_fits(c, 1 << 31, torch.float32, 80 << 30, "cuda:0")
+
+
+def test_the_cuda_prefill_copies_only_where_they_fit(tmp_path):
+    """The fast CUDA engine's default prefill (``default_prefill``): float32 copies of the
+    layers' weights for cuBLAS where they take at most half the GPU's free memory, else the
+    packed weights' GEMM, saying why (sizes only: no GPU needed)."""
+    from synthetic import write_tiny_llama
+
+    from qlib.gguf import Content
+    from qlib.llama.fast_cuda import default_prefill
+
+    content = Content.read_path(write_tiny_llama(tmp_path / "m.gguf", n_embd=256, n_ff=512))
+    layers = sum(i.n_elements for n, i in content.tensor_infos.items()
+                 if n.startswith("blk.") and len(i.shape) == 2)  # fmt: skip
+    assert default_prefill(content, None)[0] == "f32"
+    assert default_prefill(content, 8 * layers)[0] == "f32"  # 4 bytes a weight: half of it
+    mode, why = default_prefill(content, 8 * layers - 1)
+    assert mode == "packed" and "float32 copies of the weights would take" in why

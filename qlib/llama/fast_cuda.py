@@ -19,7 +19,8 @@ the kernels, float32 activations and accumulation), so its logits equal the
   programmatic dependent launch (``pdl=True``, the default where available: each kernel's
   blocks wait on the device for the previous one instead of launching after it);
 * **prefill** (``t > 1``) uses dense copies of the layer weights made at load, multiplied by
-  cuBLAS: float32 with TF32 off (``prefill="f32"``, the default: the f32 form's numerics),
+  cuBLAS: float32 with TF32 off (``prefill="f32"``, the default where those copies take at
+  most half the GPU's free memory, else ``packed``: ``default_prefill``; the f32 form's numerics),
   the same copies with TF32 tensor cores on (``"tf32"``), or bfloat16 copies (``"bf16"``:
   half the memory; bf16 matmul inputs, float32 outputs and residual stream, attention in
   bf16 (flash); drift measured in docs/gpu.md); or the exact tensor-core GEMM of the packed
@@ -229,6 +230,20 @@ def embed(ids: torch.Tensor, w: Part, out: torch.Tensor) -> None:
     from ..quants.cuda import fused
 
     fused.embed(ids, w, out)
+
+
+def default_prefill(content, free: int | None) -> tuple[str, str]:
+    """The prefill a file gets by default (``from_gguf(prefill=None)``), and why: ``f32``
+    (cuBLAS on float32 copies of the layers' weights, the f32 form's numerics) where those
+    copies take at most half the device's ``free`` bytes, else ``packed`` (the exact GEMM of
+    the packed weights: no copy; a 7B model's float32 copies alone are 28 GB)."""
+    weights = sum(i.n_elements for n, i in content.tensor_infos.items()
+                  if n.startswith("blk.") and len(i.shape) >= 2)  # fmt: skip
+    need = 4 * weights
+    if free is None or need <= free // 2:
+        return "f32", "float32 copies of the weights for cuBLAS"
+    return "packed", (f"float32 copies of the weights would take {need / 2**30:.1f} GiB of the "
+                      f"{free / 2**30:.1f} GiB free: the packed weights' GEMM")  # fmt: skip
 
 
 def check_cache_fits(config: LlamaConfig, positions: int, dtype: torch.dtype,
@@ -451,6 +466,7 @@ class CudaFastModel(StaticKVState):
             self._moe_g = torch.empty(c.expert_used_count, moe_ff, device=device)
         self.merged = False  # decode="merged": the combine in the output projection's kernel
         self.decode_note = "as asked"  # why this decode (from_gguf's decode="auto" says)
+        self.prefill_note = "as asked"  # why this prefill (from_gguf's prefill=None says)
         self._logits = torch.empty(1, output.n, device=device)
         self._decode_graph: torch.cuda.CUDAGraph | None = None
         self._greedy_graph: torch.cuda.CUDAGraph | None = None  # the step + its argmax
@@ -480,7 +496,7 @@ class CudaFastModel(StaticKVState):
         f: BinaryIO,
         device: DeviceLike = "cuda",
         *,
-        prefill: str = "f32",
+        prefill: str | None = None,
         graphs: bool = True,
         attention: str = "split",
         max_seq_len: int | None = None,
@@ -491,7 +507,9 @@ class CudaFastModel(StaticKVState):
     ) -> CudaFastModel:
         """Build from a parsed ``gguf_file.Content`` and its open file.
 
-        ``prefill``: ``f32``, ``tf32``, ``bf16`` or ``packed`` (the module docstring);
+        ``prefill``: ``f32``, ``tf32``, ``bf16`` or ``packed`` (the module docstring; None:
+        ``default_prefill``, f32 where its copies fit half the GPU's free memory, and
+        ``prefill_note`` says which);
         ``max_seq_len``: positions the KV cache holds (None: the file's ``llama.context_length``,
         else 4096); ``kv_type``: ``f32`` (None: the default) or ``f16`` (the module docstring;
         every decode reads either); ``decode``: ``auto`` (the default: ``persistent`` where
@@ -535,6 +553,10 @@ class CudaFastModel(StaticKVState):
                 raise ModelError(why)
         if max_seq_len is None:
             max_seq_len = context_length(content.metadata)
+        prefill_note = "as asked"
+        if prefill is None:
+            free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else None
+            prefill, prefill_note = default_prefill(content, free)
         if prefill not in PREFILL_MODES:
             raise ModelError(f"unknown prefill mode {prefill!r}: {', '.join(PREFILL_MODES)}")
 
@@ -557,6 +579,7 @@ class CudaFastModel(StaticKVState):
                     rope_freqs=rope_freqs, pdl=pdl, kv_type=kv_type)  # fmt: skip
         model.merged = decode == "merged"
         model.decode_note = note
+        model.prefill_note = prefill_note
         if moe_file and any(ly.expert_stacks is None for ly in layers):
             model.graphs = False  # the routing reads the choice back to the host
             model.decode_note = ("fused without CUDA graphs: a mixture of experts routes in "
