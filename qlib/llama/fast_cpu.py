@@ -115,7 +115,7 @@ from .checks import (
 from .config import MAX_SEQ_LEN, LlamaConfig, check_tensors, rope_tables
 from .errors import ModelError
 from .faithful import rope_neox
-from .fused import FUSED_STACKS, layer_biases
+from .fused import FUSED_STACKS, Biased, layer_biases
 
 PREFILL_MODES = ("bf16", "int8", "int8-attn")
 # The CPU feature that makes the bf16 prefill the faster default: AMX tiles. With AVX512-BF16
@@ -167,7 +167,7 @@ PREPACK_BATCH = 256  # oneDNN's row-count hint for the prepacked bf16 weights
 
 def _amx_layer_shapes_ok(c: LlamaConfig, n_ff: int) -> bool:
     """Whether ``cpu.prefill_layer`` takes this model: widths % 32, rope over the whole head."""
-    widths = (c.embedding_length, c.head_count * c.head_dim, n_ff,
+    widths = (c.embedding_length, c.q_dim, n_ff,
               (c.head_count + 2 * c.head_count_kv) * c.head_dim, c.head_dim)  # fmt: skip
     return all(w % 32 == 0 for w in widths) and c.head_dim <= 128 and c.rope_dim == c.head_dim
 
@@ -423,7 +423,7 @@ def _experts(ly: FastLayer, a: torch.Tensor, rows: int, n_used: int) -> torch.Te
     return moe.ffn(a, functools.partial(ly.router.forward, bf16_min_rows=rows), runs, n_used)
 
 
-class FastLayer:
+class FastLayer(Biased):
     """One block's fused weights: wqkv, wo, and w13 (gate | up) and w2 (down), or for a
     mixture of experts (``n_expert`` > 1) the router and each expert's (w13, w2)
     (``moe.expert_matrices``; ``tensor_names``: the file's)."""
@@ -457,11 +457,6 @@ class FastLayer:
         dense = [attr for attr in FUSED_STACKS if getattr(self, attr) is not None]
         self.biases = layer_biases(tensor_names, lambda n: _owned(get(n)),
                                    lambda n: get(n).shape[0], p, dense)  # fmt: skip
-
-    def add_bias(self, attr: str, y: torch.Tensor) -> torch.Tensor:
-        """``y += `` the bias of projection ``attr`` where the file has one (its rows ``y``)."""
-        b = self.biases.get(attr)
-        return y if b is None else y.add_(b)
 
     def bias_plan(self, attr: str, y: torch.Tensor) -> tuple[cpu.KernelCall, ...]:
         """``add_bias`` of one decode row ``y`` as a prepared C call (none without a bias)."""
@@ -591,7 +586,7 @@ class FastModel(StaticKVState):
         n_ff = self.layers[0].w13.out_features // 2 if self.layers and not self.moe else 0
         h = self._h = torch.empty(1, c.embedding_length)
         qkv = self._qkv = torch.empty(self.layers[0].wqkv.out_features if self.layers else 0)
-        att = self._att = torch.empty(c.head_count * c.head_dim)
+        att = self._att = torch.empty(c.q_dim)
         gu = self._gu = torch.empty(2 * n_ff)
         self._pos = cpu.DecodePosition(self.cos, self.sin)  # set per token: _decode_c
         self._embed_row = self._embed_row_plan(h)
@@ -693,7 +688,7 @@ class FastModel(StaticKVState):
         n_ff = self.layers[0].w13.out_features // 2
         bf = torch.bfloat16
         h = self.embed(ids).contiguous()
-        a, y, g = (torch.empty(t, n, dtype=bf) for n in (k, c.head_count * c.head_dim, n_ff))
+        a, y, g = (torch.empty(t, n, dtype=bf) for n in (k, c.q_dim, n_ff))
         eps, heads = c.rms_norm_eps, (c.head_count, c.head_count_kv)
         cpu.add_rmsnorm(h, None, self.layers[0].attn_norm, eps, a)
         d, r0, last = None, 0, len(self.layers) - 1
@@ -755,7 +750,7 @@ class FastModel(StaticKVState):
         h = self.embed(ids).contiguous()
         a = torch.empty(t, c.embedding_length)
         qkv = torch.empty(t, l0.wqkv.out_features)
-        y = torch.empty(t, c.head_count * c.head_dim)
+        y = torch.empty(t, c.q_dim)
         chunk = min(t, max(1, self.mlp_rows))
         gu, g = torch.empty(chunk, 2 * n_ff), torch.empty(chunk, n_ff)
         eps, heads = c.rms_norm_eps, (c.head_count, c.head_count_kv)
@@ -1079,7 +1074,7 @@ class FastModel(StaticKVState):
         """
         t = self.check_input(x, index_pos)
         c = self.config
-        nq, nkv, hd = c.head_count * c.head_dim, c.head_count_kv * c.head_dim, c.head_dim
+        nq, nkv, hd = c.q_dim, c.head_count_kv * c.head_dim, c.head_dim
         eps, dims, rows = c.rms_norm_eps, (c.embedding_length,), self.bf16_min_rows
         end = index_pos + t
         self._grow_cache(end, keep=index_pos)  # index_pos: kv_len, or 0 to start over

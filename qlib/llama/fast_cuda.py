@@ -83,7 +83,7 @@ from .checks import (
 )
 from .config import MAX_SEQ_LEN, LlamaConfig, bias_names, check_tensors, rope_tables
 from .errors import ModelError
-from .fused import FUSED_STACKS, layer_biases
+from .fused import FUSED_STACKS, Biased, layer_biases
 
 PREFILL_MODES = ("f32", "tf32", "bf16", "packed")
 PREFILL_DTYPES = {"f32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
@@ -341,7 +341,7 @@ def _stack_experts(experts: Experts) -> tuple[Prepared, Prepared] | None:
     return stacks[0], stacks[1]
 
 
-class CudaLayer:
+class CudaLayer(Biased):
     """One block's weights: wqkv, wo, w13 (gate | up), w2 (down), or for a mixture of experts
     (``n_expert`` > 1) the router and each expert's (w13, w2) (``moe.expert_matrices``;
     ``tensor_names``: the file's)."""
@@ -372,11 +372,6 @@ class CudaLayer:
         dense = [attr for attr in FUSED_STACKS if getattr(self, attr) is not None]
         self.biases = layer_biases(tensor_names, lambda n: get(n).dequantize(),
                                    lambda n: get(n).shape[0], p, dense)  # fmt: skip
-
-    def add_bias(self, attr: str, y: torch.Tensor) -> torch.Tensor:
-        """``y + `` the bias of projection ``attr`` where the file has one (rows ``y``)."""
-        b = self.biases.get(attr)
-        return y if b is None else y + b
 
     def linears(self) -> list[CudaLinear]:
         """Every weight of the block."""
@@ -454,8 +449,8 @@ class CudaFastModel(StaticKVState):
         self._pos = torch.zeros(1, dtype=torch.int32, device=device)
         self._h = torch.empty(1, c.embedding_length, device=device)
         self._qkv = torch.empty(n_qkv, device=device)
-        self._q = torch.empty(c.head_count * c.head_dim, device=device)
-        self._att = torch.empty(c.head_count * c.head_dim, device=device)
+        self._q = torch.empty(c.q_dim, device=device)
+        self._att = torch.empty(c.q_dim, device=device)
         self._g = torch.empty(n_ff, device=device)
         self._gu = torch.empty(2 * n_ff, device=device)  # gate | up, where they have a bias
         if self.moe:  # the decode step's routing and the chosen experts' outputs

@@ -38,3 +38,14 @@ def layer_biases(names: Container[str], read: Read, rows: Callable[[str], int], 
             for t, n in zip(parts, FUSED_STACKS[attr], strict=True)
         ])  # fmt: skip
     return out
+
+
+class Biased:
+    """A layer with ``biases`` (``layer_biases``: by stacked projection) that adds them."""
+
+    biases: dict[str, torch.Tensor]
+
+    def add_bias(self, attr: str, y: torch.Tensor) -> torch.Tensor:
+        """``y += `` the bias of projection ``attr`` where the file has one (rows ``y``)."""
+        b = self.biases.get(attr)
+        return y if b is None else y.add_(b)
