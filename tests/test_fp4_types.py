@@ -4,8 +4,8 @@
   ``to_float`` (peers), and as gguf-py's (MXFP4, NVFP4: the package has no Q1_0);
 * ``qmatmul`` as ggml's ``vec_dot`` on its own Q8_0 activations (peers);
 * the kernels' forms: MXFP4 as Q5_0 and Q1_0 as Q4_0 blocks of the same values (bf16 rows
-  where an MXFP4 scale leaves f16's range), NVFP4 as X4 blocks in the fast CPU engine (bf16
-  rows where its scales do not fit);
+  where an MXFP4 scale leaves f16's range), MXFP4 as MXFP4H panels in the fast CPU engine's
+  layers, NVFP4 as X4 blocks there (bf16 rows where its scales do not fit);
 * a tiny llama of each type in every CPU engine and form, its position-0 logits against
   llama.cpp's (peers), and on a GPU the fused and persistent CUDA engines against the f32 form.
 """
@@ -96,6 +96,44 @@ def test_mxfp4_scales_past_f16_run_as_bf16_rows():
 
 
 @pytest.mark.skipif(not cpu.available(), reason="needs the C kernels")
+def test_mxfp4_as_mxfp4h_panels():
+    """MXFP4 weights of rows in 16s packed with ``panels`` (the fast engine's layers): MXFP4H
+    panels (4.5 bits a weight), the same values as the file's (rows read back exactly), the
+    products of every path (GEMV, the tiled GEMM, the decode region) equal to the Q5_0 planes'
+    of the same values to float rounding (the tiled GEMM's tiles are the same codes: equal);
+    a scale f16 lacks takes the Q5_0 / bf16 forms as before."""
+    w = QTensor.quantize(torch.from_numpy(_rows(rows=32)), "MXFP4")
+    panels, planes = cpu.pack(w, panels=True), cpu.pack(w)
+    assert (panels.type_name, panels.panels, planes.type_name) == ("MXFP4H", True, "Q5_0")
+    assert panels.nbytes() == 32 * 512 // 32 * 18  # 18 bytes a 32 weights
+    assert torch.equal(cpu.dequantize_rows(panels, torch.arange(32)), w.dequantize())
+    for m in (1, 3, 9):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        want = cpu.qgemm(x, planes)
+        got = cpu.qgemm(x, panels)
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max(), m
+        if m >= 4:
+            assert torch.equal(got, want)
+    far = QTensor.quantize(torch.from_numpy(_rows(rows=16, scale=2.0**22)), "MXFP4")
+    assert cpu.pack(far, panels=True).type_name == "BF16"
+
+
+@pytest.mark.peers
+def test_mxfp4h_panels_match_ggml_vec_dot(ggml):
+    """MXFP4H panels against the CPU backend's own MXFP4 vec_dot on its own Q8_0 activations:
+    GEMV (1 and 3 rows) and tiled GEMM (9 rows), 1e-6 of the largest output."""
+    blocks = ggml.quantize(_rows(rows=32), "MXFP4")
+    w = QTensor(torch.from_numpy(blocks.reshape(-1)), (32, 512), "MXFP4")
+    panels = cpu.pack(w, panels=True)
+    assert panels.type_name == "MXFP4H"
+    for m in (1, 3, 9):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(10 + m))
+        expected = ggml.matmul(blocks, ggml.from_float(x.numpy(), "Q8_0"), "MXFP4", 512)
+        got = cpu.qgemm(x, panels).numpy()
+        assert np.abs(got - expected).max() <= 1e-6 * np.abs(expected).max(), m
+
+
+@pytest.mark.skipif(not cpu.available(), reason="needs the C kernels")
 def test_nvfp4_as_x4_blocks_and_bf16_rows():
     """NVFP4 in the C kernels: X4 blocks of exactly its values (every E4M3 scale of a
     super-block of 256 a whole multiple <= 127 of the finest power of two among them), bf16
@@ -174,7 +212,7 @@ def test_fast_engine_kernel_types(files, t):
     parts = [p for layer in model.layers for p in layer.wqkv.parts + layer.w2.parts]
     kinds = {p.packed.type_name if p.packed is not None else None for p in parts}
     if cpu.available():
-        assert kinds == {{"NVFP4": "X4", "MXFP4": "Q5_0", "Q1_0": "Q4_0"}[t]}
+        assert kinds == {{"NVFP4": "X4", "MXFP4": "MXFP4H", "Q1_0": "Q4_0"}[t]}
 
 
 @pytest.mark.peers

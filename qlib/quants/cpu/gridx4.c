@@ -1,8 +1,9 @@
 /* qlib CPU load: the grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), the
  * ternary types (TQ1_0, TQ2_0) and NVFP4 as qlib's X4 blocks, the bytes gridquants.as_x4 makes
- * in torch (the kernels' form of these types, kquants.c), and MXFP4 / Q1_0 as the Q5_0 / Q4_0
- * blocks of fp4.as_legacy, one block at a time over the threads: the torch conversions took
- * 5-9 s for a 1B-shape file (docs/performance.md).
+ * in torch (the kernels' form of these types, kquants.c), MXFP4 / Q1_0 as the Q5_0 / Q4_0
+ * blocks of fp4.as_legacy and MXFP4 as qlib's MXFP4H blocks (kernels.c's panels), one block at
+ * a time over the threads: the torch conversions took 5-9 s for a 1B-shape file
+ * (docs/performance.md).
  *
  * Each decoder follows ggml's dequantize_row_* (ggml-quants.c) as gridquants.py transcribes
  * it: a block's 256 integer codes (grid values with their signs; IQ1: 8 g +- 1; ternary:
@@ -268,6 +269,34 @@ int qlib_x4_from_blocks(int type, const uint8_t *blocks, int64_t n, const int8_t
     return status;
 }
 
+/* An MXFP4 block's scale 2^(e - 128) (ggml's GGML_E8M0_TO_FP32_HALF: subnormal below e = 2) */
+static inline float e8m0_half(uint32_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, 4);
+    return d;
+}
+
+/* n MXFP4 blocks (e:u8 qs[16]) -> n MXFP4H blocks (d:f16 qs[16]: the same nibbles, the scale
+ * as an f16; a block of zeros takes d = 0), kernels.c's panels' input. Returns 0, or -2 (a
+ * scale that f16 does not hold under codes that are not all zero). */
+int qlib_mxfp4h_from_blocks(const uint8_t *blocks, int64_t n, uint8_t *out) {
+    int status = 0;
+#pragma omp parallel for schedule(static) reduction(min : status)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *x = blocks + i * 17;
+        uint8_t *o = out + i * 18;
+        uint32_t any = 0;
+        for (int j = 0; j < 16; j++) any |= (x[1 + j] & 7u) | (x[1 + j] & 0x70u);
+        const float d = any ? e8m0_half(x[0]) : 0.0f;
+        const uint16_t h = _cvtss_sh(d, 0);
+        if (_cvtsh_ss(h) != d) status = -2;
+        memcpy(o, &h, 2);
+        memcpy(o + 2, x + 1, 16);
+    }
+    return status;
+}
+
 /* n MXFP4 blocks (32 weights) -> n Q5_0 blocks (d:f16 qh[4] qs[16]: code + 16), or n Q1_0
  * blocks (128 weights) -> 4n Q4_0 blocks (d:f16 qs[16]: code + 8), of the same values (a
  * block of zeros takes d = 0). Returns 0, -1 (another type), -2 (an MXFP4 scale that f16 does
@@ -280,10 +309,7 @@ int qlib_legacy_from_blocks(int type, const uint8_t *blocks, int64_t n, uint8_t 
         if (type == T_MXFP4) {
             const uint8_t *x = blocks + i * 17;
             uint8_t *o = out + i * 22;
-            const uint32_t e = x[0];
-            const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23; /* 2^(e - 128) */
-            float d;
-            memcpy(&d, &bits, 4);
+            float d = e8m0_half(x[0]);
             uint32_t qh = 0, any = 0;
             for (int j = 0; j < 16; j++) {
                 const int lo = KVALUES_MXFP4[x[1 + j] & 15] + 16, hi = KVALUES_MXFP4[x[1 + j] >> 4] + 16;

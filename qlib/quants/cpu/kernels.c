@@ -34,15 +34,18 @@
 
 #include "simd.h"
 
-enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8, QLIB_IQ4_NL = 20 };
+/* ggml's type ids, and MXFP4H (qlib's own 18-byte block: an MXFP4 block's nibbles under its
+ * E8M0 scale as an f16 d, IQ4_NL's layout; panels only) */
+enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8, QLIB_IQ4_NL = 20,
+       QLIB_MXFP4H = 61 };
 
-/* -- panels: Q4_0 / Q4_1 / Q8_0 / IQ4_NL weights as 16-row panels (type | QLIB_PANELS) ------
+/* -- panels: Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4H weights as 16-row panels (type | QLIB_PANELS) --
  * Per 16 weight rows (a panel) and block b of 32 elements, one record of panel_rec bytes:
  * the codes, 64-byte vectors whose lane r (row 16p + r) holds 4 consecutive codes, then the
  * 16 rows' d (f16), then (Q4_1) their m (f16). Q4_*: 4 vectors, vector j lane r = bytes
  * 4j .. 4j + 3 of the row's GGUF block's qs (the codes of elements 4j .. 4j + 3 in the low
- * nibbles, of 4j + 16 .. in the high ones; IQ4_NL as Q4_0, its nibbles indices into ggml's
- * levels, looked up as read); Q8_0: 8 vectors, vector j lane r = the codes of
+ * nibbles, of 4j + 16 .. in the high ones; IQ4_NL and MXFP4H as Q4_0, their nibbles indices
+ * into ggml's levels of the type, looked up as read); Q8_0: 8 vectors, vector j lane r = the codes of
  * elements 4j .. 4j + 3 (+ 128, as its planes). A block of 16 rows is then 8 vpdpbusd with
  * broadcast activation codes, one conversion and one FMA (lane = weight row), where the
  * planes take 16 x (unpack, vpdpbusd, conversion, permute, FMA); a thread's rows are one
@@ -67,26 +70,29 @@ static inline const uint8_t *qh_words(int type, const uint16_t *m_row, int G) {
 }
 static inline int has_qh(int type) { return type == QLIB_Q5_0 || type == QLIB_Q5_1; }
 
-/* The unsigned offset of a type's stored codes (Q4_0: 8, Q5_0: 16, Q8_0's planes and IQ4_NL's
- * levels: 128), removed exactly through the activation codes' sums; 0 for the types with
- * minimums. */
+/* The unsigned offset of a type's stored codes (Q4_0: 8, Q5_0: 16, Q8_0's planes and the
+ * levels of IQ4_NL and MXFP4H: 128), removed exactly through the activation codes' sums; 0 for
+ * the types with minimums. */
+static inline int has_levels(int type) { return type == QLIB_IQ4_NL || type == QLIB_MXFP4H; }
 static inline int code_offset(int type) {
-    return type == QLIB_Q8_0 || type == QLIB_IQ4_NL ? 128
+    return type == QLIB_Q8_0 || has_levels(type) ? 128
            : type == QLIB_Q5_0                      ? 16
            : type == QLIB_Q4_0                      ? 8
                                                     : 0;
 }
 
-/* The panels' types: Q4_0, Q4_1, Q8_0 and IQ4_NL (panels only: its nibbles are indices into
- * ggml's levels, looked up as they are read; Q4_0's layout otherwise) */
+/* The panels' types: Q4_0, Q4_1, Q8_0, and IQ4_NL and MXFP4H (panels only: their nibbles are
+ * indices into ggml's levels, looked up as they are read; Q4_0's layout otherwise) */
 static inline int panel_type(int type) {
-    return type == QLIB_Q4_0 || type == QLIB_Q4_1 || type == QLIB_Q8_0 || type == QLIB_IQ4_NL;
+    return type == QLIB_Q4_0 || type == QLIB_Q4_1 || type == QLIB_Q8_0 || has_levels(type);
 }
 
-/* A panel vector's 64 low or high nibbles as unsigned codes (IQ4_NL: levels + 128) */
+/* A panel vector's 64 low or high nibbles as unsigned codes (IQ4_NL, MXFP4H: levels + 128) */
 static inline __m512i panel_nibbles(int type, __m512i v, int high) {
     const __m512i q = _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
-    return type == QLIB_IQ4_NL ? iq4_levels(q) : q;
+    return type == QLIB_IQ4_NL    ? iq4_levels(q)
+           : type == QLIB_MXFP4H ? levels_lookup(mxfp4_levels_u8, q)
+                                 : q;
 }
 
 /* Dots of R consecutive repacked weight rows with one quantized activation row
@@ -567,10 +573,10 @@ int qlib_qgemm_ex(int layout, const uint8_t *codes, const uint16_t *dw, const ui
                   float eps, int swiglu, int accumulate) {
     const int type = base_type(layout);
     if (k % 64 || (type != QLIB_Q4_0 && type != QLIB_Q4_1 && type != QLIB_Q5_0 &&
-                   type != QLIB_Q5_1 && type != QLIB_Q8_0 && type != QLIB_IQ4_NL))
+                   type != QLIB_Q5_1 && type != QLIB_Q8_0 && !has_levels(type)))
         return -1;
     if ((is_panels(layout) && (n % 16 || !panel_type(type))) ||
-        (!is_panels(layout) && type == QLIB_IQ4_NL))
+        (!is_panels(layout) && has_levels(type)))
         return -1;
     const int G = k / 32;
     const size_t row_bytes = type == QLIB_Q8_0 ? (size_t)k : (size_t)k / 2;
@@ -670,7 +676,7 @@ void qlib_qgemv_region(int layout, const uint8_t *codes, const uint16_t *dw, con
 void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, uint16_t *d,
                  uint16_t *m) {
     const int G = k / 32;
-    if (is_panels(type)) { /* Q4_0 / Q4_1 / Q8_0 / IQ4_NL blocks -> panels (n % 16) in codes */
+    if (is_panels(type)) { /* Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4H blocks -> panels (n % 16) */
         const int bt = base_type(type), q4_1 = bt == QLIB_Q4_1, q8 = bt == QLIB_Q8_0;
         const int bsize = q8 ? 34 : q4_1 ? 20 : 18, dm = q4_1 ? 4 : 2, vecs = q8 ? 8 : 4;
         const size_t rec = panel_rec(type), cbytes = panel_codes(type);
@@ -718,9 +724,9 @@ void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, 
     }
 }
 
-/* The GGUF blocks of rows ids[0 .. count) of a Q4_0 / Q4_1 / Q8_0 panel weight (n rows) into
- * out (count x k / 32 blocks): the inverse of qlib_repack's panels. Returns 0, or -1 (type,
- * k, an id outside 0..n-1). */
+/* The blocks of rows ids[0 .. count) of a panel weight (n rows) into out (count x k / 32
+ * blocks): the inverse of qlib_repack's panels. Returns 0, or -1 (type, k, an id outside
+ * 0..n-1). */
 int qlib_panel_get(int type, const uint8_t *panels, int n, int k, const int64_t *ids,
                    int count, uint8_t *out) {
     if (!panel_type(type) || k % 32 || n % 16) return -1;

@@ -20,10 +20,13 @@ import torch
 
 from ..gridquants import X4_BYTES, X4_UNIT
 
-TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20}  # kernels.c's
-# kernels.c's types with panels and no planes: IQ4_NL (Q4_0's panel layout, its nibbles looked up
-# in ggml's levels); ``pack`` makes Q8_0 planes of the same values where panels do not fit
-PANELS_ONLY = ("IQ4_NL",)
+# kernels.c's types: ggml's type ids, and MXFP4H: qlib's own block of 32 (``d:f16 qs[16]``, 18
+# bytes: an MXFP4 block's nibbles under its E8M0 scale as an f16, IQ4_NL's layout)
+TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20, "MXFP4H": 61}
+# kernels.c's types with panels and no planes: IQ4_NL and MXFP4H (Q4_0's panel layout, their
+# nibbles looked up in ggml's levels of the type); ``pack`` makes Q8_0 planes of IQ4_NL's values
+# where panels do not fit (MXFP4: Q5_0's, below)
+PANELS_ONLY = ("IQ4_NL", "MXFP4H")
 # int16 words of the m plane per block: Q4_1 its minimum; Q5_0 its qh word; Q5_1 both (the
 # row's minimums, then its qh words)
 M_WORDS = {"Q4_1": 1, "Q5_0": 2, "Q5_1": 3}
@@ -39,7 +42,8 @@ BLOCKS = {"Q2_K": (256, 84), "Q3_K": (256, 110),
 # ternary types and NVFP4 (bf16 rows where its scales do not fit one X4 block's unit)
 X4_TYPES = (*X4_UNIT, "NVFP4")
 # the GGUF types ``pack`` runs as legacy planes or panels of the same values (``packing._legacy``:
-# MXFP4 as Q5_0, Q1_0 as Q4_0; bf16 rows where an MXFP4 scale leaves f16's range)
+# MXFP4 as Q5_0, Q1_0 as Q4_0; bf16 rows where an MXFP4 scale leaves f16's range), unless MXFP4
+# goes as MXFP4H panels (``packing.pack``)
 LEGACY_TYPES = ("MXFP4", "Q1_0")
 # the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants, IQ4_XS, X4: super-blocks of 256;
 # NVFP4 rows of 64s that are no whole super-blocks go as bf16 rows)
@@ -51,7 +55,7 @@ ROW_MULTIPLE = (
 # Q4_0 / Q4_1 / Q8_0 as 16-row panels: kernels.c's type code | PANELS; per 16 rows and block
 # of 32 a record of PANEL_RECORD bytes (codes: Q4_* 256, Q8_0 512; then 16 f16 d, Q4_1: 16 f16 m)
 PANELS = 64
-PANEL_RECORD = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544, "IQ4_NL": 288}
+PANEL_RECORD = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544, "IQ4_NL": 288, "MXFP4H": 288}
 # Q4_K and IQ4_XS as 16-row panels: kquants.c's type code | PANELS; per 16 rows and super-block
 # of 256 K_PANEL_RECORD bytes (the codes (IQ4_XS: indices) four at a time a lane, the decoded
 # scales (and Q4_K's mins), d (and dmin))

@@ -57,7 +57,8 @@ _BLOCK_BYTES = {
     "Q5_1": 24,
     "Q8_0": 34,
     "IQ4_NL": 18,
-}  # GGUF, 32 values
+    "MXFP4H": 18,
+}  # GGUF (MXFP4H: qlib's), 32 values
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # name: (argument types, result type); the qlib_amx_* / qlib_prefill_layer entries exist
@@ -76,6 +77,7 @@ _SIGNATURES = {
     "qlib_kpanel_put": ([_i, _p, _i, _i, _p, _i], _i),
     "qlib_x4_from_blocks": ([_i, _p, ctypes.c_int64, _p, _p, _p, _p], _i),
     "qlib_legacy_from_blocks": ([_i, _p, ctypes.c_int64, _p], _i),
+    "qlib_mxfp4h_from_blocks": ([_p, ctypes.c_int64, _p], _i),
     "qlib_kpanel_get": ([_i, _p, _i, _i, _p, _i, _p], _i),
     "qlib_dequant_rows": ([_i, _p, _i, _i, _p, _i, _p], _i),
     "qlib_attn_set_two_pass": ([_i], None),
@@ -487,6 +489,20 @@ def legacy_from_blocks(type_name: str, blocks: torch.Tensor, out: torch.Tensor) 
         raise ValueError(f"legacy_from_blocks: {blocks.numel()} bytes of {t.name} blocks for "
                          f"{out.numel()} bytes")  # fmt: skip
     return _lib().qlib_legacy_from_blocks(t.id, blocks.data_ptr(), n, out.data_ptr()) == 0
+
+
+def mxfp4h_from_blocks(blocks: torch.Tensor, out: torch.Tensor) -> bool:
+    """MXFP4 blocks (uint8, 17 bytes each) -> MXFP4H blocks (``out``, 18 bytes each: the same
+    nibbles, the E8M0 scale as an f16 ``d``, 0 for a block of zeros; ``gridx4.c``), the input
+    of kernels.c's MXFP4H panels. False where a scale has no f16 (the caller takes another
+    form)."""
+    _check(blocks, torch.uint8, "blocks")
+    _check(out, torch.uint8, "out")
+    n = blocks.numel() // 17
+    if blocks.numel() != n * 17 or out.numel() != n * 18:
+        raise ValueError(f"mxfp4h_from_blocks: {blocks.numel()} bytes of MXFP4 blocks for "
+                         f"{out.numel()} bytes")  # fmt: skip
+    return _lib().qlib_mxfp4h_from_blocks(blocks.data_ptr(), n, out.data_ptr()) == 0
 
 
 def kpanels_get(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:

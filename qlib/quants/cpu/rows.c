@@ -4,9 +4,10 @@
  * the torch / numpy ops took 0.15-0.5 ms on the caches a step leaves (docs/performance.md,
  * "The embedding row in C").
  *
- * qlib_dequant_rows reads GGUF blocks of F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
- * Q2_K..Q6_K, row after row, or 16-row panels (type | 64) of Q4_0 / Q4_1 / Q8_0 (kernels.c's
- * qlib_panel_get) and Q4_K (kquants.c's qlib_kpanel_get), which give a row's blocks back. */
+ * qlib_dequant_rows reads GGUF blocks of F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+ * Q2_K..Q6_K, IQ4_NL, IQ4_XS (and qlib's X4 and MXFP4H blocks), row after row, or 16-row
+ * panels (type | 64) of Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4H (kernels.c's qlib_panel_get) and
+ * Q4_K / IQ4_XS (kquants.c's qlib_kpanel_get), which give a row's blocks back. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -16,6 +17,7 @@ enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
     T_IQ4_XS = 23, T_BF16 = 30, T_X4 = 60 /* qlib's expanded i-quants: kquants.c */,
+    T_MXFP4H = 61 /* qlib's MXFP4 blocks with an f16 d: kernels.c */,
     PANELS = 64,
 };
 
@@ -30,7 +32,7 @@ static void block_shape(int type, int *qk, int *bytes) {
         {T_F32, 1, 4}, {T_F16, 1, 2}, {T_BF16, 1, 2}, {T_Q4_0, 32, 18}, {T_Q4_1, 32, 20},
         {T_Q5_0, 32, 22}, {T_Q5_1, 32, 24}, {T_Q8_0, 32, 34}, {T_Q2_K, 256, 84},
         {T_Q3_K, 256, 110}, {T_Q4_K, 256, 144}, {T_Q5_K, 256, 176}, {T_Q6_K, 256, 210},
-        {T_IQ4_NL, 32, 18}, {T_IQ4_XS, 256, 136}, {T_X4, 256, 164},
+        {T_IQ4_NL, 32, 18}, {T_IQ4_XS, 256, 136}, {T_X4, 256, 164}, {T_MXFP4H, 32, 18},
     };
     *qk = *bytes = 0;
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
@@ -158,12 +160,16 @@ static void q6_k_block(const uint8_t *b, float *y) {
 static const int8_t iq4_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                       1,    13,   25,  38,  53,  69,  89,  113};
 
-/* IQ4_NL: d times the level of each index (element j low nibble, j + 16 high) */
-static void iq4_nl_block(const uint8_t *b, float *y) {
+/* ggml's kvalues_mxfp4 (E2M1 values doubled; the E8M0 scale halved as MXFP4H's d) */
+static const int8_t mxfp4_levels[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* IQ4_NL, MXFP4H (levels): d times the level of each index (element j low nibble, j + 16
+ * high) */
+static void levels_block(const uint8_t *b, const int8_t *levels, float *y) {
     const float d = f16(b);
     for (int j = 0; j < 16; j++) {
-        y[j] = d * (float)iq4_levels[b[2 + j] & 0xF];
-        y[j + 16] = d * (float)iq4_levels[b[2 + j] >> 4];
+        y[j] = d * (float)levels[b[2 + j] & 0xF];
+        y[j + 16] = d * (float)levels[b[2 + j] >> 4];
     }
 }
 
@@ -207,7 +213,8 @@ static void dequant_row(int type, const uint8_t *row, int k, float *y) {
         case T_Q4_K: q45_k_block(row, NULL, row + 16, y); break;
         case T_Q5_K: q45_k_block(row, row + 16, row + 48, y); break;
         case T_Q6_K: q6_k_block(row, y); break;
-        case T_IQ4_NL: iq4_nl_block(row, y); break;
+        case T_IQ4_NL: levels_block(row, iq4_levels, y); break;
+        case T_MXFP4H: levels_block(row, mxfp4_levels, y); break;
         case T_IQ4_XS: iq4_xs_block(row, y); break;
         case T_X4: x4_block(row, y); break;
         default: legacy_block(type, row, y);
@@ -226,7 +233,7 @@ int qlib_dequant_rows(int type, const uint8_t *w, int n, int k, const int64_t *i
     block_shape(base, &qk, &bytes);
     if (!qk || k <= 0 || k % qk) return -1;
     if (panels && base != T_Q4_0 && base != T_Q4_1 && base != T_Q8_0 && base != T_IQ4_NL &&
-        base != T_Q4_K && base != T_IQ4_XS)
+        base != T_MXFP4H && base != T_Q4_K && base != T_IQ4_XS)
         return -1;
     for (int r = 0; r < count; r++)
         if (ids[r] < 0 || ids[r] >= n) return -1;

@@ -14,11 +14,17 @@
 static const uint8_t iq4_levels_u8[16] = {1,   24,  45,  63,  79,  93,  106, 118,
                                           129, 141, 153, 166, 181, 197, 217, 241};
 
-/* Four indices (0..15) a byte lane -> their levels + 128 (vpshufb in each 128-bit lane) */
-static inline __m512i iq4_levels(__m512i idx) {
-    return _mm512_shuffle_epi8(
-        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)iq4_levels_u8)), idx);
+/* ggml's kvalues_mxfp4 (E2M1 values doubled) + 128: the unsigned codes of MXFP4 dot products */
+static const uint8_t mxfp4_levels_u8[16] = {128, 129, 130, 131, 132, 134, 136, 140,
+                                            128, 127, 126, 125, 124, 122, 120, 116};
+
+/* Four indices (0..15) a byte lane -> their levels + 128 from a 16-byte table (vpshufb in each
+ * 128-bit lane) */
+static inline __m512i levels_lookup(const uint8_t *table, __m512i idx) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table)),
+                               idx);
 }
+static inline __m512i iq4_levels(__m512i idx) { return levels_lookup(iq4_levels_u8, idx); }
 
 static inline __m512 bf16x16_load(const uint16_t *p) {
     return _mm512_castsi512_ps(
