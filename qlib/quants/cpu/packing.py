@@ -49,9 +49,10 @@ Q = TypeVar("Q")  # a QTensor (qtensor imports this module)
 def supports(type_name: str, k: int) -> bool:
     """Whether the C kernels handle a weight of this type and row length (``kernels.c``:
     Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (panels, else Q8_0 planes), k % 64 == 0, and as their
-    blocks MXFP4 (MXFP4H panels, else Q5_0) and Q1_0 (Q4_0, k % 128); ``kquants.c``: Q2_K..Q6_K, IQ4_XS, k % 256 ==
-    0, and as X4 blocks the grid i-quants, the ternary types and NVFP4 (bf16 rows where k % 256
-    or its scales do not allow); ``floats.c``: F32, F16, BF16, k % 64)."""
+    blocks MXFP4 (MXFP4H panels, else Q5_0) and Q1_0 (Q4_0, k % 128); ``kquants.c``:
+    Q2_K..Q6_K, IQ4_XS, k % 256 == 0, and as X4 blocks the grid i-quants, the ternary types and
+    NVFP4 (bf16 rows where k % 256 or its scales do not allow); ``floats.c``: F32, F16, BF16,
+    k % 64)."""
     multiple = ROW_MULTIPLE.get(type_name)
     return multiple is not None and k % multiple == 0 and build.available()
 
