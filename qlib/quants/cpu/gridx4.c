@@ -1,8 +1,8 @@
 /* qlib CPU load: the grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), the
  * ternary types (TQ1_0, TQ2_0) and NVFP4 as qlib's X4 blocks, the bytes gridquants.as_x4 makes
  * in torch (the kernels' form of these types, kquants.c), MXFP4 / Q1_0 as the Q5_0 / Q4_0
- * blocks of fp4.as_legacy and MXFP4 as qlib's MXFP4H blocks (kernels.c's panels), one block at
- * a time over the threads: the torch conversions took 5-9 s for a 1B-shape file
+ * blocks of fp4.as_legacy and MXFP4 / NVFP4 as qlib's MXFP4H / NVFP4H blocks (kernels.c's
+ * panels), one block at a time over the threads: the torch conversions took 5-9 s for a 1B-shape file
  * (docs/performance.md).
  *
  * Each decoder follows ggml's dequantize_row_* (ggml-quants.c) as gridquants.py transcribes
@@ -295,6 +295,30 @@ int qlib_mxfp4h_from_blocks(const uint8_t *blocks, int64_t n, uint8_t *out) {
         memcpy(o + 2, x + 1, 16);
     }
     return status;
+}
+
+/* n NVFP4 blocks (d:u8[4] qs[32], 64 weights) -> 2n NVFP4H blocks (d0:f16 d1:f16 qs[16]: the
+ * scales of groups 2h and 2h + 1 as f16, exact for every E4M3 byte; byte j holds element j of
+ * group 2h low and of group 2h + 1 high), kernels.c's panels' input. Returns 0. */
+int qlib_nvfp4h_from_blocks(const uint8_t *blocks, int64_t n, uint8_t *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *x = blocks + i * 36;
+        for (int h = 0; h < 2; h++) {
+            uint8_t *o = out + (2 * i + h) * 20;
+            for (int g = 0; g < 2; g++) {
+                const uint16_t d = _cvtss_sh(ue4m3(x[2 * h + g]), 0);
+                memcpy(o + 2 * g, &d, 2);
+            }
+            const uint8_t *q0 = x + 4 + 8 * (2 * h), *q1 = q0 + 8; /* element j: byte j % 8 */
+            for (int j = 0; j < 16; j++) {
+                const int lo = j < 8 ? q0[j] & 15 : q0[j - 8] >> 4;
+                const int hi = j < 8 ? q1[j] & 15 : q1[j - 8] >> 4;
+                o[4 + j] = (uint8_t)(lo | hi << 4);
+            }
+        }
+    }
+    return 0;
 }
 
 /* n MXFP4 blocks (32 weights) -> n Q5_0 blocks (d:f16 qh[4] qs[16]: code + 16), or n Q1_0

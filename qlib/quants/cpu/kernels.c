@@ -34,18 +34,22 @@
 
 #include "simd.h"
 
-/* ggml's type ids, and MXFP4H (qlib's own 18-byte block: an MXFP4 block's nibbles under its
- * E8M0 scale as an f16 d, IQ4_NL's layout; panels only) */
+/* ggml's type ids, and qlib's own blocks of 32 for two FP4 types (panels only; MXFP4's and
+ * NVFP4's E2M1 codes as indices into ggml's kvalues_mxfp4, as IQ4_NL's into its levels):
+ * MXFP4H (d:f16 qs[16], 18 bytes: an MXFP4 block's nibbles under its E8M0 scale as an f16,
+ * IQ4_NL's layout) and NVFP4H (d0:f16 d1:f16 qs[16], 20 bytes: two NVFP4 groups of 16, element
+ * j of the first under d0 in the low nibble of byte j, of the second under d1 in its high
+ * nibble; each E4M3 scale exactly an f16) */
 enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8, QLIB_IQ4_NL = 20,
-       QLIB_MXFP4H = 61 };
+       QLIB_MXFP4H = 61, QLIB_NVFP4H = 62 };
 
 /* -- panels: Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4H weights as 16-row panels (type | QLIB_PANELS) --
  * Per 16 weight rows (a panel) and block b of 32 elements, one record of panel_rec bytes:
  * the codes, 64-byte vectors whose lane r (row 16p + r) holds 4 consecutive codes, then the
- * 16 rows' d (f16), then (Q4_1) their m (f16). Q4_*: 4 vectors, vector j lane r = bytes
+ * 16 rows' d (f16), then (Q4_1) their m (f16) or (NVFP4H) their d1 (f16). Q4_*: 4 vectors, vector j lane r = bytes
  * 4j .. 4j + 3 of the row's GGUF block's qs (the codes of elements 4j .. 4j + 3 in the low
- * nibbles, of 4j + 16 .. in the high ones; IQ4_NL and MXFP4H as Q4_0, their nibbles indices
- * into ggml's levels of the type, looked up as read); Q8_0: 8 vectors, vector j lane r = the codes of
+ * nibbles, of 4j + 16 .. in the high ones; IQ4_NL, MXFP4H and NVFP4H as Q4_0, their nibbles
+ * indices into ggml's levels of the type, looked up as read); Q8_0: 8 vectors, vector j lane r = the codes of
  * elements 4j .. 4j + 3 (+ 128, as its planes). A block of 16 rows is then 8 vpdpbusd with
  * broadcast activation codes, one conversion and one FMA (lane = weight row), where the
  * planes take 16 x (unpack, vpdpbusd, conversion, permute, FMA); a thread's rows are one
@@ -54,9 +58,14 @@ enum { QLIB_PANELS = 64 };
 static inline int is_panels(int type) { return (type & QLIB_PANELS) != 0; }
 static inline int base_type(int type) { return type & ~QLIB_PANELS; }
 static inline size_t panel_codes(int type) { return base_type(type) == QLIB_Q8_0 ? 512 : 256; }
+/* Whether a type's blocks hold two f16 after the codes' d (Q4_1: m; NVFP4H: d1): 20 bytes */
+static inline int two_halves(int type) { return type == QLIB_Q4_1 || type == QLIB_NVFP4H; }
 static inline size_t panel_rec(int type) {
-    return panel_codes(type) + (base_type(type) == QLIB_Q4_1 ? 64 : 32);
+    return panel_codes(type) + (two_halves(base_type(type)) ? 64 : 32);
 }
+/* The exact offset corrections a block of 32 takes: NVFP4H's two groups of 16 each their own
+ * (each under its own scale), else one */
+static inline int corrections(int type) { return type == QLIB_NVFP4H ? 2 : 1; }
 
 /* Whether a weight type's blocks have minimums (the m_w s_a term; no code offset). */
 static inline int has_min(int type) { return type == QLIB_Q4_1 || type == QLIB_Q5_1; }
@@ -73,7 +82,9 @@ static inline int has_qh(int type) { return type == QLIB_Q5_0 || type == QLIB_Q5
 /* The unsigned offset of a type's stored codes (Q4_0: 8, Q5_0: 16, Q8_0's planes and the
  * levels of IQ4_NL and MXFP4H: 128), removed exactly through the activation codes' sums; 0 for
  * the types with minimums. */
-static inline int has_levels(int type) { return type == QLIB_IQ4_NL || type == QLIB_MXFP4H; }
+static inline int has_levels(int type) {
+    return type == QLIB_IQ4_NL || type == QLIB_MXFP4H || type == QLIB_NVFP4H;
+}
 static inline int code_offset(int type) {
     return type == QLIB_Q8_0 || has_levels(type) ? 128
            : type == QLIB_Q5_0                      ? 16
@@ -81,18 +92,19 @@ static inline int code_offset(int type) {
                                                     : 0;
 }
 
-/* The panels' types: Q4_0, Q4_1, Q8_0, and IQ4_NL and MXFP4H (panels only: their nibbles are
- * indices into ggml's levels, looked up as they are read; Q4_0's layout otherwise) */
+/* The panels' types: Q4_0, Q4_1, Q8_0, and IQ4_NL, MXFP4H and NVFP4H (panels only: their
+ * nibbles are indices into ggml's levels, looked up as they are read; Q4_0's layout otherwise,
+ * NVFP4H Q4_1's record) */
 static inline int panel_type(int type) {
     return type == QLIB_Q4_0 || type == QLIB_Q4_1 || type == QLIB_Q8_0 || has_levels(type);
 }
 
-/* A panel vector's 64 low or high nibbles as unsigned codes (IQ4_NL, MXFP4H: levels + 128) */
+/* A panel vector's 64 low or high nibbles as unsigned codes (the level types: levels + 128) */
 static inline __m512i panel_nibbles(int type, __m512i v, int high) {
     const __m512i q = _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
-    return type == QLIB_IQ4_NL    ? iq4_levels(q)
-           : type == QLIB_MXFP4H ? levels_lookup(mxfp4_levels_u8, q)
-                                 : q;
+    return type == QLIB_IQ4_NL   ? iq4_levels(q)
+           : has_levels(type) ? levels_lookup(mxfp4_levels_u8, q)
+                              : q;
 }
 
 /* Dots of R consecutive repacked weight rows with one quantized activation row
@@ -268,18 +280,20 @@ static inline __attribute__((always_inline)) void gemm_rows(
     __m512 facc[GEMM_MR][NV]; /* MR <= GEMM_MR: no VLA */
     for (int i = 0; i < MR; i++)
         for (int v = 0; v < NV; v++) facc[i][v] = _mm512_setzero_ps();
-    for (int b = 0; b < G; b++) {
+    const int nc = corrections(type), steps = 8 / nc; /* per correction: steps of 4 codes */
+    for (int b = 0; b < G; b++)
+        for (int h = 0; h < nc; h++) { /* NVFP4H: its two groups of 16, each under its d */
         __m512i iacc[GEMM_MR][NV];
         for (int i = 0; i < MR; i++) {
             /* Q4_1 / Q5_1 have no offset: zeros (a zero idiom, not a register move per
              * accumulator) */
             const __m512i c0 = has_min(type) ? _mm512_setzero_si512()
-                                             : _mm512_set1_epi32(cb[(size_t)i * G + b]);
+                                             : _mm512_set1_epi32(cb[((size_t)i * G + b) * nc + h]);
             for (int v = 0; v < NV; v++) iacc[i][v] = has_min(type) ? _mm512_setzero_si512() : c0;
         }
         const uint8_t *wb = wt + (size_t)b * 8 * GT * 4;
         const int8_t *ab = aq + b * 32;
-        for (int s = 0; s < 8; s++) {
+        for (int s = h * steps; s < (h + 1) * steps; s++) {
             __m512i w[NV];
             for (int v = 0; v < NV; v++) w[v] = _mm512_loadu_si512(wb + (s * GT + v * 16) * 4);
             for (int i = 0; i < MR; i++) {
@@ -290,7 +304,7 @@ static inline __attribute__((always_inline)) void gemm_rows(
             }
         }
         for (int v = 0; v < NV; v++) {
-            const __m512 dwv = _mm512_loadu_ps(dt + b * GT + v * 16);
+            const __m512 dwv = _mm512_loadu_ps((h ? mt : dt) + b * GT + v * 16);
             for (int i = 0; i < MR; i++) {
                 const __m512 dd = _mm512_mul_ps(dwv, _mm512_set1_ps(ad[(size_t)i * G + b]));
                 facc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i][v]), dd, facc[i][v]);
@@ -325,11 +339,15 @@ static void act_row_gemm(int type, const float *x, int k, int i, const float *no
     quantize_row_q8(src, k, q, ad + (size_t)i * G, has_min(type) ? as + (size_t)i * G : NULL);
     if (!offset) return;
     const __m512i ones = _mm512_set1_epi8(1);
-    for (int e = 0; e < k; e += 64) { /* two blocks: lanes 0-7 and 8-15 hold their 4-sums */
+    const int nc = corrections(type); /* per 32 codes (NVFP4H: per 16) */
+    for (int e = 0; e < k; e += 64) { /* lanes 4c .. 4c + 3 hold the 4-sums of codes 16c.. */
         const __m512i lane =
             _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(q + e));
-        cb[(size_t)i * G + e / 32] = -offset * _mm512_mask_reduce_add_epi32(0x00FF, lane);
-        cb[(size_t)i * G + e / 32 + 1] = -offset * _mm512_mask_reduce_add_epi32(0xFF00, lane);
+        for (int c = 0; c < 2 * nc; c++) {
+            const __mmask16 part = (__mmask16)(((1u << (8 / nc)) - 1) << (c * 8 / nc));
+            cb[(size_t)i * G * nc + e / 32 * nc + c] =
+                -offset * _mm512_mask_reduce_add_epi32(part, lane);
+        }
     }
 }
 
@@ -346,9 +364,10 @@ static int qgemm_tiled(int layout, const uint8_t *codes, size_t row_bytes, const
                        const uint16_t *mw, int n, int k, const float *x, int m, float *y,
                        const float *norm_w, float eps, int swiglu, int accumulate) {
     const int type = base_type(layout), G = k / 32, ntiles = (n + GT - 1) / GT;
+    const int nc = corrections(type); /* cb: nc G a row, in the last nc regions */
     const size_t aq_bytes = ((size_t)m * k + 63) / 64 * 64, g_bytes = sizeof(float) * m * G;
     char *buf = scratch_grow(&gemm_scratch, &gemm_scratch_bytes,
-                             aq_bytes + 3 * ((g_bytes + 63) / 64 * 64));
+                             aq_bytes + (2 + nc) * ((g_bytes + 63) / 64 * 64));
     if (!buf) return -1;
     int8_t *aq = (int8_t *)buf;
     float *ad = (float *)(buf + aq_bytes);
@@ -376,17 +395,17 @@ static int qgemm_tiled(int layout, const uint8_t *codes, size_t row_bytes, const
 #pragma omp for schedule(static) nowait
             for (int tj = 0; tj < ntiles; tj++) {
                 const int j0 = tj * GT, cols = n - j0 < GT ? n - j0 : GT;
-                float *mt = has_min(type) ? dt + GT * (size_t)G : NULL;
+                float *mt = two_halves(type) || has_min(type) ? dt + GT * (size_t)G : NULL;
                 gemm_tile(layout, codes, row_bytes, dw, mw, j0, n, k, wt, dt, mt);
                 int i = r0;
                 for (; i + GEMM_MR <= r1; i += GEMM_MR)
                     gemm_rows(GEMM_MR, type, wt, dt, mt, k, aq + (size_t)i * k, ad + (size_t)i * G,
-                              as + (size_t)i * G, cb + (size_t)i * G, y + (size_t)i * n + j0, n,
-                              cols, accumulate);
+                              as + (size_t)i * G, cb + (size_t)i * G * nc, y + (size_t)i * n + j0,
+                              n, cols, accumulate);
                 for (; i < r1; i++)
                     gemm_rows(1, type, wt, dt, mt, k, aq + (size_t)i * k, ad + (size_t)i * G,
-                              as + (size_t)i * G, cb + (size_t)i * G, y + (size_t)i * n + j0, n,
-                              cols, accumulate);
+                              as + (size_t)i * G, cb + (size_t)i * G * nc, y + (size_t)i * n + j0,
+                              n, cols, accumulate);
             }
         }
         free(wt), free(dt), free(ri);
@@ -494,9 +513,17 @@ void qlib_gemv_set_panel_prefetch(int bytes) { qlib_panel_prefetch = bytes; }
 int qlib_act_prefetch = 1;
 void qlib_gemv_set_act_prefetch(int on) { qlib_act_prefetch = on; }
 
-/* The exact offset term per block (Q4_0: -8, Q8_0: -128 x the sum of its 32 activation codes),
- * from act_row's per-4-code corrections. */
-static inline void block_corrections(const int32_t *corr, int G, int32_t *cb) {
+/* The exact offset term per block (Q4_0: -8, Q8_0: -128 x the sum of its 32 activation codes;
+ * NVFP4H: per group of 16, two a block), from act_row's per-4-code corrections. */
+static inline void block_corrections(int type, const int32_t *corr, int G, int32_t *cb) {
+    if (corrections(type) == 2) {
+        for (int g = 0; g < 2 * G; g++) {
+            const __m128i s = _mm_loadu_si128((const __m128i *)(corr + 4 * g));
+            const __m128i s2 = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+            cb[g] = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+        }
+        return;
+    }
     for (int b = 0; b < G; b++) {
         const __m256i c = _mm256_loadu_si256((const __m256i *)(corr + 8 * b));
         const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
@@ -507,7 +534,9 @@ static inline void block_corrections(const int32_t *corr, int G, int32_t *cb) {
 
 /* The 16 outputs of one panel (c: its first record) with one quantized activation row: per
  * block the exact integer dots of the 16 rows in the lanes (Q4_0, Q8_0: started at the
- * block's -offset * sum), times d_w d_a, plus (Q4_1) m_w s_a, summed over the blocks in order. */
+ * block's -offset * sum), times d_w d_a, plus (Q4_1) m_w s_a, summed over the blocks in order
+ * (NVFP4H: its two groups' dots, each started at its own -offset * sum, times d0_w d_a and
+ * d1_w d_a, in that order). */
 static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *aq,
                                const float *ad, const float *as, const int32_t *cb, int pf) {
     const size_t rec = panel_rec(type);
@@ -526,8 +555,10 @@ static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *
         memcpy(a4, aq + 32 * b, 32);
         if (pf)
             for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)c + pf + o, _MM_HINT_T0);
-        __m512i lo = type == QLIB_Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(cb[b]);
-        __m512i hi = _mm512_setzero_si512();
+        const int split = corrections(type) == 2; /* (the low nibbles: the first 16) */
+        __m512i lo = type == QLIB_Q4_1 ? _mm512_setzero_si512()
+                                       : _mm512_set1_epi32(cb[split ? 2 * b : b]);
+        __m512i hi = split ? _mm512_set1_epi32(cb[2 * b + 1]) : _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
             const __m512i v = _mm512_loadu_si512(c + 64 * j);
             if (type == QLIB_Q8_0) { /* codes + 128: 8 vectors as they are */
@@ -541,6 +572,14 @@ static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *
         }
         const uint8_t *dm = c + panel_codes(type);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dm));
+        if (split) {
+            const __m512 dw1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dm + 32)));
+            facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(dw, _mm512_set1_ps(ad[b])),
+                                   facc);
+            facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi),
+                                   _mm512_mul_ps(dw1, _mm512_set1_ps(ad[b])), facc);
+            continue;
+        }
         facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)),
                                _mm512_mul_ps(dw, _mm512_set1_ps(ad[b])), facc);
         if (type == QLIB_Q4_1)
@@ -558,7 +597,7 @@ static inline void panel_rows(int type, const uint8_t *panels, int p, int n, int
     const uint8_t *c = panels + (size_t)p * G * panel_rec(type);
     for (int i = 0; i < m; i++) {
         const __m512 r = panel_dot(type, c, G, aq + (size_t)i * k, ad + (size_t)i * G,
-                                   as + (size_t)i * G, cb + (size_t)i * G,
+                                   as + (size_t)i * G, cb + (size_t)i * G * corrections(type),
                                    i ? 0 : qlib_panel_prefetch);
         float *yp = y + (size_t)i * n + 16 * (size_t)p;
         _mm512_storeu_ps(yp, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yp), r) : r);
@@ -594,10 +633,11 @@ int qlib_qgemm_ex(int layout, const uint8_t *codes, const uint16_t *dw, const ui
     }
     for (int i = 0; i < m; i++) act_row(type, x, k, i, norm_w, eps, swiglu, row, aq, ad, as, corr);
     if (is_panels(layout)) {
-        int32_t *cb = malloc(sizeof(int32_t) * (size_t)m * G); /* the rows' block offsets */
+        const int nc = corrections(type); /* the rows' block offsets (NVFP4H: per 16) */
+        int32_t *cb = malloc(sizeof(int32_t) * (size_t)m * G * nc);
         if (cb) {
             for (int i = 0; i < m; i++)
-                block_corrections(corr + (size_t)i * (k / 4), G, cb + (size_t)i * G);
+                block_corrections(type, corr + (size_t)i * (k / 4), G, cb + (size_t)i * G * nc);
 #pragma omp parallel for schedule(static)
             for (int p = 0; p < n / 16; p++)
                 panel_rows(type, codes, p, n, k, aq, ad, as, cb, m, y, accumulate);
@@ -657,7 +697,7 @@ void qlib_qgemv_region(int layout, const uint8_t *codes, const uint16_t *dw, con
     act_row(type, x, k, 0, norm_w, eps, 0, row, aq, ad, as, corr);
     if (is_panels(layout)) {
         int32_t *cb = (int32_t *)row; /* the input row is quantized: its scratch holds them */
-        if (type != QLIB_Q4_1) block_corrections(corr, G, cb);
+        if (type != QLIB_Q4_1) block_corrections(type, corr, G, cb);
 #pragma omp for schedule(static)
         for (int p = 0; p < n / 16; p++)
             panel_rows(type, codes, p, n, k, aq, ad, as, cb, 1, y, accumulate);
@@ -676,8 +716,8 @@ void qlib_qgemv_region(int layout, const uint8_t *codes, const uint16_t *dw, con
 void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, uint16_t *d,
                  uint16_t *m) {
     const int G = k / 32;
-    if (is_panels(type)) { /* Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4H blocks -> panels (n % 16) */
-        const int bt = base_type(type), q4_1 = bt == QLIB_Q4_1, q8 = bt == QLIB_Q8_0;
+    if (is_panels(type)) { /* the panel types' blocks -> panels (n % 16) in codes */
+        const int bt = base_type(type), q4_1 = two_halves(bt), q8 = bt == QLIB_Q8_0;
         const int bsize = q8 ? 34 : q4_1 ? 20 : 18, dm = q4_1 ? 4 : 2, vecs = q8 ? 8 : 4;
         const size_t rec = panel_rec(type), cbytes = panel_codes(type);
 #pragma omp parallel for schedule(static)
@@ -730,7 +770,7 @@ void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, 
 int qlib_panel_get(int type, const uint8_t *panels, int n, int k, const int64_t *ids,
                    int count, uint8_t *out) {
     if (!panel_type(type) || k % 32 || n % 16) return -1;
-    const int G = k / 32, q4_1 = type == QLIB_Q4_1, q8 = type == QLIB_Q8_0;
+    const int G = k / 32, q4_1 = two_halves(type), q8 = type == QLIB_Q8_0;
     const int bsize = q8 ? 34 : q4_1 ? 20 : 18, dm = q4_1 ? 4 : 2, vecs = q8 ? 8 : 4;
     const size_t rec = panel_rec(type), cbytes = panel_codes(type);
     for (int i = 0; i < count; i++) {

@@ -20,13 +20,18 @@ import torch
 
 from ..gridquants import X4_BYTES, X4_UNIT
 
-# kernels.c's types: ggml's type ids, and MXFP4H: qlib's own block of 32 (``d:f16 qs[16]``, 18
-# bytes: an MXFP4 block's nibbles under its E8M0 scale as an f16, IQ4_NL's layout)
-TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20, "MXFP4H": 61}
-# kernels.c's types with panels and no planes: IQ4_NL and MXFP4H (Q4_0's panel layout, their
-# nibbles looked up in ggml's levels of the type); ``pack`` makes Q8_0 planes of IQ4_NL's values
-# where panels do not fit (MXFP4: Q5_0's, below)
-PANELS_ONLY = ("IQ4_NL", "MXFP4H")
+# kernels.c's types: ggml's type ids, and qlib's own blocks of 32 for the FP4 types: MXFP4H
+# (``d:f16 qs[16]``, 18 bytes: an MXFP4 block's nibbles under its E8M0 scale as an f16, IQ4_NL's
+# layout) and NVFP4H (``d0:f16 d1:f16 qs[16]``, 20 bytes: two NVFP4 groups of 16, the first's
+# codes in the low nibbles under d0, the second's in the high ones under d1)
+TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20,
+              "MXFP4H": 61, "NVFP4H": 62}  # fmt: skip
+# kernels.c's types with panels and no planes: IQ4_NL, MXFP4H and NVFP4H (Q4_0's panel layout,
+# NVFP4H Q4_1's record; their nibbles looked up in ggml's levels of the type); ``pack`` makes
+# Q8_0 planes of IQ4_NL's values where panels do not fit (MXFP4, NVFP4: their other forms)
+PANELS_ONLY = ("IQ4_NL", "MXFP4H", "NVFP4H")
+# the GGUF FP4 types whose weights ``pack`` makes those panels of, where asked for panels
+FP4_PANELS = {"MXFP4": "MXFP4H", "NVFP4": "NVFP4H"}
 # int16 words of the m plane per block: Q4_1 its minimum; Q5_0 its qh word; Q5_1 both (the
 # row's minimums, then its qh words)
 M_WORDS = {"Q4_1": 1, "Q5_0": 2, "Q5_1": 3}
@@ -55,7 +60,8 @@ ROW_MULTIPLE = (
 # Q4_0 / Q4_1 / Q8_0 as 16-row panels: kernels.c's type code | PANELS; per 16 rows and block
 # of 32 a record of PANEL_RECORD bytes (codes: Q4_* 256, Q8_0 512; then 16 f16 d, Q4_1: 16 f16 m)
 PANELS = 64
-PANEL_RECORD = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544, "IQ4_NL": 288, "MXFP4H": 288}
+PANEL_RECORD = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544, "IQ4_NL": 288, "MXFP4H": 288,
+                "NVFP4H": 320}  # fmt: skip
 # Q4_K and IQ4_XS as 16-row panels: kquants.c's type code | PANELS; per 16 rows and super-block
 # of 256 K_PANEL_RECORD bytes (the codes (IQ4_XS: indices) four at a time a lane, the decoded
 # scales (and Q4_K's mins), d (and dmin))

@@ -41,12 +41,14 @@ import torch
 
 from ..activations import ACT_BLOCK, VEC_DOT_TYPE, quantize_activations
 from ..api import block_format, dequantize_torch
+from .layout import FP4_PANELS
 from .ops import qgemm
 from .packing import pack, supports
 
 _INT_ROWS = 8  # up to this many rows: block-diagonal int8 matmul
-# types the C kernels run with other activations than ggml's dot product takes (NVFP4 as X4
-# blocks: Q8_K, where ggml's NVFP4 dot takes Q8_0): the faithful matmul keeps torch's for them
+# types the C kernels run with other activations than ggml's dot product takes unless packed as
+# panels (NVFP4 as X4 blocks: Q8_K, where ggml's NVFP4 dot takes Q8_0; its NVFP4H panels take
+# Q8_0): the faithful matmul keeps torch's for those weights whose rows do not come in 16s
 OTHER_DOT = ("NVFP4",)
 _HAS_INT_MM = hasattr(torch, "_int_mm")  # private torch API (CPU int8 x int8 -> int32)
 _TILE_FLOATS = 1 << 21  # float32 elements of one [G, n_tile, m_tile] tile of group sums
@@ -125,13 +127,17 @@ def _packed(w):
     """The C kernel's ``PackedWeight`` for ``w``, or None when the kernel cannot take it."""
     if isinstance(w, PreparedWeight) or len(w.shape) != 2:
         return None
-    if not supports(w.dtype.name, int(w.shape[-1])) or w.dtype.name in OTHER_DOT:
+    name = w.dtype.name
+    if not supports(name, int(w.shape[-1])) or (name in OTHER_DOT and int(w.shape[0]) % 16):
         return None
     key = id(w.data)
     hit = _PACKED.get(key)
     if hit is not None and hit[0]() is w.data:
         return hit[1]
-    pw = pack(w)  # (IQ4_NL: Q8_0 planes of its values, ``pack``)
+    # (IQ4_NL: Q8_0 planes of its values; MXFP4, NVFP4: their panels, ``pack``)
+    pw = pack(w, panels=name in FP4_PANELS)
+    if name in OTHER_DOT and pw.type_name not in FP4_PANELS.values():
+        return None
     _PACKED[key] = (weakref.ref(w.data, lambda _, key=key: _PACKED.pop(key, None)), pw)
     return pw
 

@@ -58,7 +58,8 @@ _BLOCK_BYTES = {
     "Q8_0": 34,
     "IQ4_NL": 18,
     "MXFP4H": 18,
-}  # GGUF (MXFP4H: qlib's), 32 values
+    "NVFP4H": 20,
+}  # GGUF (MXFP4H, NVFP4H: qlib's), 32 values
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # name: (argument types, result type); the qlib_amx_* / qlib_prefill_layer entries exist
@@ -78,6 +79,7 @@ _SIGNATURES = {
     "qlib_x4_from_blocks": ([_i, _p, ctypes.c_int64, _p, _p, _p, _p], _i),
     "qlib_legacy_from_blocks": ([_i, _p, ctypes.c_int64, _p], _i),
     "qlib_mxfp4h_from_blocks": ([_p, ctypes.c_int64, _p], _i),
+    "qlib_nvfp4h_from_blocks": ([_p, ctypes.c_int64, _p], _i),
     "qlib_kpanel_get": ([_i, _p, _i, _i, _p, _i, _p], _i),
     "qlib_dequant_rows": ([_i, _p, _i, _i, _p, _i, _p], _i),
     "qlib_attn_set_two_pass": ([_i], None),
@@ -503,6 +505,19 @@ def mxfp4h_from_blocks(blocks: torch.Tensor, out: torch.Tensor) -> bool:
         raise ValueError(f"mxfp4h_from_blocks: {blocks.numel()} bytes of MXFP4 blocks for "
                          f"{out.numel()} bytes")  # fmt: skip
     return _lib().qlib_mxfp4h_from_blocks(blocks.data_ptr(), n, out.data_ptr()) == 0
+
+
+def nvfp4h_from_blocks(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """NVFP4 blocks (uint8, 36 bytes each: 64 weights) -> NVFP4H blocks (``out``, two of 20
+    bytes each: each group's E4M3 scale as an exact f16, two groups' codes a block;
+    ``gridx4.c``), the input of kernels.c's NVFP4H panels."""
+    _check(blocks, torch.uint8, "blocks")
+    _check(out, torch.uint8, "out")
+    n = blocks.numel() // 36
+    if blocks.numel() != n * 36 or out.numel() != n * 40:
+        raise ValueError(f"nvfp4h_from_blocks: {blocks.numel()} bytes of NVFP4 blocks for "
+                         f"{out.numel()} bytes")  # fmt: skip
+    _lib().qlib_nvfp4h_from_blocks(blocks.data_ptr(), n, out.data_ptr())
 
 
 def kpanels_get(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
