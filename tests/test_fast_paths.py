@@ -40,6 +40,7 @@ from qlib.llama import fast_cpu as fast
 from qlib.llama.errors import IndexPosError, InputError
 from qlib.llama.faithful import ModelWeights
 from qlib.quants import cpu, reference
+from qlib.quants.cpu.layout import PANEL_FORMS
 from qlib.quants.qtensor import QTensor
 
 needs_kernels = pytest.mark.skipif(
@@ -877,7 +878,8 @@ def test_index_pos_is_checked(tiny):
 
 # -- memory: pages released while packing, the embedding looked up once ---------------------
 
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+                "MXFP4", "NVFP4", "Q1_0")  # fmt: skip
 
 
 @needs_kernels
@@ -889,17 +891,17 @@ def test_dequantize_rows_of_packed_weights(type_name, panels):
     g = torch.Generator().manual_seed(4)
     w = QTensor.quantize(torch.randn(48, 512, generator=g), type_name)
     pw = cpu.pack(w, panels=panels)
-    assert pw.panels == (
-        panels and type_name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q4_K", "IQ4_XS")
-    )
-    # (IQ4_NL without panels: Q8_0 planes of the same values)
+    assert pw.panels == (panels and type_name not in ("Q5_0", "Q5_1", "Q6_K"))
+    # (IQ4_NL without panels: Q8_0 planes of the same values; MXFP4, NVFP4, Q1_0: Q5_0 planes,
+    # X4 blocks, Q4_0 planes)
     ids = torch.tensor([0, 47, 7, 7, 12, 16])
     assert torch.equal(cpu.dequantize_rows(pw, ids), w.dequantize()[ids])
 
 
 @needs_kernels
-@pytest.mark.parametrize("type_name", sorted(set(cpu.ROW_TYPES) - {"X4"}))  # (X4: qlib's own,
-def test_dequant_rows_equals_the_blocks_dequantized(type_name):  # test_grid_types.py)
+# (qlib's own blocks: X4 in test_grid_types.py, the panels' forms in test_fp4_types.py)
+@pytest.mark.parametrize("type_name", sorted(set(cpu.ROW_TYPES) - {"X4", *PANEL_FORMS.values()}))
+def test_dequant_rows_equals_the_blocks_dequantized(type_name):
     """rows.c's rows of GGUF blocks of every type it reads are ``dequantize_torch``'s (ggml's
     ``dequantize_row_*``, itself held to the gguf package's in test_quants) bit for bit,
     weights scaled so that every code and sub-block scale occurs; bad ids and sizes refused."""

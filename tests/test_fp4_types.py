@@ -4,9 +4,9 @@
   ``to_float`` (peers), and as gguf-py's (MXFP4, NVFP4: the package has no Q1_0);
 * ``qmatmul`` as ggml's ``vec_dot`` on its own Q8_0 activations (peers);
 * the kernels' forms: MXFP4 as Q5_0 and Q1_0 as Q4_0 blocks of the same values (bf16 rows
-  where an MXFP4 scale leaves f16's range), MXFP4 and NVFP4 as MXFP4H / NVFP4H panels (the
-  fast CPU engine's layers and the faithful matmul, rows in 16s), NVFP4 as X4 blocks
-  otherwise (bf16 rows where its scales do not fit);
+  where an MXFP4 scale leaves f16's range), each as MXFP4H / NVFP4H / Q1_0H panels (the fast
+  CPU engine's layers and the faithful matmul, rows in 16s), NVFP4 as X4 blocks otherwise
+  (bf16 rows where its scales do not fit);
 * a tiny llama of each type in every CPU engine and form, its position-0 logits against
   llama.cpp's (peers), and on a GPU the fused and persistent CUDA engines against the f32 form.
 """
@@ -97,19 +97,20 @@ def test_mxfp4_scales_past_f16_run_as_bf16_rows():
 
 
 @pytest.mark.skipif(not cpu.available(), reason="needs the C kernels")
-@pytest.mark.parametrize("t", ["MXFP4", "NVFP4"])
-def test_fp4_panels(t):
-    """MXFP4 / NVFP4 weights of rows in 16s packed with ``panels`` (the fast engine's layers,
-    and the faithful matmul): MXFP4H / NVFP4H panels (4.5 / 5 bits a weight) of the file's
-    values (rows read back exactly), whose products in every path (GEMV, the tiled GEMM)
-    equal ggml's semantics on Q8_0 activations (the torch path, ``qmatmul_prepared``) to float
-    rounding (1e-6 of the largest output; measured <= 1.7e-7); MXFP4's tiled GEMM equals its
-    Q5_0 planes' bit for bit (the same tiles). The faithful ``qmatmul`` takes the panels. An
-    MXFP4 scale f16 lacks takes the Q5_0 / bf16 forms as before."""
+@pytest.mark.parametrize("t", TYPES)
+def test_panels(t):
+    """MXFP4 / NVFP4 / Q1_0 weights of rows in 16s packed with ``panels`` (the fast engine's
+    layers, and the faithful matmul): MXFP4H / NVFP4H / Q1_0H panels (4.5 / 5 / 1.5 bits a
+    weight) of the file's values (rows read back exactly), whose products in every path
+    (GEMV, the tiled GEMM) equal ggml's semantics on Q8_0 activations (the torch path,
+    ``qmatmul_prepared``) to float rounding (1e-6 of the largest output; measured <= 1.7e-7);
+    the tiled GEMMs of MXFP4 and Q1_0 equal their Q5_0 / Q4_0 planes' bit for bit (the same
+    tiles). The faithful ``qmatmul`` takes the panels. An MXFP4 scale f16 lacks takes the
+    Q5_0 / bf16 forms as before."""
     w = QTensor.quantize(torch.from_numpy(_rows(rows=32)), t)
     panels = cpu.pack(w, panels=True)
     assert (panels.type_name, panels.panels) == (t + "H", True)
-    assert panels.nbytes() == 32 * 512 // 32 * (18 if t == "MXFP4" else 20)  # a 32 weights
+    assert panels.nbytes() == 32 * 512 // 32 * {"MXFP4": 18, "NVFP4": 20, "Q1_0": 6}[t]
     assert torch.equal(cpu.dequantize_rows(panels, torch.arange(32)), w.dequantize())
     for m in (1, 3, 9):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
@@ -117,7 +118,7 @@ def test_fp4_panels(t):
         got = cpu.qgemm(x, panels)
         assert (got - want).abs().max() <= 1e-6 * want.abs().max(), m
         assert torch.equal(qmatmul(x, w), got), m
-        if m >= 4 and t == "MXFP4":
+        if m >= 4 and t != "NVFP4":
             assert torch.equal(got, cpu.qgemm(x, cpu.pack(w)))
     if t == "MXFP4":
         far = QTensor.quantize(torch.from_numpy(_rows(rows=16, scale=2.0**22)), "MXFP4")
@@ -125,9 +126,9 @@ def test_fp4_panels(t):
 
 
 @pytest.mark.peers
-@pytest.mark.parametrize("t", ["MXFP4", "NVFP4"])
-def test_fp4_panels_match_ggml_vec_dot(ggml, t):
-    """MXFP4H / NVFP4H panels against the CPU backend's own vec_dot on its own Q8_0
+@pytest.mark.parametrize("t", TYPES)
+def test_panels_match_ggml_vec_dot(ggml, t):
+    """MXFP4H / NVFP4H / Q1_0H panels against the CPU backend's own vec_dot on its own Q8_0
     activations: GEMV (1 and 3 rows) and tiled GEMM (9 rows), 1e-6 of the largest output."""
     blocks = ggml.quantize(_rows(rows=32), t)
     w = QTensor(torch.from_numpy(blocks.reshape(-1)), (32, 512), t)
@@ -204,8 +205,8 @@ def files(tmp_path_factory):
 
 @pytest.mark.parametrize("t", TYPES)
 def test_every_cpu_engine_runs_them(files, t):
-    """The faithful engine's f32 and quantized forms and the fast engine (MXFP4H / NVFP4H
-    panels, Q4_0 kernels): within ``QUANTIZED_TOL`` of the f32 form."""
+    """The faithful engine's f32 and quantized forms and the fast engine (MXFP4H / NVFP4H /
+    Q1_0H panels): within ``QUANTIZED_TOL`` of the f32 form."""
     f32 = first_logits(files[t], form="f32")
     scale = f32.abs().max()
     for kw in (dict(form="quantized"), dict(engine="fast")):
@@ -218,7 +219,7 @@ def test_fast_engine_kernel_types(files, t):
     parts = [p for layer in model.layers for p in layer.wqkv.parts + layer.w2.parts]
     kinds = {p.packed.type_name if p.packed is not None else None for p in parts}
     if cpu.available():
-        assert kinds == {{"NVFP4": "NVFP4H", "MXFP4": "MXFP4H", "Q1_0": "Q4_0"}[t]}
+        assert kinds == {t + "H"}
 
 
 @pytest.mark.peers

@@ -136,12 +136,12 @@ static void prefetch_share(const qlib_step *s, int t, int nth) {
 /* the checks of the kernels' entry points (ops checked the shapes at plan time) */
 static int step_ok(const qlib_step *s) {
     switch (s->kind) {
-    case STEP_QGEMV: { /* planes, or Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4H (61) / NVFP4H (62)
-                        * panels (| PANELS), n % 16 == 0 */
+    case STEP_QGEMV: { /* planes, or Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4H (61) / NVFP4H (62) /
+                        * Q1_0H (63) panels (| PANELS), n % 16 == 0 */
         const int t = s->type & ~PANELS;
         if (s->type & PANELS)
             return s->k % 64 == 0 && s->n % 16 == 0 &&
-                   (t == 2 || t == 3 || t == 8 || t == 20 || t == 61 || t == 62);
+                   (t == 2 || t == 3 || t == 8 || t == 20 || (t >= 61 && t <= 63));
         return s->k % 64 == 0 && (t == 2 || t == 3 || t == 6 || t == 7 || t == 8);
     }
     case STEP_KGEMV: /* GGUF blocks (Q2_K..Q6_K, IQ4_XS), X4 blocks (60), or Q4_K / IQ4_XS

@@ -1,8 +1,8 @@
 /* qlib CPU load: the grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), the
  * ternary types (TQ1_0, TQ2_0) and NVFP4 as qlib's X4 blocks, the bytes gridquants.as_x4 makes
  * in torch (the kernels' form of these types, kquants.c), MXFP4 / Q1_0 as the Q5_0 / Q4_0
- * blocks of fp4.as_legacy and MXFP4 / NVFP4 as qlib's MXFP4H / NVFP4H blocks (kernels.c's
- * panels), one block at a time over the threads: the torch conversions took 5-9 s for a 1B-shape file
+ * blocks of fp4.as_legacy and MXFP4 / NVFP4 / Q1_0 as qlib's MXFP4H / NVFP4H / Q1_0H blocks
+ * (kernels.c's panels), one block at a time over the threads: the torch conversions took 5-9 s for a 1B-shape file
  * (docs/performance.md).
  *
  * Each decoder follows ggml's dequantize_row_* (ggml-quants.c) as gridquants.py transcribes
@@ -319,6 +319,23 @@ int qlib_nvfp4h_from_blocks(const uint8_t *blocks, int64_t n, uint8_t *out) {
         }
     }
     return 0;
+}
+
+/* n Q1_0 blocks (d:f16 qs[16], 128 weights) -> 4n Q1_0H blocks (d:f16 qs[4]: the same d, the
+ * signs of weights 32s .. 32s + 31), kernels.c's panels' input. Returns 0, or -2 (a NaN d, as
+ * qlib_legacy_from_blocks). */
+int qlib_q1_0h_from_blocks(const uint8_t *blocks, int64_t n, uint8_t *out) {
+    int status = 0;
+#pragma omp parallel for schedule(static) reduction(min : status)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *x = blocks + i * 18;
+        for (int s = 0; s < 4; s++) {
+            memcpy(out + (4 * i + s) * 6, x, 2);
+            memcpy(out + (4 * i + s) * 6 + 2, x + 2 + 4 * s, 4);
+        }
+        if (isnan(_cvtsh_ss((uint16_t)(x[0] | x[1] << 8)))) status = -2;
+    }
+    return status;
 }
 
 /* n MXFP4 blocks (32 weights) -> n Q5_0 blocks (d:f16 qh[4] qs[16]: code + 16), or n Q1_0

@@ -39,14 +39,17 @@
  * MXFP4H (d:f16 qs[16], 18 bytes: an MXFP4 block's nibbles under its E8M0 scale as an f16,
  * IQ4_NL's layout) and NVFP4H (d0:f16 d1:f16 qs[16], 20 bytes: two NVFP4 groups of 16, element
  * j of the first under d0 in the low nibble of byte j, of the second under d1 in its high
- * nibble; each E4M3 scale exactly an f16) */
+ * nibble; each E4M3 scale exactly an f16); and Q1_0H (d:f16 qs[4], 6 bytes: a Q1_0 block's
+ * 32 signs under its d, bit e of the little-endian word element e: +d set, -d clear) */
 enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8, QLIB_IQ4_NL = 20,
-       QLIB_MXFP4H = 61, QLIB_NVFP4H = 62 };
+       QLIB_MXFP4H = 61, QLIB_NVFP4H = 62, QLIB_Q1_0H = 63 };
 
 /* -- panels: Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4H weights as 16-row panels (type | QLIB_PANELS) --
  * Per 16 weight rows (a panel) and block b of 32 elements, one record of panel_rec bytes:
  * the codes, 64-byte vectors whose lane r (row 16p + r) holds 4 consecutive codes, then the
- * 16 rows' d (f16), then (Q4_1) their m (f16) or (NVFP4H) their d1 (f16). Q4_*: 4 vectors, vector j lane r = bytes
+ * 16 rows' d (f16), then (Q4_1) their m (f16) or (NVFP4H) their d1 (f16). Q1_0H: 8 masks of
+ * 64 bits, mask s bit 4r + t = the sign of element 4s + t of row 16p + r, as codes 2 (+) and
+ * 0 (-) with offset 1. Q4_*: 4 vectors, vector j lane r = bytes
  * 4j .. 4j + 3 of the row's GGUF block's qs (the codes of elements 4j .. 4j + 3 in the low
  * nibbles, of 4j + 16 .. in the high ones; IQ4_NL, MXFP4H and NVFP4H as Q4_0, their nibbles
  * indices into ggml's levels of the type, looked up as read); Q8_0: 8 vectors, vector j lane r = the codes of
@@ -57,7 +60,10 @@ enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8
 enum { QLIB_PANELS = 64 };
 static inline int is_panels(int type) { return (type & QLIB_PANELS) != 0; }
 static inline int base_type(int type) { return type & ~QLIB_PANELS; }
-static inline size_t panel_codes(int type) { return base_type(type) == QLIB_Q8_0 ? 512 : 256; }
+static inline size_t panel_codes(int type) {
+    const int t = base_type(type);
+    return t == QLIB_Q8_0 ? 512 : t == QLIB_Q1_0H ? 64 : 256;
+}
 /* Whether a type's blocks hold two f16 after the codes' d (Q4_1: m; NVFP4H: d1): 20 bytes */
 static inline int two_halves(int type) { return type == QLIB_Q4_1 || type == QLIB_NVFP4H; }
 static inline size_t panel_rec(int type) {
@@ -86,7 +92,8 @@ static inline int has_levels(int type) {
     return type == QLIB_IQ4_NL || type == QLIB_MXFP4H || type == QLIB_NVFP4H;
 }
 static inline int code_offset(int type) {
-    return type == QLIB_Q8_0 || has_levels(type) ? 128
+    return type == QLIB_Q1_0H ? 1
+           : type == QLIB_Q8_0 || has_levels(type) ? 128
            : type == QLIB_Q5_0                      ? 16
            : type == QLIB_Q4_0                      ? 8
                                                     : 0;
@@ -96,7 +103,17 @@ static inline int code_offset(int type) {
  * nibbles are indices into ggml's levels, looked up as they are read; Q4_0's layout otherwise,
  * NVFP4H Q4_1's record) */
 static inline int panel_type(int type) {
-    return type == QLIB_Q4_0 || type == QLIB_Q4_1 || type == QLIB_Q8_0 || has_levels(type);
+    return type == QLIB_Q4_0 || type == QLIB_Q4_1 || type == QLIB_Q8_0 || has_levels(type) ||
+           type == QLIB_Q1_0H;
+}
+/* The types that come as panels only */
+static inline int panels_only(int type) { return has_levels(type) || type == QLIB_Q1_0H; }
+
+/* Step s (elements 4s .. 4s + 3 of the 16 rows) of a Q1_0H panel record c: codes 2 and 0 */
+static inline __m512i sign_step(const uint8_t *c, int s) {
+    __mmask64 bits;
+    memcpy(&bits, c + 8 * s, 8);
+    return _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(2));
 }
 
 /* A panel vector's 64 low or high nibbles as unsigned codes (the level types: levels + 128) */
@@ -194,7 +211,12 @@ static void panel_tile(int layout, const uint8_t *panels, int j0, int n, int k, 
         const int p = j0 / 16 + v < np ? j0 / 16 + v : np - 1; /* past n: the last panel again */
         const uint8_t *c = panels + (size_t)p * G * rec;
         for (int b = 0; b < G; b++, c += rec) {
-            for (int j = 0; j < 4; j++) {
+            for (int j = 0; j < 4 && type == QLIB_Q1_0H; j++) {
+                _mm512_store_si512(wt + ((size_t)(8 * b + j) * GT + v * 16) * 4, sign_step(c, j));
+                _mm512_store_si512(wt + ((size_t)(8 * b + 4 + j) * GT + v * 16) * 4,
+                                   sign_step(c, j + 4));
+            }
+            for (int j = 0; j < 4 && type != QLIB_Q1_0H; j++) {
                 const __m512i x = _mm512_loadu_si512(c + 64 * j);
                 if (type == QLIB_Q8_0) { /* the tile's steps as they are */
                     _mm512_store_si512(wt + ((size_t)(8 * b + j) * GT + v * 16) * 4, x);
@@ -560,6 +582,11 @@ static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *
                                        : _mm512_set1_epi32(cb[split ? 2 * b : b]);
         __m512i hi = split ? _mm512_set1_epi32(cb[2 * b + 1]) : _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
+            if (type == QLIB_Q1_0H) { /* signs: 8 masks */
+                lo = _mm512_dpbusd_epi32(lo, sign_step(c, j), _mm512_set1_epi32(a4[j]));
+                hi = _mm512_dpbusd_epi32(hi, sign_step(c, j + 4), _mm512_set1_epi32(a4[j + 4]));
+                continue;
+            }
             const __m512i v = _mm512_loadu_si512(c + 64 * j);
             if (type == QLIB_Q8_0) { /* codes + 128: 8 vectors as they are */
                 lo = _mm512_dpbusd_epi32(lo, v, _mm512_set1_epi32(a4[j]));
@@ -612,10 +639,10 @@ int qlib_qgemm_ex(int layout, const uint8_t *codes, const uint16_t *dw, const ui
                   float eps, int swiglu, int accumulate) {
     const int type = base_type(layout);
     if (k % 64 || (type != QLIB_Q4_0 && type != QLIB_Q4_1 && type != QLIB_Q5_0 &&
-                   type != QLIB_Q5_1 && type != QLIB_Q8_0 && !has_levels(type)))
+                   type != QLIB_Q5_1 && type != QLIB_Q8_0 && !panels_only(type)))
         return -1;
     if ((is_panels(layout) && (n % 16 || !panel_type(type))) ||
-        (!is_panels(layout) && has_levels(type)))
+        (!is_panels(layout) && panels_only(type)))
         return -1;
     const int G = k / 32;
     const size_t row_bytes = type == QLIB_Q8_0 ? (size_t)k : (size_t)k / 2;
@@ -716,6 +743,24 @@ void qlib_qgemv_region(int layout, const uint8_t *codes, const uint16_t *dw, con
 void qlib_repack(int type, const uint8_t *blocks, int n, int k, uint8_t *codes, uint16_t *d,
                  uint16_t *m) {
     const int G = k / 32;
+    if (type == (QLIB_Q1_0H | QLIB_PANELS)) { /* 6-byte blocks -> sign masks and d */
+#pragma omp parallel for schedule(static)
+        for (int p = 0; p < n / 16; p++)
+            for (int b = 0; b < G; b++) {
+                uint8_t *dst = codes + ((size_t)p * G + b) * panel_rec(type);
+                memset(dst, 0, 64);
+                for (int r = 0; r < 16; r++) {
+                    const uint8_t *blk = blocks + (((size_t)16 * p + r) * G + b) * 6;
+                    uint32_t signs;
+                    memcpy(&signs, blk + 2, 4);
+                    for (int e = 0; e < 32; e++) /* element e: step e / 4, bit 4r + e % 4 */
+                        dst[8 * (e / 4) + (4 * r + e % 4) / 8] |=
+                            (uint8_t)(((signs >> e) & 1) << ((4 * r + e % 4) % 8));
+                    memcpy(dst + 64 + 2 * r, blk, 2);
+                }
+            }
+        return;
+    }
     if (is_panels(type)) { /* the panel types' blocks -> panels (n % 16) in codes */
         const int bt = base_type(type), q4_1 = two_halves(bt), q8 = bt == QLIB_Q8_0;
         const int bsize = q8 ? 34 : q4_1 ? 20 : 18, dm = q4_1 ? 4 : 2, vecs = q8 ? 8 : 4;
@@ -771,6 +816,23 @@ int qlib_panel_get(int type, const uint8_t *panels, int n, int k, const int64_t 
                    int count, uint8_t *out) {
     if (!panel_type(type) || k % 32 || n % 16) return -1;
     const int G = k / 32, q4_1 = two_halves(type), q8 = type == QLIB_Q8_0;
+    if (type == QLIB_Q1_0H) {
+        for (int i = 0; i < count; i++) {
+            if (ids[i] < 0 || ids[i] >= n) return -1;
+            const int p = (int)(ids[i] / 16), r = (int)(ids[i] % 16);
+            for (int b = 0; b < G; b++) {
+                const uint8_t *src = panels + ((size_t)p * G + b) * panel_rec(type);
+                uint8_t *blk = out + ((size_t)i * G + b) * 6;
+                uint32_t signs = 0;
+                for (int e = 0; e < 32; e++)
+                    signs |= (uint32_t)((src[8 * (e / 4) + (4 * r + e % 4) / 8] >>
+                                         ((4 * r + e % 4) % 8)) & 1) << e;
+                memcpy(blk, src + 64 + 2 * r, 2);
+                memcpy(blk + 2, &signs, 4);
+            }
+        }
+        return 0;
+    }
     const int bsize = q8 ? 34 : q4_1 ? 20 : 18, dm = q4_1 ? 4 : 2, vecs = q8 ? 8 : 4;
     const size_t rec = panel_rec(type), cbytes = panel_codes(type);
     for (int i = 0; i < count; i++) {

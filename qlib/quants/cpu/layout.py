@@ -20,18 +20,20 @@ import torch
 
 from ..gridquants import X4_BYTES, X4_UNIT
 
-# kernels.c's types: ggml's type ids, and qlib's own blocks of 32 for the FP4 types: MXFP4H
+# kernels.c's types: ggml's type ids, and qlib's own blocks of 32 for three GGUF types: MXFP4H
 # (``d:f16 qs[16]``, 18 bytes: an MXFP4 block's nibbles under its E8M0 scale as an f16, IQ4_NL's
-# layout) and NVFP4H (``d0:f16 d1:f16 qs[16]``, 20 bytes: two NVFP4 groups of 16, the first's
-# codes in the low nibbles under d0, the second's in the high ones under d1)
+# layout), NVFP4H (``d0:f16 d1:f16 qs[16]``, 20 bytes: two NVFP4 groups of 16, the first's
+# codes in the low nibbles under d0, the second's in the high ones under d1) and Q1_0H
+# (``d:f16 qs[4]``, 6 bytes: a quarter of a Q1_0 block's signs under its d)
 TYPE_CODES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20,
-              "MXFP4H": 61, "NVFP4H": 62}  # fmt: skip
-# kernels.c's types with panels and no planes: IQ4_NL, MXFP4H and NVFP4H (Q4_0's panel layout,
-# NVFP4H Q4_1's record; their nibbles looked up in ggml's levels of the type); ``pack`` makes
-# Q8_0 planes of IQ4_NL's values where panels do not fit (MXFP4, NVFP4: their other forms)
-PANELS_ONLY = ("IQ4_NL", "MXFP4H", "NVFP4H")
-# the GGUF FP4 types whose weights ``pack`` makes those panels of, where asked for panels
-FP4_PANELS = {"MXFP4": "MXFP4H", "NVFP4": "NVFP4H"}
+              "MXFP4H": 61, "NVFP4H": 62, "Q1_0H": 63}  # fmt: skip
+# kernels.c's types with panels and no planes: IQ4_NL, MXFP4H, NVFP4H (Q4_0's panel layout,
+# NVFP4H Q4_1's record; their nibbles looked up in ggml's levels of the type) and Q1_0H (a
+# record's codes 8 masks of signs); ``pack`` makes Q8_0 planes of IQ4_NL's values where panels
+# do not fit (MXFP4, NVFP4, Q1_0: their other forms)
+PANELS_ONLY = ("IQ4_NL", "MXFP4H", "NVFP4H", "Q1_0H")
+# the GGUF types whose weights ``pack`` makes those panels of, where asked for panels
+PANEL_FORMS = {"MXFP4": "MXFP4H", "NVFP4": "NVFP4H", "Q1_0": "Q1_0H"}
 # int16 words of the m plane per block: Q4_1 its minimum; Q5_0 its qh word; Q5_1 both (the
 # row's minimums, then its qh words)
 M_WORDS = {"Q4_1": 1, "Q5_0": 2, "Q5_1": 3}
@@ -47,8 +49,8 @@ BLOCKS = {"Q2_K": (256, 84), "Q3_K": (256, 110),
 # ternary types and NVFP4 (bf16 rows where its scales do not fit one X4 block's unit)
 X4_TYPES = (*X4_UNIT, "NVFP4")
 # the GGUF types ``pack`` runs as legacy planes or panels of the same values (``packing._legacy``:
-# MXFP4 as Q5_0, Q1_0 as Q4_0; bf16 rows where an MXFP4 scale leaves f16's range), unless MXFP4
-# goes as MXFP4H panels (``packing.pack``)
+# MXFP4 as Q5_0, Q1_0 as Q4_0; bf16 rows where an MXFP4 scale leaves f16's range), unless they
+# go as panels (``PANEL_FORMS``)
 LEGACY_TYPES = ("MXFP4", "Q1_0")
 # the kernels' rows: k % ROW_MULTIPLE[type] == 0 (K-quants, IQ4_XS, X4: super-blocks of 256;
 # NVFP4 rows of 64s that are no whole super-blocks go as bf16 rows)
@@ -61,7 +63,7 @@ ROW_MULTIPLE = (
 # of 32 a record of PANEL_RECORD bytes (codes: Q4_* 256, Q8_0 512; then 16 f16 d, Q4_1: 16 f16 m)
 PANELS = 64
 PANEL_RECORD = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544, "IQ4_NL": 288, "MXFP4H": 288,
-                "NVFP4H": 320}  # fmt: skip
+                "NVFP4H": 320, "Q1_0H": 96}  # fmt: skip
 # Q4_K and IQ4_XS as 16-row panels: kquants.c's type code | PANELS; per 16 rows and super-block
 # of 256 K_PANEL_RECORD bytes (the codes (IQ4_XS: indices) four at a time a lane, the decoded
 # scales (and Q4_K's mins), d (and dmin))

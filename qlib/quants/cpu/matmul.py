@@ -41,7 +41,7 @@ import torch
 
 from ..activations import ACT_BLOCK, VEC_DOT_TYPE, quantize_activations
 from ..api import block_format, dequantize_torch
-from .layout import FP4_PANELS
+from .layout import PANEL_FORMS
 from .ops import qgemm
 from .packing import pack, supports
 
@@ -134,9 +134,9 @@ def _packed(w):
     hit = _PACKED.get(key)
     if hit is not None and hit[0]() is w.data:
         return hit[1]
-    # (IQ4_NL: Q8_0 planes of its values; MXFP4, NVFP4: their panels, ``pack``)
-    pw = pack(w, panels=name in FP4_PANELS)
-    if name in OTHER_DOT and pw.type_name not in FP4_PANELS.values():
+    # (IQ4_NL: Q8_0 planes of its values; MXFP4, NVFP4, Q1_0: their panels, ``pack``)
+    pw = pack(w, panels=name in PANEL_FORMS)
+    if name in OTHER_DOT and pw.type_name not in PANEL_FORMS.values():
         return None
     _PACKED[key] = (weakref.ref(w.data, lambda _, key=key: _PACKED.pop(key, None)), pw)
     return pw

@@ -59,7 +59,8 @@ _BLOCK_BYTES = {
     "IQ4_NL": 18,
     "MXFP4H": 18,
     "NVFP4H": 20,
-}  # GGUF (MXFP4H, NVFP4H: qlib's), 32 values
+    "Q1_0H": 6,
+}  # GGUF (MXFP4H, NVFP4H, Q1_0H: qlib's), 32 values
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # name: (argument types, result type); the qlib_amx_* / qlib_prefill_layer entries exist
@@ -80,6 +81,7 @@ _SIGNATURES = {
     "qlib_legacy_from_blocks": ([_i, _p, ctypes.c_int64, _p], _i),
     "qlib_mxfp4h_from_blocks": ([_p, ctypes.c_int64, _p], _i),
     "qlib_nvfp4h_from_blocks": ([_p, ctypes.c_int64, _p], _i),
+    "qlib_q1_0h_from_blocks": ([_p, ctypes.c_int64, _p], _i),
     "qlib_kpanel_get": ([_i, _p, _i, _i, _p, _i, _p], _i),
     "qlib_dequant_rows": ([_i, _p, _i, _i, _p, _i, _p], _i),
     "qlib_attn_set_two_pass": ([_i], None),
@@ -493,31 +495,27 @@ def legacy_from_blocks(type_name: str, blocks: torch.Tensor, out: torch.Tensor) 
     return _lib().qlib_legacy_from_blocks(t.id, blocks.data_ptr(), n, out.data_ptr()) == 0
 
 
-def mxfp4h_from_blocks(blocks: torch.Tensor, out: torch.Tensor) -> bool:
-    """MXFP4 blocks (uint8, 17 bytes each) -> MXFP4H blocks (``out``, 18 bytes each: the same
-    nibbles, the E8M0 scale as an f16 ``d``, 0 for a block of zeros; ``gridx4.c``), the input
-    of kernels.c's MXFP4H panels. False where a scale has no f16 (the caller takes another
-    form)."""
-    _check(blocks, torch.uint8, "blocks")
-    _check(out, torch.uint8, "out")
-    n = blocks.numel() // 17
-    if blocks.numel() != n * 17 or out.numel() != n * 18:
-        raise ValueError(f"mxfp4h_from_blocks: {blocks.numel()} bytes of MXFP4 blocks for "
-                         f"{out.numel()} bytes")  # fmt: skip
-    return _lib().qlib_mxfp4h_from_blocks(blocks.data_ptr(), n, out.data_ptr()) == 0
+# GGUF type -> (its block's bytes, qlib blocks of 32 a block and their bytes, the C conversion)
+PANEL_FORM_BLOCKS = {
+    "MXFP4": (17, 1, 18, "qlib_mxfp4h_from_blocks"),
+    "NVFP4": (36, 2, 20, "qlib_nvfp4h_from_blocks"),
+    "Q1_0": (18, 4, 6, "qlib_q1_0h_from_blocks"),
+}
 
 
-def nvfp4h_from_blocks(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    """NVFP4 blocks (uint8, 36 bytes each: 64 weights) -> NVFP4H blocks (``out``, two of 20
-    bytes each: each group's E4M3 scale as an exact f16, two groups' codes a block;
-    ``gridx4.c``), the input of kernels.c's NVFP4H panels."""
+def panel_form_blocks(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bool:
+    """GGUF MXFP4 / NVFP4 / Q1_0 blocks (uint8) -> qlib's MXFP4H / NVFP4H / Q1_0H blocks of 32
+    (``out``; ``layout.PANEL_FORMS``: the same codes under their scales as f16; ``gridx4.c``),
+    the input of kernels.c's panels of them. False where an MXFP4 scale has no f16 or a Q1_0 d
+    is NaN (the caller takes another form)."""
+    size, per, bytes_out, fn = PANEL_FORM_BLOCKS[type_name]
     _check(blocks, torch.uint8, "blocks")
     _check(out, torch.uint8, "out")
-    n = blocks.numel() // 36
-    if blocks.numel() != n * 36 or out.numel() != n * 40:
-        raise ValueError(f"nvfp4h_from_blocks: {blocks.numel()} bytes of NVFP4 blocks for "
+    n = blocks.numel() // size
+    if blocks.numel() != n * size or out.numel() != n * per * bytes_out:
+        raise ValueError(f"panel_form_blocks: {blocks.numel()} bytes of {type_name} blocks for "
                          f"{out.numel()} bytes")  # fmt: skip
-    _lib().qlib_nvfp4h_from_blocks(blocks.data_ptr(), n, out.data_ptr())
+    return getattr(_lib(), fn)(blocks.data_ptr(), n, out.data_ptr()) == 0
 
 
 def kpanels_get(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:

@@ -30,10 +30,10 @@ from . import build, ops
 from .layout import (
     BLOCK_CODES,
     BLOCKS,
-    FP4_PANELS,
     K_PANEL_RECORD,
     LEGACY_TYPES,
     M_WORDS,
+    PANEL_FORMS,
     PANEL_RECORD,
     PANELS_ONLY,
     ROW_MULTIPLE,
@@ -50,7 +50,8 @@ Q = TypeVar("Q")  # a QTensor (qtensor imports this module)
 def supports(type_name: str, k: int) -> bool:
     """Whether the C kernels handle a weight of this type and row length (``kernels.c``:
     Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (panels, else Q8_0 planes), k % 64 == 0, and as their
-    blocks MXFP4 (MXFP4H panels, else Q5_0), NVFP4 (NVFP4H panels) and Q1_0 (Q4_0, k % 128);
+    blocks MXFP4 (MXFP4H panels, else Q5_0), NVFP4 (NVFP4H panels) and Q1_0 (Q1_0H panels,
+    else Q4_0, k % 128);
     ``kquants.c``: Q2_K..Q6_K, IQ4_XS, k % 256 == 0, and as X4 blocks the grid i-quants, the
     ternary types and NVFP4 without panels (bf16 rows where k % 256 or its scales do not
     allow); ``floats.c``: F32, F16, BF16, k % 64)."""
@@ -75,8 +76,9 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
     ``panels``: Q4_0 / Q4_1 / Q8_0 / IQ4_NL weights whose every part has a multiple of 16
     rows, and Q4_K / IQ4_XS weights of a multiple of 16 rows, become 16-row panels
     (``PackedWeight.panels``: the decode GEMV's faster layout; no AMX tiles from them), MXFP4
-    and NVFP4 ones MXFP4H / NVFP4H panels (their blocks with the scales as f16, where f16
-    holds an MXFP4 one; ggml's Q8_0 activations); other weights are packed as without it.
+    and NVFP4 ones MXFP4H / NVFP4H panels, Q1_0 ones Q1_0H panels (their blocks of 32 with
+    the scales as f16, where f16 holds an MXFP4 one; ggml's Q8_0 activations); other weights
+    are packed as without it.
 
     ``release``, if given, is called with each piece of the blocks once it is packed (about
     ``PACK_CHUNK`` bytes: ``gguf.release_pages`` drops a mapped file's pages of it), so a
@@ -88,17 +90,14 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
     if any(q.dtype.name != name or int(q.shape[-1]) != k or len(q.shape) != 2 for q in qtensors):
         raise ValueError("pack: weights must be 2-D with one type and one row length")
     weights = [(int(q.shape[0]), q.data.cpu().contiguous()) for q in qtensors]  # rows, bytes
-    if (
-        name in FP4_PANELS
-        and panels
-        and build.available()
-        and k % 64 == 0
-        and all(r % 16 == 0 for r, _ in weights)
-    ):  # MXFP4H, NVFP4H panels: 4.5 and 5 bits a weight (Q5_0 planes 5.5, X4 blocks 5.1)
-        fp4 = [_fp4_panel_blocks(data, name, release) for _, data in weights]
-        if all(x is not None for x in fp4):
-            weights = [(rows, x) for (rows, _), x in zip(weights, fp4, strict=True)]
-            name = FP4_PANELS[name]
+    rows_in_16s = all(r % 16 == 0 for r, _ in weights)
+    if name in PANEL_FORMS and panels and build.available() and k % 64 == 0 and rows_in_16s:
+        # MXFP4H / NVFP4H / Q1_0H panels: 4.5 / 5 / 1.5 bits a weight (Q5_0 planes 5.5, X4
+        # blocks 5.1, Q4_0 4.5)
+        forms = [_panel_form(data, name, release) for _, data in weights]
+        if all(x is not None for x in forms):
+            weights = [(rows, x) for (rows, _), x in zip(weights, forms, strict=True)]
+            name = PANEL_FORMS[name]
     if name in LEGACY_TYPES:  # MXFP4, Q1_0: their values as Q5_0 / Q4_0 (else bf16), packed
         forms = [_legacy(q) for q in qtensors]
         if any(f is None for f in forms):
@@ -223,23 +222,19 @@ def _x4(data: torch.Tensor, type_name: str, release) -> torch.Tensor | None:
     return out.reshape(-1)
 
 
-def _fp4_panel_blocks(data: torch.Tensor, type_name: str, release) -> torch.Tensor | None:
-    """An MXFP4 / NVFP4 weight's blocks (bytes) as MXFP4H / NVFP4H blocks (``FP4_PANELS``;
-    ``ops.mxfp4h_from_blocks`` / ``ops.nvfp4h_from_blocks``: the same codes under their scales
-    as f16), piece by piece (``release`` drops each piece's mapped pages once read), or None
-    where an MXFP4 scale has no f16 (every NVFP4 scale has one)."""
-    size, per = (17, 1) if type_name == "MXFP4" else (36, 2)  # GGUF bytes; blocks of 32 each
+def _panel_form(data: torch.Tensor, type_name: str, release) -> torch.Tensor | None:
+    """A weight's GGUF blocks (bytes) as its ``PANEL_FORMS`` blocks of 32 (the same codes
+    under their scales as f16; ``ops.panel_form_blocks``), piece by piece (``release`` drops
+    each piece's mapped pages once read), or None where an MXFP4 scale has no f16 or a Q1_0 d
+    is NaN."""
+    size, per, bytes_out = ops.PANEL_FORM_BLOCKS[type_name][:3]
     blocks = data.reshape(-1, size)
-    out = torch.empty(
-        (blocks.shape[0] * per, 18 if type_name == "MXFP4" else 20), dtype=torch.uint8
-    )
+    out = torch.empty((blocks.shape[0] * per, bytes_out), dtype=torch.uint8)
     step = max(1, PACK_CHUNK // size)
     for b in range(0, blocks.shape[0], step):
-        src, dst = blocks[b : b + step], out[b * per : (b + step) * per]
-        if type_name == "MXFP4" and not ops.mxfp4h_from_blocks(src, dst):
+        src = blocks[b : b + step]
+        if not ops.panel_form_blocks(type_name, src, out[b * per : (b + step) * per]):
             return None
-        if type_name == "NVFP4":
-            ops.nvfp4h_from_blocks(src, dst)
         if release is not None:
             release(src)
     return out.reshape(-1)

@@ -5,8 +5,8 @@
  * "The embedding row in C").
  *
  * qlib_dequant_rows reads GGUF blocks of F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
- * Q2_K..Q6_K, IQ4_NL, IQ4_XS (and qlib's X4, MXFP4H and NVFP4H blocks), row after row, or
- * 16-row panels (type | 64) of Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4H / NVFP4H (kernels.c's
+ * Q2_K..Q6_K, IQ4_NL, IQ4_XS (and qlib's X4, MXFP4H, NVFP4H and Q1_0H blocks), row after
+ * row, or 16-row panels (type | 64) of Q4_0 / Q4_1 / Q8_0 / IQ4_NL and qlib's (kernels.c's
  * qlib_panel_get) and Q4_K / IQ4_XS (kquants.c's qlib_kpanel_get), which give a row's blocks
  * back. */
 #include <immintrin.h>
@@ -18,7 +18,7 @@ enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
     T_IQ4_XS = 23, T_BF16 = 30, T_X4 = 60 /* qlib's expanded i-quants: kquants.c */,
-    T_MXFP4H = 61, T_NVFP4H = 62 /* qlib's FP4 blocks with f16 scales: kernels.c */,
+    T_MXFP4H = 61, T_NVFP4H = 62, T_Q1_0H = 63 /* qlib's blocks of 32: kernels.c */,
     PANELS = 64,
 };
 
@@ -34,7 +34,7 @@ static void block_shape(int type, int *qk, int *bytes) {
         {T_Q5_0, 32, 22}, {T_Q5_1, 32, 24}, {T_Q8_0, 32, 34}, {T_Q2_K, 256, 84},
         {T_Q3_K, 256, 110}, {T_Q4_K, 256, 144}, {T_Q5_K, 256, 176}, {T_Q6_K, 256, 210},
         {T_IQ4_NL, 32, 18}, {T_IQ4_XS, 256, 136}, {T_X4, 256, 164}, {T_MXFP4H, 32, 18},
-        {T_NVFP4H, 32, 20},
+        {T_NVFP4H, 32, 20}, {T_Q1_0H, 32, 6},
     };
     *qk = *bytes = 0;
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
@@ -184,6 +184,12 @@ static void nvfp4h_block(const uint8_t *b, float *y) {
     }
 }
 
+/* Q1_0H: +d where element e's bit is set, -d where clear */
+static void q1_0h_block(const uint8_t *b, float *y) {
+    const float d = f16(b);
+    for (int e = 0; e < 32; e++) y[e] = (b[2 + e / 8] >> (e % 8) & 1) ? d : -d;
+}
+
 /* IQ4_XS: sub-block ib's scale d * (ls - 32) times the level of each index */
 static void iq4_xs_block(const uint8_t *b, float *y) {
     const float d = f16(b);
@@ -227,6 +233,7 @@ static void dequant_row(int type, const uint8_t *row, int k, float *y) {
         case T_IQ4_NL: levels_block(row, iq4_levels, y); break;
         case T_MXFP4H: levels_block(row, mxfp4_levels, y); break;
         case T_NVFP4H: nvfp4h_block(row, y); break;
+        case T_Q1_0H: q1_0h_block(row, y); break;
         case T_IQ4_XS: iq4_xs_block(row, y); break;
         case T_X4: x4_block(row, y); break;
         default: legacy_block(type, row, y);
@@ -245,7 +252,8 @@ int qlib_dequant_rows(int type, const uint8_t *w, int n, int k, const int64_t *i
     block_shape(base, &qk, &bytes);
     if (!qk || k <= 0 || k % qk) return -1;
     if (panels && base != T_Q4_0 && base != T_Q4_1 && base != T_Q8_0 && base != T_IQ4_NL &&
-        base != T_MXFP4H && base != T_NVFP4H && base != T_Q4_K && base != T_IQ4_XS)
+        base != T_MXFP4H && base != T_NVFP4H && base != T_Q1_0H && base != T_Q4_K &&
+        base != T_IQ4_XS)
         return -1;
     for (int r = 0; r < count; r++)
         if (ids[r] < 0 || ids[r] >= n) return -1;
