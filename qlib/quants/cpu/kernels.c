@@ -554,17 +554,27 @@ static inline void block_corrections(int type, const int32_t *corr, int G, int32
     }
 }
 
+/* The 4 activation codes of step s (elements 4s .. 4s + 3 of ab) in every lane: a broadcast
+ * from memory (a copy of the block's 32 codes into an array went through general registers:
+ * a shift and a register-to-vector move a step) */
+static inline __m512i act4(const int8_t *ab, int s) {
+    int32_t v;
+    memcpy(&v, ab + 4 * s, 4);
+    return _mm512_set1_epi32(v);
+}
+
 /* The 16 outputs of one panel (c: its first record) with one quantized activation row: per
  * block the exact integer dots of the 16 rows in the lanes (Q4_0, Q8_0: started at the
  * block's -offset * sum), times d_w d_a, plus (Q4_1) m_w s_a, summed over the blocks in order
  * (NVFP4H: its two groups' dots, each started at its own -offset * sum, times d0_w d_a and
  * d1_w d_a, in that order). */
-static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *aq,
-                               const float *ad, const float *as, const int32_t *cb, int pf) {
+static inline __attribute__((always_inline)) __m512 panel_dot(
+    int type, const uint8_t *c, int G, const int8_t *aq, const float *ad, const float *as,
+    const int32_t *cb, int pf) {
     const size_t rec = panel_rec(type);
     __m512 facc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
     for (int b = 0; b < G; b++, c += rec) {
-        int32_t a4[8];
+        const int8_t *ab = aq + 32 * b; /* its 8 steps' codes, broadcast from memory */
         if (qlib_act_prefetch) { /* the activation codes two blocks on, the scales 16 on */
             if (b % 2 == 0 && b + 2 < G)
                 _mm_prefetch((const char *)(aq + 32 * (b + 2)), _MM_HINT_T0);
@@ -574,7 +584,6 @@ static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *
                 _mm_prefetch((const char *)(cb + b + 16), _MM_HINT_T0);
             }
         }
-        memcpy(a4, aq + 32 * b, 32);
         if (pf)
             for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)c + pf + o, _MM_HINT_T0);
         const int split = corrections(type) == 2; /* (the low nibbles: the first 16) */
@@ -583,19 +592,19 @@ static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *
         __m512i hi = split ? _mm512_set1_epi32(cb[2 * b + 1]) : _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
             if (type == QLIB_Q1_0H) { /* signs: 8 masks */
-                lo = _mm512_dpbusd_epi32(lo, sign_step(c, j), _mm512_set1_epi32(a4[j]));
-                hi = _mm512_dpbusd_epi32(hi, sign_step(c, j + 4), _mm512_set1_epi32(a4[j + 4]));
+                lo = _mm512_dpbusd_epi32(lo, sign_step(c, j), act4(ab, j));
+                hi = _mm512_dpbusd_epi32(hi, sign_step(c, j + 4), act4(ab, j + 4));
                 continue;
             }
             const __m512i v = _mm512_loadu_si512(c + 64 * j);
             if (type == QLIB_Q8_0) { /* codes + 128: 8 vectors as they are */
-                lo = _mm512_dpbusd_epi32(lo, v, _mm512_set1_epi32(a4[j]));
+                lo = _mm512_dpbusd_epi32(lo, v, act4(ab, j));
                 hi = _mm512_dpbusd_epi32(hi, _mm512_loadu_si512(c + 64 * (j + 4)),
-                                         _mm512_set1_epi32(a4[j + 4]));
+                                         act4(ab, j + 4));
                 continue;
             }
-            lo = _mm512_dpbusd_epi32(lo, panel_nibbles(type, v, 0), _mm512_set1_epi32(a4[j]));
-            hi = _mm512_dpbusd_epi32(hi, panel_nibbles(type, v, 1), _mm512_set1_epi32(a4[j + 4]));
+            lo = _mm512_dpbusd_epi32(lo, panel_nibbles(type, v, 0), act4(ab, j));
+            hi = _mm512_dpbusd_epi32(hi, panel_nibbles(type, v, 1), act4(ab, j + 4));
         }
         const uint8_t *dm = c + panel_codes(type);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dm));
@@ -617,9 +626,9 @@ static inline __m512 panel_dot(int type, const uint8_t *c, int G, const int8_t *
 }
 
 /* Panel p times the m quantized activation rows (cb: their block corrections, stride G). */
-static inline void panel_rows(int type, const uint8_t *panels, int p, int n, int k,
-                              const int8_t *aq, const float *ad, const float *as,
-                              const int32_t *cb, int m, float *y, int accumulate) {
+static inline __attribute__((always_inline)) void panel_rows_t(
+    int type, const uint8_t *panels, int p, int n, int k, const int8_t *aq, const float *ad,
+    const float *as, const int32_t *cb, int m, float *y, int accumulate) {
     const int G = k / 32;
     const uint8_t *c = panels + (size_t)p * G * panel_rec(type);
     for (int i = 0; i < m; i++) {
@@ -629,6 +638,25 @@ static inline void panel_rows(int type, const uint8_t *panels, int p, int n, int
         float *yp = y + (size_t)i * n + 16 * (size_t)p;
         _mm512_storeu_ps(yp, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yp), r) : r);
     }
+}
+
+/* panel_rows_t with the type as a constant: its branches and record sizes resolved at compile
+ * time (the 1.5-bit Q1_0H panels' GEMV is bound by its instructions, not by the memory) */
+static void panel_rows(int type, const uint8_t *panels, int p, int n, int k, const int8_t *aq,
+                       const float *ad, const float *as, const int32_t *cb, int m, float *y,
+                       int accumulate) {
+#define QLIB_PANEL_CASE(T)                                                                    \
+    case T: panel_rows_t(T, panels, p, n, k, aq, ad, as, cb, m, y, accumulate); break;
+    switch (type) {
+        QLIB_PANEL_CASE(QLIB_Q4_0)
+        QLIB_PANEL_CASE(QLIB_Q4_1)
+        QLIB_PANEL_CASE(QLIB_Q8_0)
+        QLIB_PANEL_CASE(QLIB_IQ4_NL)
+        QLIB_PANEL_CASE(QLIB_MXFP4H)
+        QLIB_PANEL_CASE(QLIB_NVFP4H)
+        QLIB_PANEL_CASE(QLIB_Q1_0H)
+    }
+#undef QLIB_PANEL_CASE
 }
 
 /* y[m, n] (+)= f(x)[m, k] @ W[n, k].T, where f is RmsNorm with weight norm_w (when not
