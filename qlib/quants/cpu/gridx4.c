@@ -2,8 +2,8 @@
  * ternary types (TQ1_0, TQ2_0) and NVFP4 as qlib's X4 blocks, the bytes gridquants.as_x4 makes
  * in torch (the kernels' form of these types, kquants.c), MXFP4 / Q1_0 as the Q5_0 / Q4_0
  * blocks of fp4.as_legacy and MXFP4 / NVFP4 / Q1_0 as qlib's MXFP4H / NVFP4H / Q1_0H blocks
- * (kernels.c's panels), one block at a time over the threads: the torch conversions took 5-9 s for a 1B-shape file
- * (docs/performance.md).
+ * (kernels.c's panels), one block at a time over the threads: the torch conversions took
+ * 5-9 s for a 1B-shape file (docs/performance.md).
  *
  * Each decoder follows ggml's dequantize_row_* (ggml-quants.c) as gridquants.py transcribes
  * it: a block's 256 integer codes (grid values with their signs; IQ1: 8 g +- 1; ternary:

@@ -34,7 +34,7 @@
 
 #include "simd.h"
 
-/* ggml's type ids, and qlib's own blocks of 32 for two FP4 types (panels only; MXFP4's and
+/* ggml's type ids, and qlib's own blocks of 32 for three GGUF types (panels only; MXFP4's and
  * NVFP4's E2M1 codes as indices into ggml's kvalues_mxfp4, as IQ4_NL's into its levels):
  * MXFP4H (d:f16 qs[16], 18 bytes: an MXFP4 block's nibbles under its E8M0 scale as an f16,
  * IQ4_NL's layout) and NVFP4H (d0:f16 d1:f16 qs[16], 20 bytes: two NVFP4 groups of 16, element
@@ -44,7 +44,7 @@
 enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8, QLIB_IQ4_NL = 20,
        QLIB_MXFP4H = 61, QLIB_NVFP4H = 62, QLIB_Q1_0H = 63 };
 
-/* -- panels: Q4_0 / Q4_1 / Q8_0 / IQ4_NL / MXFP4H weights as 16-row panels (type | QLIB_PANELS) --
+/* -- panels: Q4_0 / Q4_1 / Q8_0 / IQ4_NL / qlib's blocks as 16-row panels (type | QLIB_PANELS) --
  * Per 16 weight rows (a panel) and block b of 32 elements, one record of panel_rec bytes:
  * the codes, 64-byte vectors whose lane r (row 16p + r) holds 4 consecutive codes, then the
  * 16 rows' d (f16), then (Q4_1) their m (f16) or (NVFP4H) their d1 (f16). Q1_0H: 8 masks of
@@ -52,11 +52,11 @@ enum { QLIB_Q4_0 = 2, QLIB_Q4_1 = 3, QLIB_Q5_0 = 6, QLIB_Q5_1 = 7, QLIB_Q8_0 = 8
  * 0 (-) with offset 1. Q4_*: 4 vectors, vector j lane r = bytes
  * 4j .. 4j + 3 of the row's GGUF block's qs (the codes of elements 4j .. 4j + 3 in the low
  * nibbles, of 4j + 16 .. in the high ones; IQ4_NL, MXFP4H and NVFP4H as Q4_0, their nibbles
- * indices into ggml's levels of the type, looked up as read); Q8_0: 8 vectors, vector j lane r = the codes of
- * elements 4j .. 4j + 3 (+ 128, as its planes). A block of 16 rows is then 8 vpdpbusd with
- * broadcast activation codes, one conversion and one FMA (lane = weight row), where the
- * planes take 16 x (unpack, vpdpbusd, conversion, permute, FMA); a thread's rows are one
- * sequential stream; the tiled GEMM's tiles are the same vectors. */
+ * indices into ggml's levels of the type, looked up as read); Q8_0: 8 vectors, vector j lane
+ * r = the codes of elements 4j .. 4j + 3 (+ 128, as its planes). A block of 16 rows is then
+ * 8 vpdpbusd with broadcast activation codes, one conversion and one FMA (lane = weight row),
+ * where the planes take 16 x (unpack, vpdpbusd, conversion, permute, FMA); a thread's rows are
+ * one sequential stream; the tiled GEMM's tiles are the same vectors. */
 enum { QLIB_PANELS = 64 };
 static inline int is_panels(int type) { return (type & QLIB_PANELS) != 0; }
 static inline int base_type(int type) { return type & ~QLIB_PANELS; }
@@ -86,8 +86,8 @@ static inline const uint8_t *qh_words(int type, const uint16_t *m_row, int G) {
 static inline int has_qh(int type) { return type == QLIB_Q5_0 || type == QLIB_Q5_1; }
 
 /* The unsigned offset of a type's stored codes (Q4_0: 8, Q5_0: 16, Q8_0's planes and the
- * levels of IQ4_NL and MXFP4H: 128), removed exactly through the activation codes' sums; 0 for
- * the types with minimums. */
+ * levels of IQ4_NL, MXFP4H and NVFP4H: 128, Q1_0H's signs: 1), removed exactly through the
+ * activation codes' sums; 0 for the types with minimums. */
 static inline int has_levels(int type) {
     return type == QLIB_IQ4_NL || type == QLIB_MXFP4H || type == QLIB_NVFP4H;
 }
@@ -291,6 +291,15 @@ static void gemm_tile(int type, const uint8_t *codes, size_t row_bytes, const ui
     }
 }
 
+/* The 4 activation codes of step s (elements 4s .. 4s + 3 of ab) in every lane: a broadcast
+ * from memory (a copy of the block's 32 codes into an array went through general registers:
+ * a shift and a register-to-vector move a step) */
+static inline __m512i act4(const int8_t *ab, int s) {
+    int32_t v;
+    memcpy(&v, ab + 4 * s, 4);
+    return _mm512_set1_epi32(v);
+}
+
 /* MR activation rows (codes aq, stride k; d ad, s as, block corrections cb: stride G) times
  * the tile: y rows of stride n, cols j0 .. j0 + cols. */
 static inline __attribute__((always_inline)) void gemm_rows(
@@ -303,39 +312,42 @@ static inline __attribute__((always_inline)) void gemm_rows(
     for (int i = 0; i < MR; i++)
         for (int v = 0; v < NV; v++) facc[i][v] = _mm512_setzero_ps();
     const int nc = corrections(type), steps = 8 / nc; /* per correction: steps of 4 codes */
-    for (int b = 0; b < G; b++)
+    for (int b = 0; b < G; b++) {
         for (int h = 0; h < nc; h++) { /* NVFP4H: its two groups of 16, each under its d */
-        __m512i iacc[GEMM_MR][NV];
-        for (int i = 0; i < MR; i++) {
-            /* Q4_1 / Q5_1 have no offset: zeros (a zero idiom, not a register move per
-             * accumulator) */
-            const __m512i c0 = has_min(type) ? _mm512_setzero_si512()
-                                             : _mm512_set1_epi32(cb[((size_t)i * G + b) * nc + h]);
-            for (int v = 0; v < NV; v++) iacc[i][v] = has_min(type) ? _mm512_setzero_si512() : c0;
-        }
-        const uint8_t *wb = wt + (size_t)b * 8 * GT * 4;
-        const int8_t *ab = aq + b * 32;
-        for (int s = h * steps; s < (h + 1) * steps; s++) {
-            __m512i w[NV];
-            for (int v = 0; v < NV; v++) w[v] = _mm512_loadu_si512(wb + (s * GT + v * 16) * 4);
+            __m512i iacc[GEMM_MR][NV];
             for (int i = 0; i < MR; i++) {
-                int32_t a4;
-                memcpy(&a4, ab + (size_t)i * k + 4 * s, 4);
-                const __m512i a = _mm512_set1_epi32(a4);
-                for (int v = 0; v < NV; v++) iacc[i][v] = _mm512_dpbusd_epi32(iacc[i][v], w[v], a);
+                /* Q4_1 / Q5_1 have no offset: zeros (a zero idiom, not a register move per
+                 * accumulator) */
+                const __m512i c0 = has_min(type)
+                                       ? _mm512_setzero_si512()
+                                       : _mm512_set1_epi32(cb[((size_t)i * G + b) * nc + h]);
+                for (int v = 0; v < NV; v++)
+                    iacc[i][v] = has_min(type) ? _mm512_setzero_si512() : c0;
             }
-        }
-        for (int v = 0; v < NV; v++) {
-            const __m512 dwv = _mm512_loadu_ps((h ? mt : dt) + b * GT + v * 16);
-            for (int i = 0; i < MR; i++) {
-                const __m512 dd = _mm512_mul_ps(dwv, _mm512_set1_ps(ad[(size_t)i * G + b]));
-                facc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i][v]), dd, facc[i][v]);
+            const uint8_t *wb = wt + (size_t)b * 8 * GT * 4;
+            const int8_t *ab = aq + b * 32;
+            for (int s = h * steps; s < (h + 1) * steps; s++) {
+                __m512i w[NV];
+                for (int v = 0; v < NV; v++)
+                    w[v] = _mm512_loadu_si512(wb + (s * GT + v * 16) * 4);
+                for (int i = 0; i < MR; i++) {
+                    const __m512i a = act4(ab + (size_t)i * k, s);
+                    for (int v = 0; v < NV; v++)
+                        iacc[i][v] = _mm512_dpbusd_epi32(iacc[i][v], w[v], a);
+                }
             }
-            if (has_min(type)) {
-                const __m512 mwv = _mm512_loadu_ps(mt + b * GT + v * 16);
-                for (int i = 0; i < MR; i++)
-                    facc[i][v] = _mm512_fmadd_ps(mwv, _mm512_set1_ps(as[(size_t)i * G + b]),
-                                                 facc[i][v]);
+            for (int v = 0; v < NV; v++) {
+                const __m512 dwv = _mm512_loadu_ps((h ? mt : dt) + b * GT + v * 16);
+                for (int i = 0; i < MR; i++) {
+                    const __m512 dd = _mm512_mul_ps(dwv, _mm512_set1_ps(ad[(size_t)i * G + b]));
+                    facc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i][v]), dd, facc[i][v]);
+                }
+                if (has_min(type)) {
+                    const __m512 mwv = _mm512_loadu_ps(mt + b * GT + v * 16);
+                    for (int i = 0; i < MR; i++)
+                        facc[i][v] = _mm512_fmadd_ps(mwv, _mm512_set1_ps(as[(size_t)i * G + b]),
+                                                     facc[i][v]);
+                }
             }
         }
     }
@@ -353,7 +365,9 @@ static void gemm_rows_typed(int MR, int type, const uint8_t *wt, const float *dt
                             const float *mt, int k, const int8_t *aq, const float *ad,
                             const float *as, const int32_t *cb, float *y, int n, int cols,
                             int accumulate) {
-    const int kind = has_min(type) ? QLIB_Q4_1 : corrections(type) == 2 ? QLIB_NVFP4H : QLIB_Q4_0;
+    const int kind = has_min(type)             ? QLIB_Q4_1
+                     : corrections(type) == 2 ? QLIB_NVFP4H
+                                              : QLIB_Q4_0;
 #define QLIB_GEMM_CASE(T)                                                                      \
     case T:                                                                                    \
         if (MR == GEMM_MR)                                                                     \
@@ -573,15 +587,6 @@ static inline void block_corrections(int type, const int32_t *corr, int G, int32
         const __m128i s2 = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
         cb[b] = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
     }
-}
-
-/* The 4 activation codes of step s (elements 4s .. 4s + 3 of ab) in every lane: a broadcast
- * from memory (a copy of the block's 32 codes into an array went through general registers:
- * a shift and a register-to-vector move a step) */
-static inline __m512i act4(const int8_t *ab, int s) {
-    int32_t v;
-    memcpy(&v, ab + 4 * s, 4);
-    return _mm512_set1_epi32(v);
 }
 
 /* The 16 outputs of one panel (c: its first record) with one quantized activation row: per
