@@ -59,8 +59,9 @@ ROW_MULTIPLE = (
     | dict.fromkeys(X4_TYPES, 256)
     | {"MXFP4": 64, "Q1_0": 128, "NVFP4": 64}
 )
-# Q4_0 / Q4_1 / Q8_0 as 16-row panels: kernels.c's type code | PANELS; per 16 rows and block
-# of 32 a record of PANEL_RECORD bytes (codes: Q4_* 256, Q8_0 512; then 16 f16 d, Q4_1: 16 f16 m)
+# kernels.c's 16-row panels: its type code | PANELS; per 16 rows and block of 32 a record of
+# PANEL_RECORD bytes (codes: Q4_*, IQ4_NL, MXFP4H, NVFP4H 256, Q8_0 512, Q1_0H 64; then 16 f16 d,
+# Q4_1: 16 f16 m, NVFP4H: 16 f16 d1)
 PANELS = 64
 PANEL_RECORD = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544, "IQ4_NL": 288, "MXFP4H": 288,
                 "NVFP4H": 320, "Q1_0H": 96}  # fmt: skip

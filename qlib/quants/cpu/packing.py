@@ -51,10 +51,9 @@ def supports(type_name: str, k: int) -> bool:
     """Whether the C kernels handle a weight of this type and row length (``kernels.c``:
     Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (panels, else Q8_0 planes), k % 64 == 0, and as their
     blocks MXFP4 (MXFP4H panels, else Q5_0), NVFP4 (NVFP4H panels) and Q1_0 (Q1_0H panels,
-    else Q4_0, k % 128);
-    ``kquants.c``: Q2_K..Q6_K, IQ4_XS, k % 256 == 0, and as X4 blocks the grid i-quants, the
-    ternary types and NVFP4 without panels (bf16 rows where k % 256 or its scales do not
-    allow); ``floats.c``: F32, F16, BF16, k % 64)."""
+    else Q4_0, k % 128); ``kquants.c``: Q2_K..Q6_K, IQ4_XS, k % 256 == 0, and as X4 blocks the
+    grid i-quants, the ternary types and NVFP4 without panels (bf16 rows where k % 256 or its
+    scales do not allow); ``floats.c``: F32, F16, BF16, k % 64)."""
     multiple = ROW_MULTIPLE.get(type_name)
     return multiple is not None and k % multiple == 0 and build.available()
 
