@@ -989,6 +989,7 @@ class FastModel(StaticKVState):
             output = FastLinear([out_w], bf16=False, release=release, panels=panels)
         norm = _owned(get("output_norm.weight"))
         release_pages(f)
+        cpu.trim_heap()  # the packing's freed temporaries
         freqs = "rope_freqs.weight" in content.tensor_infos  # Llama 3.1+ RoPE scaling
         rope_freqs = _owned(get("rope_freqs.weight")) if freqs else None
         # the embedding's rows: a tied output's packed weight holds exactly the embedding's

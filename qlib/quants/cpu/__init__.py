@@ -24,7 +24,8 @@ Modules, each importing only those above it:
 * ``packing``: QTensors -> ``PackedWeight`` (``pack``, ``supports``), weights -> AMX tiles;
 * ``memory``: ``reserve`` (memory taken as written: the KV cache), ``resident_bytes``, 2 MB
   pages for the weights (``hugepage_weights`` with ``weights_empty`` / ``weights_copy`` while
-  they are packed, ``collapse_hugepages`` after a load);
+  they are packed, ``collapse_hugepages`` after a load), ``trim_heap`` (a load's freed
+  temporaries given back);
 * ``matmul``: the quantized matmul with ggml semantics in torch, using the C kernels
   when they take the weight (not imported here).
 
@@ -42,6 +43,7 @@ from .memory import (
     hugepage_weights,
     reserve,
     resident_bytes,
+    trim_heap,
     weights_copy,
     weights_empty,
 )
@@ -97,6 +99,7 @@ __all__ = [
     "AmxWeightC",
     "PackedWeight",
     "collapse_hugepages",
+    "trim_heap",
     "hugepage_weights",
     "reserve",
     "resident_bytes",

@@ -2,7 +2,7 @@
 written, on 2 MB pages if asked: the KV cache), ``resident_bytes``, and transparent huge pages
 for the weights: ``hugepage_weights`` with ``weights_empty`` / ``weights_copy`` (weights written
 on 2 MB pages from the start), ``collapse_hugepages`` (what else is large and resident, moved
-onto them after a load)."""
+onto them after a load); ``trim_heap`` (a load's freed temporaries given back)."""
 
 from __future__ import annotations
 
@@ -132,6 +132,17 @@ def weights_copy(x: torch.Tensor) -> torch.Tensor:
     out = weights_empty(tuple(x.shape), x.dtype)
     out.copy_(x)
     return out
+
+
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing). A load's temporaries (a weight's converted blocks before they are packed, up to
+    tens of MB each) are freed into the heap, which glibc keeps: measured after the 1B NVFP4
+    load, 945 MB resident against 694 after the trim, with the same 728 MB of weights."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def collapse_hugepages(min_bytes: int = 4 << 20, min_resident: float = 0.9) -> int:

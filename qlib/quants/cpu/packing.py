@@ -89,14 +89,12 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
     if any(q.dtype.name != name or int(q.shape[-1]) != k or len(q.shape) != 2 for q in qtensors):
         raise ValueError("pack: weights must be 2-D with one type and one row length")
     weights = [(int(q.shape[0]), q.data.cpu().contiguous()) for q in qtensors]  # rows, bytes
+    source = name  # MXFP4 / NVFP4 / Q1_0 as panels: their blocks converted piece by piece
     rows_in_16s = all(r % 16 == 0 for r, _ in weights)
     if name in PANEL_FORMS and panels and build.available() and k % 64 == 0 and rows_in_16s:
         # MXFP4H / NVFP4H / Q1_0H panels: 4.5 / 5 / 1.5 bits a weight (Q5_0 planes 5.5, X4
         # blocks 5.1, Q4_0 4.5)
-        forms = [_panel_form(data, name, release) for _, data in weights]
-        if all(x is not None for x in forms):
-            weights = [(rows, x) for (rows, _), x in zip(weights, forms, strict=True)]
-            name = PANEL_FORMS[name]
+        name = PANEL_FORMS[name]
     if name in LEGACY_TYPES:  # MXFP4, Q1_0: their values as Q5_0 / Q4_0 (else bf16), packed
         forms = [_legacy(q) for q in qtensors]
         if any(f is None for f in forms):
@@ -154,7 +152,10 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
             data = data.reshape(rows, -1)
             for part in _chunks(rows, data.shape[1], multiple=16):
                 dst = slice((j + part.start) // 16, (j + part.stop) // 16)
-                ops.repack(name, data[part], k, codes[dst], None, None, panels=True)
+                blocks = data[part] if source == name else _panel_form(data[part], source)
+                if blocks is None:  # an MXFP4 scale without an f16 (a Q1_0 d NaN): no panels
+                    return pack(qtensors, release, panels=False)
+                ops.repack(name, blocks, k, codes[dst], None, None, panels=True)
                 if release is not None:
                     release(data[part])
             j += rows
@@ -221,22 +222,14 @@ def _x4(data: torch.Tensor, type_name: str, release) -> torch.Tensor | None:
     return out.reshape(-1)
 
 
-def _panel_form(data: torch.Tensor, type_name: str, release) -> torch.Tensor | None:
-    """A weight's GGUF blocks (bytes) as its ``PANEL_FORMS`` blocks of 32 (the same codes
-    under their scales as f16; ``ops.panel_form_blocks``), piece by piece (``release`` drops
-    each piece's mapped pages once read), or None where an MXFP4 scale has no f16 or a Q1_0 d
-    is NaN."""
+def _panel_form(data: torch.Tensor, type_name: str) -> torch.Tensor | None:
+    """A piece of a weight's GGUF blocks (bytes) as its ``PANEL_FORMS`` blocks of 32 (the same
+    codes under their scales as f16; ``ops.panel_form_blocks``), or None where an MXFP4 scale
+    has no f16 or a Q1_0 d is NaN."""
     size, per, bytes_out = ops.PANEL_FORM_BLOCKS[type_name][:3]
     blocks = data.reshape(-1, size)
     out = torch.empty((blocks.shape[0] * per, bytes_out), dtype=torch.uint8)
-    step = max(1, PACK_CHUNK // size)
-    for b in range(0, blocks.shape[0], step):
-        src = blocks[b : b + step]
-        if not ops.panel_form_blocks(type_name, src, out[b * per : (b + step) * per]):
-            return None
-        if release is not None:
-            release(src)
-    return out.reshape(-1)
+    return out.reshape(-1) if ops.panel_form_blocks(type_name, blocks, out) else None
 
 
 def _legacy(q: Q) -> Q | None:
