@@ -566,7 +566,8 @@ def _raw_tensor(rng: np.random.Generator, shape: tuple[int, ...], type_name: str
     return (rng.integers(0, 256, nbytes, dtype=np.uint8), shape, t)
 
 
-TYPES_FOR_SHAPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q8_1", "Q5_1", "IQ4_NL", "I8"]
+TYPES_FOR_SHAPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q8_1", "Q5_1", "IQ4_NL", "I8",
+                    "MXFP4", "NVFP4", "Q1_0"]  # fmt: skip
 
 
 @st.composite
