@@ -104,13 +104,20 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
             for q in qtensors:
                 release(q.data)
         return packed
-    if name in X4_TYPES:  # the grid i-quants, ternary types, NVFP4: their values as X4 blocks
-        x4 = [_x4(data, name, release) if k % 256 == 0 else None for _, data in weights]
-        if any(x is None for x in x4):  # NVFP4 rows of no whole super-blocks, or its scales
-            # too far apart: its values as bf16 rows
-            return pack([bf16_form(q) for q in qtensors], panels=panels)
-        weights = [(rows, x) for (rows, _), x in zip(weights, x4, strict=True)]
-        name = "X4"
+    if name in X4_TYPES:  # the grid i-quants, ternary types, NVFP4: their values as X4 blocks,
+        # written where they are kept (NVFP4, which may not fit: first into memory of its own)
+        n, row_bytes = sum(r for r, _ in weights), k // 256 * BLOCKS["X4"][1]
+        empty = torch.empty if name == "NVFP4" else weights_empty
+        codes = empty((n, row_bytes), dtype=torch.uint8) if k % 256 == 0 else None
+        j = 0
+        for rows, data in weights:
+            if codes is None or not _x4(data, name, release, codes[j : j + rows]):
+                # NVFP4 rows of no whole super-blocks, or its scales too far apart: its values
+                # as bf16 rows
+                return pack([bf16_form(q) for q in qtensors], panels=panels)
+            j += rows
+        return PackedWeight("X4", n, k, codes if empty is weights_empty else weights_copy(codes),
+                            None, None)  # fmt: skip
     if name in BLOCK_CODES:  # kquants.c / floats.c read the GGUF rows: a copy, row after row
         elements, nbytes = BLOCKS[name]
         if k % ROW_MULTIPLE[name]:
@@ -193,15 +200,16 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
     return PackedWeight(name, n, k, codes, d, m)
 
 
-def _x4(data: torch.Tensor, type_name: str, release) -> torch.Tensor | None:
+def _x4(data: torch.Tensor, type_name: str, release, out: torch.Tensor) -> bool:
     """GGUF blocks of an ``X4_TYPES`` weight as X4 blocks (``gridquants.as_x4``: the same
-    values), piece by piece (``release`` drops each piece's mapped pages once read). A block
-    that does not fit is a ``ValueError`` (ggml's blocks of the grid and ternary types always
-    do), or None for NVFP4 (its values then go as bf16 rows)."""
+    values) into ``out`` (uint8, its rows' X4 bytes), piece by piece (``release`` drops each
+    piece's mapped pages once read). A block that does not fit is a ``ValueError`` (ggml's
+    blocks of the grid and ternary types always do), or False for NVFP4 (its values then go as
+    bf16 rows)."""
     t = ggml_type(type_name)
     per = 256 // t.block_size  # GGUF blocks an X4 block
     blocks = data.reshape(-1, t.type_size)
-    out = torch.empty((blocks.shape[0] // per, BLOCKS["X4"][1]), dtype=torch.uint8)
+    out = out.view(-1, BLOCKS["X4"][1])
     step = max(1, PACK_CHUNK // t.type_size // per) * per
     for b in range(0, blocks.shape[0], step):
         src, dst = blocks[b : b + step], out[b // per : (b + step) // per]
@@ -216,10 +224,10 @@ def _x4(data: torch.Tensor, type_name: str, release) -> torch.Tensor | None:
                 raise ValueError(f"{type_name} blocks with a scale that is no whole multiple of "
                                  "their d (a non-finite or corrupt d)")  # fmt: skip
         if not done:  # NVFP4 scales no one unit holds
-            return None
+            return False
         if release is not None:
             release(src)
-    return out.reshape(-1)
+    return True
 
 
 def _panel_form(data: torch.Tensor, type_name: str) -> torch.Tensor | None:
