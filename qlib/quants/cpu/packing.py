@@ -107,7 +107,8 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
     if name in X4_TYPES:  # the grid i-quants, ternary types, NVFP4: their values as X4 blocks,
         # written where they are kept (NVFP4, which may not fit: first into memory of its own)
         n, row_bytes = sum(r for r, _ in weights), k // 256 * BLOCKS["X4"][1]
-        empty = torch.empty if name == "NVFP4" else weights_empty
+        may_fail = name == "NVFP4"
+        empty = torch.empty if may_fail else weights_empty
         codes = empty((n, row_bytes), dtype=torch.uint8) if k % 256 == 0 else None
         j = 0
         for rows, data in weights:
@@ -116,8 +117,7 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
                 # as bf16 rows
                 return pack([bf16_form(q) for q in qtensors], panels=panels)
             j += rows
-        return PackedWeight("X4", n, k, codes if empty is weights_empty else weights_copy(codes),
-                            None, None)  # fmt: skip
+        return PackedWeight("X4", n, k, weights_copy(codes) if may_fail else codes, None, None)
     if name in BLOCK_CODES:  # kquants.c / floats.c read the GGUF rows: a copy, row after row
         elements, nbytes = BLOCKS[name]
         if k % ROW_MULTIPLE[name]:
@@ -145,7 +145,7 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
         raise ValueError(f"pack: no C kernel for {name} with k={k} (needs k % 64 == 0)")
     n = sum(rows for rows, _ in weights)
     G = k // 32
-    panels = panels and name in PANEL_RECORD and all(r % 16 == 0 for r, _ in weights)
+    panels = panels and name in PANEL_RECORD and rows_in_16s
     if name in PANELS_ONLY and not (panels and build.available()):  # Q8_0 planes of its values
         packed = pack([kernel_form(q) for q in qtensors], panels=panels)
         if release is not None:
