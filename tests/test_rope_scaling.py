@@ -102,6 +102,31 @@ def test_fast_engine_scales_rope_as_llama_cpp(tiny, tmp_path, kind):
     assert rel(fast_logits(tiny), ref) > 50 * TOL  # the scaling matters at these positions
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("decode", ["fused", "persistent"])
+@pytest.mark.parametrize("kind", ["freqs", "linear", "yarn", "yarn+freqs"])
+def test_cuda_engine_scales_rope_as_the_cpu_engine(tiny, tmp_path, kind, decode):
+    """The fast CUDA engine (its prefill, then each decode path one token at a time) against
+    the fast CPU engine, which the test above holds to llama.cpp's logits: both read the same
+    RoPE tables (``rope_tables``), so they differ by float32 sums in another order. Tolerance
+    1e-5 x max |logit| as above."""
+    rng = np.random.default_rng(0)
+    half = Content.read_path(tiny).metadata["llama.rope.dimension_count"] // 2
+    freqs = rng.uniform(1.0, 32.0, half) if "freqs" in kind else None
+    path = with_scaling(tiny, tmp_path / "scaled.gguf", freqs=freqs,
+                        linear=4.0 if kind == "linear" else None,
+                        yarn=(4.0, 48) if "yarn" in kind else None)  # fmt: skip
+    ref = fast_logits(path)
+    model, _ = load(path, "cuda", engine="fast", decode=decode)
+    x, prompt = torch.tensor([ids()]), 64
+    with torch.inference_mode():
+        got = model.forward(x[:, :prompt], 0, all_logits=True)[0].float().cpu().numpy()
+        assert rel(got, ref[:prompt]) <= TOL
+        for p in range(prompt, N):
+            row = model.forward(x[:, p : p + 1], p)[0].float().cpu().numpy()
+            assert rel(row, ref[p]) <= TOL, p
+
+
 def test_faithful_ignores_scaling_and_strict_says_so(tiny, tmp_path):
     path = with_scaling(tiny, tmp_path / "scaled.gguf", linear=4.0)
     plain, _ = load(tiny, form="f32")
