@@ -20,3 +20,15 @@ def ggml():
     if lib is None:
         pytest.skip("needs llama-cpp-python's ggml (peers extra)")
     return lib
+
+
+@pytest.fixture(scope="module")
+def smollm2_path() -> Path:
+    """The default model's file (SmolLM2 Q4_1), or a skip where it is not installed (the set-up
+    commands install it; a GPU machine has it only when staged)."""
+    from qlib import models
+
+    try:
+        return models.path()
+    except models.ModelNotFoundError as e:
+        pytest.skip(str(e))

@@ -112,16 +112,12 @@ def test_an_option_the_engine_does_not_take_is_named(tiny, engine, option, words
         engines.load(tiny, "cpu", engine=engine, **option)
 
 
-def test_generate_cli_takes_the_fast_form(capsys):
+def test_generate_cli_takes_the_fast_form(capsys, smollm2_path):
     import json
 
-    from qlib import models
     from qlib.cli import main
 
-    try:
-        path = models.path()
-    except models.ModelNotFoundError as e:
-        pytest.skip(str(e))
+    path = smollm2_path
     argv = ["generate", "--model", str(path), "--prompt", "What is Rust?", "--chat", "--steps", "8",
             "--json", "--form"]  # fmt: skip
     assert main([*argv, "fast"]) == 0

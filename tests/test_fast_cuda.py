@@ -375,21 +375,13 @@ def test_types_without_kernels_are_dense_parts(tmp_path):
 # -- the real model ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return models.path()
-    except models.ModelNotFoundError as e:
-        pytest.skip(str(e))
-
-
 @needs_cuda
-def test_smollm2_greedy_equals_f32_form(smollm2):
+def test_smollm2_greedy_equals_f32_form(smollm2_path):
     from qlib.suite.bench import prompt_ids
     from qlib.tokenizer import Tokenizer
 
-    ref, fast = load_pair(smollm2)
-    with open(smollm2, "rb") as f:
+    ref, fast = load_pair(smollm2_path)
+    with open(smollm2_path, "rb") as f:
         tokenizer = Tokenizer.from_metadata(Content.read(f).metadata)
     ids = prompt_ids(tokenizer.encode, 203, models.data_file("passage.txt"))
 
@@ -403,13 +395,13 @@ def test_smollm2_greedy_equals_f32_form(smollm2):
 
 
 @needs_cuda
-def test_smollm2_merged_decode_greedy_equals_f32_form(smollm2):
+def test_smollm2_merged_decode_greedy_equals_f32_form(smollm2_path):
     """``decode="merged"`` on the real model: its greedy ids are the f32 form's for 32 tokens."""
     from qlib.suite.bench import prompt_ids
     from qlib.tokenizer import Tokenizer
 
-    ref, fast = load_pair(smollm2, decode="merged")
-    with open(smollm2, "rb") as f:
+    ref, fast = load_pair(smollm2_path, decode="merged")
+    with open(smollm2_path, "rb") as f:
         tokenizer = Tokenizer.from_metadata(Content.read(f).metadata)
     ids = prompt_ids(tokenizer.encode, 203, models.data_file("passage.txt"))
     with torch.inference_mode():

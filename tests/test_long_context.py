@@ -305,7 +305,7 @@ def test_prompt_ids_repeat(tmp_path):
 
 
 @needs_kernels
-def test_bench_context_point():
+def test_bench_context_point(smollm2_path):
     """``bench --context N``: N prompt tokens (the passage repeated), decode from there."""
     from qlib.suite.bench import run_in_subprocess
 
