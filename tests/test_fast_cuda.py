@@ -44,7 +44,7 @@ needs_kernels = pytest.mark.skipif(
 )
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
 TOL = 1e-5  # x max |logit|
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "NVFP4")
 # every type of NATIVE and mixes: tests/test_mixed_types.py
 
 

@@ -97,6 +97,7 @@ def test_format_ids_stable():
     """Ids are baked into compiled kernels and caches: new formats are appended."""
     assert layout.NATIVE[:8] == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
     assert layout.FORMAT_ID["Q2_K"] == 8 and layout.FORMAT_ID["Q3_K"] == 9
+    assert layout.FORMAT_ID["NVFP4"] == 10
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -12,13 +12,14 @@
   whose Q6_K kernels are Triton code.
 
 What stays a grid, ternary or FP4 type is expanded further down: into ``T_X8`` blocks by the
-persistent CUDA kernel (the fused CUDA kernels run it as float32 weights). The C kernels take
-every grid and ternary type as X4 blocks (``packing.pack``: 4-bit indices into the type's (at
-most 16) codes, 5.1 bits a weight, fewer than Q6_K's), in both CPU engines; NVFP4 as qlib's
-NVFP4H panels (each scale an f16, ggml's Q8_0 activations) in both, and where rows do not come
-in 16s as X4 blocks in the fast one (bf16 rows, ``bf16_form``, where a super-block's scales lie
-too far apart) and the torch matmul with ggml's semantics in the faithful one (X4's dot takes
-Q8_K activations: ``matmul.OTHER_DOT``).
+persistent CUDA kernel; the fused CUDA kernels run NVFP4 as planes of its own (``cuda.layout``:
+its E2M1 codes and an f16 scale per 16, 5 bits a weight) and the rest as float32 weights. The C
+kernels take every grid and ternary type as X4 blocks (``packing.pack``: 4-bit indices into the
+type's (at most 16) codes, 5.1 bits a weight, fewer than Q6_K's), in both CPU engines; NVFP4 as
+qlib's NVFP4H panels (each scale an f16, ggml's Q8_0 activations) in both, and where rows do
+not come in 16s as X4 blocks in the fast one (bf16 rows, ``bf16_form``, where a super-block's
+scales lie too far apart) and the torch matmul with ggml's semantics in the faithful one (X4's
+dot takes Q8_K activations: ``matmul.OTHER_DOT``).
 """
 
 from __future__ import annotations

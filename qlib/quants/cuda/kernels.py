@@ -7,9 +7,9 @@ so no nibble is ever interleaved (Q2_K/Q3_K: their 2-bit planes, read as Q6_K's
 their scales and offsets (the min of Q4_1/Q5_1, ``-dmin * m`` of Q4_K/Q5_K, the
 same for both halves; Q2_K's ``-dmin * m`` of each 16 elements); the value of
 element ``e`` is ``code * scale + offset``, as in ``dequantize_torch``. Formats
-with a scale per 16 elements (Q6_K, Q3_K, Q2_K) scale the halves'
-sums separately; Q2_K (``two offsets``) adds the halves' x-sums times their
-offsets separately.
+with a scale per 16 elements (Q6_K, Q3_K, Q2_K, NVFP4) scale the halves' sums
+separately (NVFP4's codes are its E2M1 values doubled, ``_e2m1``); Q2_K (``two
+offsets``) adds the halves' x-sums times their offsets separately.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ Q5_K = tl.constexpr(FORMAT_ID["Q5_K"])
 Q6_K = tl.constexpr(FORMAT_ID["Q6_K"])
 Q2_K = tl.constexpr(FORMAT_ID["Q2_K"])
 Q3_K = tl.constexpr(FORMAT_ID["Q3_K"])
+NVFP4 = tl.constexpr(FORMAT_ID["NVFP4"])
 _HAS_OFFSET = {FORMAT_ID[n] for n in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")}
 
 
@@ -75,7 +76,18 @@ def _codes(qs, qh, row, g, i, qs_stride, qh_stride, FMT: tl.constexpr):
         if FMT == Q6_K:
             lo = lo - 32
             hi = hi - 32
+        if FMT == NVFP4:
+            lo = _e2m1(lo)
+            hi = _e2m1(hi)
     return lo, hi
+
+
+@triton.jit
+def _e2m1(c):
+    """E2M1 code ``c`` (0..15) as ggml's doubled value: 0, 1, 2, 3, 4, 6, 8, 12 (bit 3: minus)."""
+    m = c & 7
+    mag = tl.where(m < 4, m, (2 + (m & 1)) << ((m >> 1) - 1))
+    return tl.where(c >= 8, -mag, mag)
 
 
 @triton.jit
@@ -89,6 +101,11 @@ def _scales(d, dm, sc, mn, row, g, d_stride, sc_stride, FMT: tl.constexpr):
         mins = tl.load(mn + row * sc_stride + g).to(tl.float32)
         off_lo = -(tl.load(dm + sb).to(tl.float32) * mins)
         off_hi = off_lo
+    elif FMT == NVFP4:  # a float16 scale per 16 elements
+        s_lo = tl.load(d + row * d_stride + 2 * g).to(tl.float32)
+        s_hi = tl.load(d + row * d_stride + 2 * g + 1).to(tl.float32)
+        off_lo = s_lo
+        off_hi = s_hi
     elif FMT == Q6_K or FMT == Q3_K or FMT == Q2_K:
         sb = row * d_stride + g // 8
         dd = tl.load(d + sb).to(tl.float32)
@@ -142,7 +159,7 @@ def _dot_rows(
         s_lo, s_hi, off_lo, off_hi = _scales(
             d, dm, sc, mn, row[:, None], g[None, :], d_stride, sc_stride, FMT
         )
-        if FMT == Q6_K or FMT == Q3_K or FMT == Q2_K:  # a scale per 16
+        if FMT == Q6_K or FMT == Q3_K or FMT == Q2_K or FMT == NVFP4:  # a scale per 16
             acc += tl.sum(lo.to(tl.float32) * x_lo[None, :, :], 2) * s_lo
             acc += tl.sum(hi.to(tl.float32) * x_hi[None, :, :], 2) * s_hi
         else:
@@ -217,7 +234,7 @@ def _gemm_kernel(
         else:
             w_lo = w_lo.to(x_lo.dtype)
             w_hi = w_hi.to(x_lo.dtype)
-        if FMT == Q6_K or FMT == Q3_K or FMT == Q2_K:  # a scale per 16
+        if FMT == Q6_K or FMT == Q3_K or FMT == Q2_K or FMT == NVFP4:  # a scale per 16
             if SPLIT:
                 p_lo = _dot3(x_lo, w_lo)
                 p_hi = _dot3(x_hi, w_hi)

@@ -21,6 +21,10 @@ values bit for bit:
   Q5_K, the 6-bit values unpacked), per 16 elements ``[n, k/16]``: int8 for the
   signed scales of Q6_K and Q3_K (Q3_K's 6-bit ``sc - 32``), uint8 for Q2_K's
   4-bit scales and mins.
+* NVFP4: ``qs`` as above holds the E2M1 codes (indices into ggml's doubled table
+  ``kvalues_mxfp4``: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives), ``d`` float16
+  ``[n, k/16]`` the scale of each 16 (the E4M3 byte's value halved, as ggml's
+  ``ggml_ue4m3_to_fp32``: exact in float16): 5 bits a weight.
 
 Codes are signed after the format's offset (``_OFFSET``: Q3_K ``q3 - 4``, with
 ``q3 = low2 | hmask bit << 2``); a value is ``code * scale + offset`` with
@@ -41,10 +45,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..fp4 import KVALUES_MXFP4, ue4m3_to_f32
 from ..types import ggml_type
 
 NATIVE: tuple[str, ...] = (
-    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K",
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "NVFP4",
 )  # fmt: skip
 FORMAT_ID: dict[str, int] = {name: i for i, name in enumerate(NATIVE)}  # ids stable: append
 # the epilogues of ``fused.norm_gemv`` (here, so that callers need not import Triton):
@@ -186,6 +191,11 @@ def repack(data: torch.Tensor, type_name: str, shape: tuple[int, int]) -> Prepar
             qh=_bit_plane(high.reshape(n, k)), d=_field(b, 108, f16),
             sc=sc.reshape(n, k // 16).contiguous(),
         )  # fmt: skip
+    if name == "NVFP4":  # d[4] qs[32]: group s's 8 bytes hold its element j low, j + 8 high
+        qs = b[..., 4:36].reshape(n, -1, 4, 8)
+        index = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # E2M1 codes (table indices)
+        scales = ue4m3_to_f32(b[..., 0:4]).reshape(n, k // 16)  # exact in f16
+        return Prepared(name, n, k, _nibble_plane(index), d=scales.to(f16).contiguous())
     # Q6_K: element 128h + 32j + l; ql byte 64h + 32(j % 2) + l, nibble j // 2; qh byte 32h + l
     ql = b[..., 0:128].reshape(n, -1, 2, 2, 32)
     low = torch.cat([ql & 15, ql >> 4], dim=3)
@@ -217,7 +227,11 @@ def dequantize_prepared(p: Prepared) -> torch.Tensor:
         elif p.type_name == "Q6_K":
             h = p.qh.reshape(n, G, 8).to(torch.int32)[..., j % 8]
             q = q | (((h >> (2 * (j // 8))) & 3) << 4)
+    if p.type_name == "NVFP4":
+        q = torch.from_numpy(KVALUES_MXFP4).to(dev)[q.long()]
     q = q.float() + _OFFSET.get(p.type_name, 0)
+    if p.type_name == "NVFP4":  # a scale per 16 elements
+        return (q.reshape(n, -1, 16) * p.d.float().unsqueeze(-1)).reshape(n, -1)
     if p.type_name in ("Q4_K", "Q5_K"):
         d = p.d.float().repeat_interleave(8, dim=1)
         s, off = d * p.sc.float(), -(p.dm.float().repeat_interleave(8, dim=1) * p.mn.float())
