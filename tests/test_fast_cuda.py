@@ -44,13 +44,14 @@ needs_kernels = pytest.mark.skipif(
 )
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
 TOL = 1e-5  # x max |logit|
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "NVFP4")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "NVFP4", "Q1_0")
 # every type of NATIVE and mixes: tests/test_mixed_types.py
 
 
 def sizes(type_name: str) -> dict:
-    """K-quant rows need a multiple of 256 elements: n_embd 256, n_ff 512 (head dim 64)."""
-    return dict(n_embd=256, n_ff=512) if type_name.endswith("_K") else {}
+    """K-quant rows need a multiple of 256 elements, Q1_0's of 128: n_embd 256, n_ff 512 (head
+    dim 64)."""
+    return dict(n_embd=256, n_ff=512) if type_name.endswith("_K") or type_name == "Q1_0" else {}
 
 
 def load_pair(path, **kwargs) -> tuple[ModelWeights, CudaFastModel]:
@@ -370,6 +371,22 @@ def test_types_without_kernels_are_dense_parts(tmp_path):
     assert lin.types == ["F16"] and isinstance(lin.parts[0], DenseWeight)
     assert lin.parts[0].w.data_ptr() == lin.dense.data_ptr()
     assert isinstance(fast.tok_embd, DenseWeight)
+
+
+@pytest.mark.parametrize(("type_name", "planes"),
+                         [("NVFP4", "NVFP4"), ("Q1_0", "Q1_0"), ("MXFP4", "Q5_0")])  # fmt: skip
+def test_fp4_and_q1_0_planes(tmp_path, type_name, planes):
+    """NVFP4 and Q1_0 run as planes of their own (5 and 1.125 bits a weight), MXFP4 as the Q5_0
+    blocks of the same values (``forms.kernel_form``); no float32 copy of the weights (a CPU
+    device: the planes only, no kernel runs)."""
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type=type_name, n_embd=256, n_ff=512)
+    with open(path, "rb") as f:
+        content = Content.read(f)
+        fast = CudaFastModel.from_gguf(content, f, "cpu", prefill="packed", decode="fused")
+    for lin in (fast.layers[0].wqkv, fast.layers[0].w2):
+        assert lin.types == [planes] and lin.dense is None
+    bits = 8 * fast.layers[0].w2.parts[0].nbytes() / (256 * 512)
+    assert bits == {"NVFP4": 5.0, "Q1_0": 1.125, "Q5_0": 5.5}[planes]
 
 
 # -- the real model ------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from qlib.quants.api import dequantize_torch
 from qlib.quants.bench import random_blocks
 from qlib.quants.cuda import layout
 from qlib.quants.cuda import matmul as gpu
+from qlib.quants.types import ggml_type
 
 CUDA = torch.cuda.is_available() and gpu.triton_available()
 INTERPRET = os.environ.get("QLIB_TRITON_INTERPRET") == "1" and gpu.triton_available()
@@ -97,7 +98,7 @@ def test_format_ids_stable():
     """Ids are baked into compiled kernels and caches: new formats are appended."""
     assert layout.NATIVE[:8] == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
     assert layout.FORMAT_ID["Q2_K"] == 8 and layout.FORMAT_ID["Q3_K"] == 9
-    assert layout.FORMAT_ID["NVFP4"] == 10
+    assert layout.FORMAT_ID["NVFP4"] == 10 and layout.FORMAT_ID["Q1_0"] == 11
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -139,9 +140,10 @@ def weight(name: str, shape: tuple[int, int]):
     return _WEIGHTS[key]
 
 
-def kquant_skip(name: str, k: int) -> None:
-    if name.endswith("_K") and k % 256:
-        pytest.skip(f"{name} needs rows of a multiple of 256, k={k}")
+def block_skip(name: str, k: int) -> None:
+    size = ggml_type(name).block_size
+    if k % size:
+        pytest.skip(f"{name} needs rows of a multiple of {size}, k={k}")
 
 
 @needs_cuda
@@ -152,7 +154,7 @@ def kquant_skip(name: str, k: int) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_qmatmul_cuda(name, dtype, shape, m):
     """The automatic path for every native format, input dtype, shape and row count."""
-    kquant_skip(name, shape[1])
+    block_skip(name, shape[1])
     w, W = weight(name, shape)
     x = torch.randn(m, shape[1], device="cuda").to(dtype)
     path = gpu.choose_path(m, w, x.device, dtype)

@@ -283,17 +283,20 @@ def auto_decode(types: dict[str, str], config: LlamaConfig, capability: tuple[in
 def _persistent_decoder(model: CudaFastModel, get, tok: QTensor, out: QTensor,
                         **options):  # fmt: skip
     """The ``PersistentDecoder`` of ``model`` (whose types ``persistent.unsupported`` passed):
-    the GGUF blocks of every matrix on the device."""
+    the GGUF blocks of every matrix on the device, each in its ``kernel_form`` (Q1_0, which
+    the Triton kernels take as it is, as Q4_0 blocks: the kernel reads those natively)."""
     from ..quants.cuda import persistent
 
     c = model.config
+    tok_k = kernel_form(tok)
+    out_k = tok_k if out is tok else kernel_form(out)
     layers = []
     for i, ly in enumerate(model.layers):
-        raw = {n: get(f"blk.{i}.{n}.weight") for n in persistent.MATRICES}
+        raw = {n: kernel_form(get(f"blk.{i}.{n}.weight")) for n in persistent.MATRICES}
         raw.update(attn_norm=ly.attn_norm, ffn_norm=ly.ffn_norm)
         layers.append(raw)
     try:
-        return persistent.PersistentDecoder(c, layers, tok, out, model.norm, model.cos,
+        return persistent.PersistentDecoder(c, layers, tok_k, out_k, model.norm, model.cos,
                                             model.sin, model.cache, model.device,
                                             **options)  # fmt: skip
     except persistent.PersistentError as e:
@@ -555,8 +558,8 @@ class CudaFastModel(StaticKVState):
         if prefill not in PREFILL_MODES:
             raise ModelError(f"unknown prefill mode {prefill!r}: {', '.join(PREFILL_MODES)}")
 
-        def get(name: str) -> QTensor:
-            return kernel_form(content.tensor(f, name, dev))
+        def get(name: str) -> QTensor:  # (Q1_0 as it is: the Triton kernels have its planes)
+            return kernel_form(content.tensor(f, name, dev), keep=NATIVE)
 
         dense = PREFILL_DTYPES.get(prefill)  # None: "packed"
         blocks = progress.layers(range(config.block_count), config.block_count)

@@ -24,6 +24,8 @@ dot takes Q8_K activations: ``matmul.OTHER_DOT``).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from .api import dequantize_torch
@@ -35,11 +37,11 @@ KERNEL_TYPE: dict[str, str] = {"IQ4_NL": "Q8_0", **LEGACY_FORM,
                                **dict.fromkeys(Q6_K_FORM, "Q6_K")}  # fmt: skip
 
 
-def kernel_form(q):
+def kernel_form(q, keep: Collection[str] = ()):
     """QTensor ``q``, or the same values in its ``KERNEL_TYPE`` where it has one and every
-    block fits."""
+    block fits (types in ``keep``, which the caller's kernels run as they are, stay)."""
     name = q.dtype.name
-    if name not in KERNEL_TYPE:
+    if name not in KERNEL_TYPE or name in keep:
         return q
     blocks = q.data.reshape(-1, q.dtype.type_size)
     if name == "IQ4_NL":

@@ -1,15 +1,14 @@
 """Triton kernels over the planes of ``cuda.layout.Prepared``: GEMV, GEMM and dequantize.
 
-Every kernel reads a 32-element group as two halves: ``lo`` (elements 0..15)
-and ``hi`` (16..31), the low and high nibbles of the group's 16 ``qs`` bytes,
-so no nibble is ever interleaved (Q2_K/Q3_K: their 2-bit planes, read as Q6_K's
-``qh``). ``_codes`` gives the signed integer codes of both halves, ``_scales``
-their scales and offsets (the min of Q4_1/Q5_1, ``-dmin * m`` of Q4_K/Q5_K, the
-same for both halves; Q2_K's ``-dmin * m`` of each 16 elements); the value of
-element ``e`` is ``code * scale + offset``, as in ``dequantize_torch``. Formats
-with a scale per 16 elements (Q6_K, Q3_K, Q2_K, NVFP4) scale the halves' sums
-separately (NVFP4's codes are its E2M1 values doubled, ``_e2m1``); Q2_K (``two
-offsets``) adds the halves' x-sums times their offsets separately.
+Every kernel reads a 32-element group as two halves: ``lo`` (elements 0..15) and ``hi``
+(16..31), the low and high nibbles of the group's 16 ``qs`` bytes, so no nibble is ever
+interleaved (Q2_K/Q3_K: their 2-bit planes, read as Q6_K's ``qh``; Q1_0: a word of signs a
+group). ``_codes`` gives the signed integer codes of both halves, ``_scales`` their scales
+and offsets (the min of Q4_1/Q5_1, ``-dmin * m`` of Q4_K/Q5_K, the same for both halves;
+Q2_K's ``-dmin * m`` of each 16 elements); the value of element ``e`` is ``code * scale +
+offset``, as in ``dequantize_torch``. Formats with a scale per 16 elements (Q6_K, Q3_K,
+Q2_K, NVFP4) scale the halves' sums separately (NVFP4's codes are its E2M1 values doubled,
+``_e2m1``); Q2_K (``two offsets``) adds the halves' x-sums times their offsets separately.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ Q6_K = tl.constexpr(FORMAT_ID["Q6_K"])
 Q2_K = tl.constexpr(FORMAT_ID["Q2_K"])
 Q3_K = tl.constexpr(FORMAT_ID["Q3_K"])
 NVFP4 = tl.constexpr(FORMAT_ID["NVFP4"])
+Q1_0 = tl.constexpr(FORMAT_ID["Q1_0"])
 _HAS_OFFSET = {FORMAT_ID[n] for n in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")}
 
 
@@ -45,6 +45,10 @@ def _codes(qs, qh, row, g, i, qs_stride, qh_stride, FMT: tl.constexpr):
         p = qs + row * qs_stride + g * 32 + i
         lo = tl.load(p).to(tl.int32)
         hi = tl.load(p + 16).to(tl.int32)
+    elif FMT == Q1_0:  # a word of signs a group
+        h = tl.load(qs + row * qs_stride + g)
+        lo = ((h >> i) & 1) * 2 - 1
+        hi = ((h >> (i + 16)) & 1) * 2 - 1
     elif FMT == Q2_K or FMT == Q3_K:
         b = tl.load(qs + row * qs_stride + g * 8 + (i % 8)).to(tl.int32)
         shift = (i // 8) * 2
@@ -101,6 +105,11 @@ def _scales(d, dm, sc, mn, row, g, d_stride, sc_stride, FMT: tl.constexpr):
         mins = tl.load(mn + row * sc_stride + g).to(tl.float32)
         off_lo = -(tl.load(dm + sb).to(tl.float32) * mins)
         off_hi = off_lo
+    elif FMT == Q1_0:  # a scale per 128 elements
+        s_lo = tl.load(d + row * d_stride + g // 4).to(tl.float32)
+        s_hi = s_lo
+        off_lo = s_lo
+        off_hi = s_lo
     elif FMT == NVFP4:  # a float16 scale per 16 elements
         s_lo = tl.load(d + row * d_stride + 2 * g).to(tl.float32)
         s_hi = tl.load(d + row * d_stride + 2 * g + 1).to(tl.float32)

@@ -25,6 +25,9 @@ values bit for bit:
   ``kvalues_mxfp4``: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives), ``d`` float16
   ``[n, k/16]`` the scale of each 16 (the E4M3 byte's value halved, as ggml's
   ``ggml_ue4m3_to_fp32``: exact in float16): 5 bits a weight.
+* Q1_0: ``qs`` int32 ``[n, k/32]``, bit ``j`` of word ``g`` the sign of element
+  ``32g + j`` (set: +1, clear: -1; GGUF's ``qs`` as it is), ``d`` float16
+  ``[n, k/128]``: 1.125 bits a weight.
 
 Codes are signed after the format's offset (``_OFFSET``: Q3_K ``q3 - 4``, with
 ``q3 = low2 | hmask bit << 2``); a value is ``code * scale + offset`` with
@@ -50,6 +53,7 @@ from ..types import ggml_type
 
 NATIVE: tuple[str, ...] = (
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "NVFP4",
+    "Q1_0",
 )  # fmt: skip
 FORMAT_ID: dict[str, int] = {name: i for i, name in enumerate(NATIVE)}  # ids stable: append
 # the epilogues of ``fused.norm_gemv`` (here, so that callers need not import Triton):
@@ -191,6 +195,9 @@ def repack(data: torch.Tensor, type_name: str, shape: tuple[int, int]) -> Prepar
             qh=_bit_plane(high.reshape(n, k)), d=_field(b, 108, f16),
             sc=sc.reshape(n, k // 16).contiguous(),
         )  # fmt: skip
+    if name == "Q1_0":  # d qs[16]: bit j of the 128 (little-endian) set is +d, clear -d
+        bits = b[..., 2:18].contiguous().view(torch.int32).reshape(n, k // 32)
+        return Prepared(name, n, k, bits, d=_field(b, 0, f16))
     if name == "NVFP4":  # d[4] qs[32]: group s's 8 bytes hold its element j low, j + 8 high
         qs = b[..., 4:36].reshape(n, -1, 4, 8)
         index = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # E2M1 codes (table indices)
@@ -212,6 +219,9 @@ def dequantize_prepared(p: Prepared) -> torch.Tensor:
     """Float32 ``[n, k]`` from the planes, exactly as the kernels read them (reference, tests)."""
     n, G, dev = p.n, p.groups, p.qs.device
     j = torch.arange(32, device=dev)
+    if p.type_name == "Q1_0":
+        q = ((p.qs.unsqueeze(-1) >> j) & 1) * 2 - 1
+        return (q.float() * p.d.float().repeat_interleave(4, dim=1).unsqueeze(-1)).reshape(n, -1)
     if p.type_name == "Q8_0":
         q = p.qs.reshape(n, G, 32).to(torch.int32)
     elif p.type_name in ("Q2_K", "Q3_K"):
