@@ -44,7 +44,7 @@ needs_kernels = pytest.mark.skipif(
 )
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
 TOL = 1e-5  # x max |logit|
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "NVFP4", "Q1_0")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "NVFP4", "MXFP4", "Q1_0")
 # every type of NATIVE and mixes: tests/test_mixed_types.py
 
 
@@ -373,20 +373,17 @@ def test_types_without_kernels_are_dense_parts(tmp_path):
     assert isinstance(fast.tok_embd, DenseWeight)
 
 
-@pytest.mark.parametrize(("type_name", "planes"),
-                         [("NVFP4", "NVFP4"), ("Q1_0", "Q1_0"), ("MXFP4", "Q5_0")])  # fmt: skip
-def test_fp4_and_q1_0_planes(tmp_path, type_name, planes):
-    """NVFP4 and Q1_0 run as planes of their own (5 and 1.125 bits a weight), MXFP4 as the Q5_0
-    blocks of the same values (``forms.kernel_form``); no float32 copy of the weights (a CPU
-    device: the planes only, no kernel runs)."""
+@pytest.mark.parametrize(("type_name", "bits"), [("NVFP4", 5.0), ("MXFP4", 5.0), ("Q1_0", 1.125)])
+def test_fp4_and_q1_0_planes(tmp_path, type_name, bits):
+    """NVFP4, MXFP4 and Q1_0 run as planes of their own (``layout``: bits a weight as given),
+    no float32 copy of the weights (a CPU device: the planes only, no kernel runs)."""
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type=type_name, n_embd=256, n_ff=512)
     with open(path, "rb") as f:
         content = Content.read(f)
         fast = CudaFastModel.from_gguf(content, f, "cpu", prefill="packed", decode="fused")
     for lin in (fast.layers[0].wqkv, fast.layers[0].w2):
-        assert lin.types == [planes] and lin.dense is None
-    bits = 8 * fast.layers[0].w2.parts[0].nbytes() / (256 * 512)
-    assert bits == {"NVFP4": 5.0, "Q1_0": 1.125, "Q5_0": 5.5}[planes]
+        assert lin.types == [type_name] and lin.dense is None
+        assert 8 * lin.parts[0].nbytes() / (lin.out_features * lin.in_features) == bits
 
 
 # -- the real model ------------------------------------------------------------------------

@@ -241,8 +241,8 @@ def test_position0_matches_llama_cpp(files, t):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("t", TYPES)
 def test_fast_cuda_fused_as_f32_form(files, t):
-    """The fast CUDA engine's fused kernels (MXFP4 as Q5_0 blocks, Q1_0 as Q4_0, NVFP4 as its
-    own planes, ``cuda.layout``) against the f32 form: 1e-4 of the logits' scale, as for the
+    """The fast CUDA engine's fused kernels (each type as planes of its own, ``cuda.layout``)
+    against the f32 form: 1e-4 of the logits' scale, as for the
     other types (the persistent kernel, ``T_X8`` blocks: test_persistent_cuda's
     ``test_kquants_and_mixes_decode_as_f32_form``)."""
     assert fused_cuda_gap(files[t]) <= 1e-4

@@ -99,6 +99,7 @@ def test_format_ids_stable():
     assert layout.NATIVE[:8] == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
     assert layout.FORMAT_ID["Q2_K"] == 8 and layout.FORMAT_ID["Q3_K"] == 9
     assert layout.FORMAT_ID["NVFP4"] == 10 and layout.FORMAT_ID["Q1_0"] == 11
+    assert layout.FORMAT_ID["MXFP4"] == 12
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -99,6 +99,10 @@ def random_blocks(n: int, k: int, type_name: str, device="cpu", seed: int = 0) -
     for off in _SCALE_FIELDS.get(t.name, ()):
         s = (torch.rand(nb, generator=g, device=device) + 0.5) * 0.01
         raw[:, off : off + 2] = s.half().view(torch.uint8).reshape(nb, 2)
+    if t.name == "MXFP4":  # the E8M0 exponent: scales 2^-10 .. 2^-7 (any byte is valid, but
+        # 2^127 times the codes overflows float32)
+        e = torch.randint(118, 122, (nb,), generator=g, device=device)
+        raw[:, 0] = e.to(torch.uint8)
     if t.name == "Q8_K":
         s = (torch.rand(nb, generator=g, device=device) + 0.5) * 0.01
         raw[:, 0:4] = s.view(torch.uint8).reshape(nb, 4)

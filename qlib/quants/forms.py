@@ -4,8 +4,8 @@
   ``d``): the CUDA engine and the C kernels' planes, which have no IQ4_NL layout (the fast
   CPU layers run IQ4_NL panels of their own);
 * MXFP4 as Q5_0 and Q1_0 as Q4_0 (``fp4.as_legacy``: their codes fit those types' under one
-  f16 scale a 32 weights, and ggml's dot products of all four are alike): the CUDA engine
-  (but Q1_0 in its fused Triton kernels, which have Q1_0 planes: ``kernel_form(keep=)``), and
+  f16 scale a 32 weights, and ggml's dot products of all four are alike): the persistent CUDA
+  kernel (the fused Triton kernels have planes of both: ``kernel_form(keep=)``), and
   the C kernels where a weight's rows do not come in 16s (else qlib's MXFP4H / Q1_0H panels,
   ``packing.pack``). An MXFP4 tensor whose scales leave f16's range stays as it is;
 * IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0 as Q6_K (``gridquants.as_q6_k``: a tensor

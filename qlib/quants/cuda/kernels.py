@@ -7,8 +7,9 @@ group). ``_codes`` gives the signed integer codes of both halves, ``_scales`` th
 and offsets (the min of Q4_1/Q5_1, ``-dmin * m`` of Q4_K/Q5_K, the same for both halves;
 Q2_K's ``-dmin * m`` of each 16 elements); the value of element ``e`` is ``code * scale +
 offset``, as in ``dequantize_torch``. Formats with a scale per 16 elements (Q6_K, Q3_K,
-Q2_K, NVFP4) scale the halves' sums separately (NVFP4's codes are its E2M1 values doubled,
-``_e2m1``); Q2_K (``two offsets``) adds the halves' x-sums times their offsets separately.
+Q2_K, NVFP4) scale the halves' sums separately (NVFP4's and MXFP4's codes are their E2M1
+values doubled, ``_e2m1``); Q2_K (``two offsets``) adds the halves' x-sums times their
+offsets separately.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ Q2_K = tl.constexpr(FORMAT_ID["Q2_K"])
 Q3_K = tl.constexpr(FORMAT_ID["Q3_K"])
 NVFP4 = tl.constexpr(FORMAT_ID["NVFP4"])
 Q1_0 = tl.constexpr(FORMAT_ID["Q1_0"])
+MXFP4 = tl.constexpr(FORMAT_ID["MXFP4"])
 _HAS_OFFSET = {FORMAT_ID[n] for n in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")}
 
 
@@ -80,7 +82,7 @@ def _codes(qs, qh, row, g, i, qs_stride, qh_stride, FMT: tl.constexpr):
         if FMT == Q6_K:
             lo = lo - 32
             hi = hi - 32
-        if FMT == NVFP4:
+        if FMT == NVFP4 or FMT == MXFP4:
             lo = _e2m1(lo)
             hi = _e2m1(hi)
     return lo, hi

@@ -25,6 +25,9 @@ values bit for bit:
   ``kvalues_mxfp4``: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives), ``d`` float16
   ``[n, k/16]`` the scale of each 16 (the E4M3 byte's value halved, as ggml's
   ``ggml_ue4m3_to_fp32``: exact in float16): 5 bits a weight.
+* MXFP4: ``qs`` as NVFP4's, ``d`` float32 ``[n, k/32]`` the scale of each 32 (the
+  E8M0 exponent as ggml's ``GGML_E8M0_TO_FP32_HALF``: it may leave float16's range):
+  5 bits a weight.
 * Q1_0: ``qs`` int32 ``[n, k/32]``, bit ``j`` of word ``g`` the sign of element
   ``32g + j`` (set: +1, clear: -1; GGUF's ``qs`` as it is), ``d`` float16
   ``[n, k/128]``: 1.125 bits a weight.
@@ -48,12 +51,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..fp4 import KVALUES_MXFP4, ue4m3_to_f32
+from ..fp4 import KVALUES_MXFP4, e8m0_half, ue4m3_to_f32
 from ..types import ggml_type
 
 NATIVE: tuple[str, ...] = (
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "NVFP4",
-    "Q1_0",
+    "Q1_0", "MXFP4",
 )  # fmt: skip
 FORMAT_ID: dict[str, int] = {name: i for i, name in enumerate(NATIVE)}  # ids stable: append
 # the epilogues of ``fused.norm_gemv`` (here, so that callers need not import Triton):
@@ -198,6 +201,10 @@ def repack(data: torch.Tensor, type_name: str, shape: tuple[int, int]) -> Prepar
     if name == "Q1_0":  # d qs[16]: bit j of the 128 (little-endian) set is +d, clear -d
         bits = b[..., 2:18].contiguous().view(torch.int32).reshape(n, k // 32)
         return Prepared(name, n, k, bits, d=_field(b, 0, f16))
+    if name == "MXFP4":  # e qs[16]: element j low, j + 16 high (the Q4_0 order)
+        scales = torch.from_numpy(e8m0_half(b[..., 0].cpu().numpy())).to(b.device)
+        qs = b[..., 1:17].reshape(n, k // 2).contiguous()
+        return Prepared(name, n, k, qs, d=scales.reshape(n, k // 32).contiguous())
     if name == "NVFP4":  # d[4] qs[32]: group s's 8 bytes hold its element j low, j + 8 high
         qs = b[..., 4:36].reshape(n, -1, 4, 8)
         index = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # E2M1 codes (table indices)
@@ -237,7 +244,7 @@ def dequantize_prepared(p: Prepared) -> torch.Tensor:
         elif p.type_name == "Q6_K":
             h = p.qh.reshape(n, G, 8).to(torch.int32)[..., j % 8]
             q = q | (((h >> (2 * (j // 8))) & 3) << 4)
-    if p.type_name == "NVFP4":
+    if p.type_name in ("NVFP4", "MXFP4"):
         q = torch.from_numpy(KVALUES_MXFP4).to(dev)[q.long()]
     q = q.float() + _OFFSET.get(p.type_name, 0)
     if p.type_name == "NVFP4":  # a scale per 16 elements
