@@ -345,19 +345,36 @@ def first_logits(path: str | Path, **kw):
         return model.forward(torch.tensor([[1, 5, 9, 33, 7]]), 0)[0].float()
 
 
+def fused_kernels_skip():
+    """A skip mark unless the fused CUDA kernels can run: on a GPU, or on the CPU through
+    Triton's interpreter (``QLIB_TRITON_INTERPRET=1 TRITON_INTERPRET=1``, slow)."""
+    import os
+
+    import pytest
+    import torch
+
+    from qlib.quants.cuda import matmul as gpu
+
+    interpret = os.environ.get("QLIB_TRITON_INTERPRET") == "1" and gpu.triton_available()
+    return pytest.mark.skipif(not (torch.cuda.is_available() or interpret),
+                              reason="needs CUDA (or QLIB_TRITON_INTERPRET=1)")  # fmt: skip
+
+
 def fused_cuda_gap(path: str | Path) -> float:
-    """The fast CUDA engine's fused kernels against the f32 form on the GPU, largest |logit
-    difference| over their scale: the prompt of ``first_logits``, then a step."""
+    """The fast CUDA engine's fused kernels against the f32 form on the GPU (else on the CPU
+    through Triton's interpreter), largest |logit difference| over their scale: the prompt of
+    ``first_logits``, then a step."""
     import torch
 
     from qlib.gguf import Content
     from qlib.llama.faithful import ModelWeights
     from qlib.llama.fast_cuda import CudaFastModel
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     with open(path, "rb") as f:
         content = Content.read(f)
-        ref = ModelWeights.from_gguf(content, f, "cuda", form="f32")
-        fast = CudaFastModel.from_gguf(content, f, "cuda", decode="fused")
+        ref = ModelWeights.from_gguf(content, f, device, form="f32")
+        fast = CudaFastModel.from_gguf(content, f, device, decode="fused")
     gap = 0.0
     for pos, x in ((0, torch.tensor([[1, 5, 9, 33, 7]])), (5, torch.tensor([[44]]))):
         want, got = ref.forward(x, pos)[0], fast.forward(x, pos)[0]

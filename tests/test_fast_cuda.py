@@ -44,14 +44,16 @@ needs_kernels = pytest.mark.skipif(
 )
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
 TOL = 1e-5  # x max |logit|
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "NVFP4", "MXFP4", "Q1_0")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "NVFP4", "MXFP4", "Q1_0",
+         "IQ4_NL", "IQ4_XS")  # fmt: skip
 # every type of NATIVE and mixes: tests/test_mixed_types.py
 
 
 def sizes(type_name: str) -> dict:
-    """K-quant rows need a multiple of 256 elements, Q1_0's of 128: n_embd 256, n_ff 512 (head
-    dim 64)."""
-    return dict(n_embd=256, n_ff=512) if type_name.endswith("_K") or type_name == "Q1_0" else {}
+    """Rows of super-blocks (K-quants, IQ4_XS: 256 elements) or of Q1_0's 128: n_embd 256, n_ff
+    512 (head dim 64)."""
+    wide = type_name.endswith("_K") or type_name in ("Q1_0", "IQ4_XS")
+    return dict(n_embd=256, n_ff=512) if wide else {}
 
 
 def load_pair(path, **kwargs) -> tuple[ModelWeights, CudaFastModel]:
@@ -189,8 +191,8 @@ def test_mixed_types_take_the_unfused_kernels(tmp_path):
 
 def merged_sizes(type_name: str) -> dict:
     """Shapes whose layers ``decode="merged"`` merges (head dim a multiple of 32): head dim 32,
-    or 64 with the K-quants' 256-element rows."""
-    return dict(n_embd=256, n_ff=512) if type_name.endswith("_K") else dict(n_embd=128)
+    or 64 with ``sizes``' rows of 256 elements."""
+    return sizes(type_name) or dict(n_embd=128)
 
 
 @needs_kernels
@@ -373,17 +375,20 @@ def test_types_without_kernels_are_dense_parts(tmp_path):
     assert isinstance(fast.tok_embd, DenseWeight)
 
 
-@pytest.mark.parametrize(("type_name", "bits"), [("NVFP4", 5.0), ("MXFP4", 5.0), ("Q1_0", 1.125)])
-def test_fp4_and_q1_0_planes(tmp_path, type_name, bits):
-    """NVFP4, MXFP4 and Q1_0 run as planes of their own (``layout``: bits a weight as given),
-    no float32 copy of the weights (a CPU device: the planes only, no kernel runs)."""
+@pytest.mark.parametrize(("type_name", "bits"), [("NVFP4", 5.0), ("MXFP4", 5.0), ("Q1_0", 1.125),
+                                                 ("IQ4_NL", 4.5), ("IQ4_XS", 4.625)])  # fmt: skip
+def test_planes_of_their_own(tmp_path, type_name, bits):
+    """NVFP4, MXFP4, Q1_0, IQ4_NL and IQ4_XS (a table type) run as planes of their own
+    (``layout``: bits a weight as given, and the 16 levels of the last two), no float32 copy of
+    the weights (a CPU device: the planes only, no kernel runs)."""
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type=type_name, n_embd=256, n_ff=512)
     with open(path, "rb") as f:
         content = Content.read(f)
         fast = CudaFastModel.from_gguf(content, f, "cpu", prefill="packed", decode="fused")
     for lin in (fast.layers[0].wqkv, fast.layers[0].w2):
         assert lin.types == [type_name] and lin.dense is None
-        assert 8 * lin.parts[0].nbytes() / (lin.out_features * lin.in_features) == bits
+        levels = 16 if type_name.startswith("IQ4") else 0
+        assert 8 * (lin.parts[0].nbytes() - levels) / (lin.out_features * lin.in_features) == bits
 
 
 # -- the real model ------------------------------------------------------------------------

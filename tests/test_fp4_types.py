@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from synthetic import TYPE_SIZES, first_logits, fused_cuda_gap, type_files
+from synthetic import TYPE_SIZES, first_logits, fused_cuda_gap, fused_kernels_skip, type_files
 
 from qlib.llama.engine import load
 from qlib.quants import VEC_DOT_TYPE, cpu, dequantize, qmatmul, quantize
@@ -238,7 +238,7 @@ def test_position0_matches_llama_cpp(files, t):
     assert (d <= pos0.FAITHFUL_TOL).mean() >= pos0.FAITHFUL_SHARE, (np.median(d), d.max())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@fused_kernels_skip()
 @pytest.mark.parametrize("t", TYPES)
 def test_fast_cuda_fused_as_f32_form(files, t):
     """The fast CUDA engine's fused kernels (each type as planes of its own, ``cuda.layout``)

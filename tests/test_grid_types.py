@@ -21,6 +21,7 @@ from synthetic import (
     TYPE_SIZES,
     first_logits,
     fused_cuda_gap,
+    fused_kernels_skip,
     random_blocks,
     type_files,
     write_tiny_llama,
@@ -127,8 +128,9 @@ def test_position0_matches_llama_cpp(files, t):
 
 @pytest.mark.parametrize("t", list(Q6_K_FORM))
 def test_q6_k_form_holds_the_same_values(t):
-    """The types Q6_K holds exactly come to the fast CUDA engine as Q6_K
-    (``forms.kernel_form``): every value equal, bit for bit."""
+    """The types Q6_K holds exactly come to the persistent CUDA kernel as Q6_K
+    (``forms.kernel_form``; the fused kernels take the table planes): every value equal, bit
+    for bit."""
     w = np.random.default_rng(6).standard_normal((4, 512)).astype(np.float32) * 0.05
     q = random_blocks(w, t, seed=7)
     q6 = kernel_form(q)
@@ -166,12 +168,12 @@ def test_fast_engine_kernel_types(files, t):
     assert all(p.packed is not None for p in parts) or not cpu.available()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@fused_kernels_skip()
 @pytest.mark.parametrize("t", TYPES)
 def test_fast_cuda_fused_as_f32_form(files, t):
-    """The fast CUDA engine's fused kernels (Q6_K planes where the type fits them, float32
-    weights for the rest; exact values, float32 accumulation) against the f32 form: 1e-4 of
-    the logits' scale, as for the other types (the persistent kernel: test_persistent_cuda's
+    """The fast CUDA engine's fused kernels (the table planes, ``cuda.layout``: exact values,
+    float32 accumulation) against the f32 form: 1e-4 of the logits' scale, as for the other
+    types (the persistent kernel: test_persistent_cuda's
     ``test_kquants_and_mixes_decode_as_f32_form``)."""
     assert fused_cuda_gap(files[t]) <= 1e-4
 

@@ -351,7 +351,8 @@ def test_cuda_parts_built_on_cpu(files, name, prefill):
         stacks = _stacks(name, i)
         for attr, types in stacks.items():
             lin = getattr(ly, attr)
-            assert lin.types == _runs([KERNEL_TYPE.get(t, t) for t in types])  # IQ4_NL: Q8_0
+            want = [t if t in layout.NATIVE else KERNEL_TYPE.get(t, t) for t in types]
+            assert lin.types == _runs(want)  # (forms.kernel_form(keep=NATIVE))
             for p in lin.parts:
                 native = p.type_name in layout.NATIVE
                 assert isinstance(p, layout.Prepared if native else fast_cuda.DenseWeight)

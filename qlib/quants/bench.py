@@ -78,7 +78,8 @@ def bench_qmatmul(
 _SCALE_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q8_1": (0, 2),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-    "Q1_0": (0,),
+    "Q1_0": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,),
+    "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_S": (0,), "TQ1_0": (52,), "TQ2_0": (64,),
 }  # fmt: skip
 
 
@@ -103,6 +104,12 @@ def random_blocks(n: int, k: int, type_name: str, device="cpu", seed: int = 0) -
         # 2^127 times the codes overflows float32)
         e = torch.randint(118, 122, (nb,), generator=g, device=device)
         raw[:, 0] = e.to(torch.uint8)
+    if t.name == "IQ1_M":  # its f16 d: the top nibbles of the four scale words (bytes 48..55)
+        s = ((torch.rand(nb, generator=g, device=device) + 0.5) * 0.01).half()
+        bits = s.view(torch.int16).int() & 0xFFFF
+        for i in range(4):
+            hi = raw[:, 49 + 2 * i].int()
+            raw[:, 49 + 2 * i] = ((hi & 0x0F) | (((bits >> (4 * i)) & 0xF) << 4)).to(torch.uint8)
     if t.name == "Q8_K":
         s = (torch.rand(nb, generator=g, device=device) + 0.5) * 0.01
         raw[:, 0:4] = s.view(torch.uint8).reshape(nb, 4)

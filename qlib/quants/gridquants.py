@@ -34,6 +34,7 @@ import torch
 from .base import FORMATS, BlockFormat
 from .common import t_f16
 from .fp4 import KVALUES_MXFP4
+from .iquants import KVALUES
 
 GRID_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
 TERNARY_TYPES = ("TQ1_0", "TQ2_0")
@@ -319,6 +320,8 @@ def x4_levels(type_name: str) -> np.ndarray:
         codes = {-1, 0, 1, 2} if type_name == "TQ2_0" else {-1, 0, 1}
     elif type_name == "NVFP4":
         codes = {int(v) for v in KVALUES_MXFP4}
+    elif type_name == "IQ4_XS":
+        codes = {int(v) for v in KVALUES}
     elif type_name in ("IQ1_S", "IQ1_M"):
         codes = {8 * g + s for g in (-1, 0, 1) for s in (-1, 1)}
     else:
@@ -385,6 +388,28 @@ def as_x4(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
     )
     return torch.cat([qs, level_bytes, sc.view(torch.uint8),
                       unit.view(torch.uint8).reshape(-1, 4)], 1)  # fmt: skip
+
+
+# The CUDA kernels' table form (``cuda.layout``) of every type whose weights are a block's
+# unit x an int8 scale per 16 x one of 16 levels: X4's parts (the grid and ternary types), and
+# IQ4_XS (the unit its d, ls - 32 per 32, its 16 KVALUES levels)
+TABLE_TYPES = (*X4_UNIT, "IQ4_XS")
+
+
+def table_form(blocks: torch.Tensor, type_name: str):
+    """Blocks ``(B, bytes)`` of a ``TABLE_TYPES`` type as ``(index, scales, unit)``: each
+    weight's index into ``x4_levels`` (uint8 ``(B, 256)``), the int8 scale of each 16 ``(B,
+    16)`` and the block's float32 unit ``(B, 1)``, every weight ``unit * scale * level``
+    exactly; None if a scale is no integer multiple (<= 127) of the unit (a non-finite d)."""
+    codes, scale, _ = FORMATS[type_name].unpack(blocks)
+    unit = block_d(blocks, type_name) * X4_UNIT.get(type_name, 1.0)  # (a power of 2: exact)
+    sc = _whole_scales(scale, unit)
+    if sc is None:
+        return None
+    index = _x4_index(type_name)[codes.to(torch.int8).cpu().numpy().view(np.uint8) ^ 0x80]
+    if (index == 16).any():
+        return None
+    return torch.from_numpy(index).to(blocks.device), sc, unit
 
 
 def q6_k_blocks(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,10 @@ group). ``_codes`` gives the signed integer codes of both halves, ``_scales`` th
 and offsets (the min of Q4_1/Q5_1, ``-dmin * m`` of Q4_K/Q5_K, the same for both halves;
 Q2_K's ``-dmin * m`` of each 16 elements); the value of element ``e`` is ``code * scale +
 offset``, as in ``dequantize_torch``. Formats with a scale per 16 elements (Q6_K, Q3_K,
-Q2_K, NVFP4) scale the halves' sums separately (NVFP4's and MXFP4's codes are their E2M1
-values doubled, ``_e2m1``); Q2_K (``two offsets``) adds the halves' x-sums times their
-offsets separately.
+Q2_K, NVFP4, the table types) scale the halves' sums separately (NVFP4's and MXFP4's codes
+are their E2M1 values doubled, ``_e2m1``; IQ4_NL's and the table types' are looked up in the
+16 levels of ``qh``); Q2_K (``two offsets``) adds the halves' x-sums times their offsets
+separately.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ Q3_K = tl.constexpr(FORMAT_ID["Q3_K"])
 NVFP4 = tl.constexpr(FORMAT_ID["NVFP4"])
 Q1_0 = tl.constexpr(FORMAT_ID["Q1_0"])
 MXFP4 = tl.constexpr(FORMAT_ID["MXFP4"])
+IQ4_NL = tl.constexpr(FORMAT_ID["IQ4_NL"])
+TABLE = tl.constexpr(FORMAT_ID["IQ4_XS"])  # every type of gridquants.TABLE_TYPES
 _HAS_OFFSET = {FORMAT_ID[n] for n in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")}
 
 
@@ -85,6 +88,9 @@ def _codes(qs, qh, row, g, i, qs_stride, qh_stride, FMT: tl.constexpr):
         if FMT == NVFP4 or FMT == MXFP4:
             lo = _e2m1(lo)
             hi = _e2m1(hi)
+        if FMT == IQ4_NL or FMT == TABLE:  # indices into the type's 16 levels (qh: int8)
+            lo = tl.load(qh + lo).to(tl.int32)
+            hi = tl.load(qh + hi).to(tl.int32)
     return lo, hi
 
 
@@ -117,7 +123,7 @@ def _scales(d, dm, sc, mn, row, g, d_stride, sc_stride, FMT: tl.constexpr):
         s_hi = tl.load(d + row * d_stride + 2 * g + 1).to(tl.float32)
         off_lo = s_lo
         off_hi = s_hi
-    elif FMT == Q6_K or FMT == Q3_K or FMT == Q2_K:
+    elif FMT == Q6_K or FMT == Q3_K or FMT == Q2_K or FMT == TABLE:
         sb = row * d_stride + g // 8
         dd = tl.load(d + sb).to(tl.float32)
         s_lo = dd * tl.load(sc + row * sc_stride + 2 * g).to(tl.float32)
@@ -170,7 +176,7 @@ def _dot_rows(
         s_lo, s_hi, off_lo, off_hi = _scales(
             d, dm, sc, mn, row[:, None], g[None, :], d_stride, sc_stride, FMT
         )
-        if FMT == Q6_K or FMT == Q3_K or FMT == Q2_K or FMT == NVFP4:  # a scale per 16
+        if FMT == Q6_K or FMT == Q3_K or FMT == Q2_K or FMT == NVFP4 or FMT == TABLE:  # per 16
             acc += tl.sum(lo.to(tl.float32) * x_lo[None, :, :], 2) * s_lo
             acc += tl.sum(hi.to(tl.float32) * x_hi[None, :, :], 2) * s_hi
         else:
@@ -245,7 +251,7 @@ def _gemm_kernel(
         else:
             w_lo = w_lo.to(x_lo.dtype)
             w_hi = w_hi.to(x_lo.dtype)
-        if FMT == Q6_K or FMT == Q3_K or FMT == Q2_K or FMT == NVFP4:  # a scale per 16
+        if FMT == Q6_K or FMT == Q3_K or FMT == Q2_K or FMT == NVFP4 or FMT == TABLE:  # per 16
             if SPLIT:
                 p_lo = _dot3(x_lo, w_lo)
                 p_hi = _dot3(x_hi, w_hi)

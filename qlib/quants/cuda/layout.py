@@ -28,6 +28,12 @@ values bit for bit:
 * MXFP4: ``qs`` as NVFP4's, ``d`` float32 ``[n, k/32]`` the scale of each 32 (the
   E8M0 exponent as ggml's ``GGML_E8M0_TO_FP32_HALF``: it may leave float16's range):
   5 bits a weight.
+* IQ4_NL and the table types (``gridquants.TABLE_TYPES``: the grid i-quants, the ternary
+  types, IQ4_XS): ``qs`` as Q4_0's, the indices of the type's 16 levels, which ``qh``
+  holds (int8 ``[16]``: IQ4's KVALUES, ``gridquants.x4_levels``); IQ4_NL's ``d`` float16
+  ``[n, k/32]``; the table types' ``d`` float32 ``[n, k/256]``, a super-block's unit, and
+  ``sc`` int8 ``[n, k/16]``, each 16's multiple of it (``gridquants.table_form``): 4.5
+  and 4.6 bits a weight.
 * Q1_0: ``qs`` int32 ``[n, k/32]``, bit ``j`` of word ``g`` the sign of element
   ``32g + j`` (set: +1, clear: -1; GGUF's ``qs`` as it is), ``d`` float16
   ``[n, k/128]``: 1.125 bits a weight.
@@ -52,13 +58,19 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..fp4 import KVALUES_MXFP4, e8m0_half, ue4m3_to_f32
+from ..gridquants import TABLE_TYPES, table_form, x4_levels
+from ..iquants import KVALUES
 from ..types import ggml_type
 
-NATIVE: tuple[str, ...] = (
+_FORMATS: tuple[str, ...] = (
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "NVFP4",
-    "Q1_0", "MXFP4",
+    "Q1_0", "MXFP4", "IQ4_NL", "TABLE",
 )  # fmt: skip
-FORMAT_ID: dict[str, int] = {name: i for i, name in enumerate(NATIVE)}  # ids stable: append
+# the GGUF types with kernels; the ``TABLE_TYPES`` share the table format (ids stable: append)
+NATIVE: tuple[str, ...] = (*_FORMATS[:-1], *TABLE_TYPES)
+FORMAT_ID: dict[str, int] = {name: i for i, name in enumerate(_FORMATS[:-1])} | dict.fromkeys(
+    TABLE_TYPES, len(_FORMATS) - 1
+)
 # the epilogues of ``fused.norm_gemv`` (here, so that callers need not import Triton):
 # store, add into y, SwiGLU of a stacked gate/up, gate (y holds the gate: silu(y) * x @ W.T)
 EPI_STORE, EPI_ADD, EPI_SWIGLU, EPI_GATE = 0, 1, 2, 3
@@ -201,6 +213,18 @@ def repack(data: torch.Tensor, type_name: str, shape: tuple[int, int]) -> Prepar
     if name == "Q1_0":  # d qs[16]: bit j of the 128 (little-endian) set is +d, clear -d
         bits = b[..., 2:18].contiguous().view(torch.int32).reshape(n, k // 32)
         return Prepared(name, n, k, bits, d=_field(b, 0, f16))
+    if name == "IQ4_NL":  # d qs[16]: indices into KVALUES, element j low, j + 16 high
+        levels = torch.from_numpy(KVALUES).to(b.device)
+        qs = b[..., 2:18].reshape(n, k // 2).contiguous()
+        return Prepared(name, n, k, qs, qh=levels, d=_field(b, 0, f16))
+    if name in TABLE_TYPES:  # indices into the type's 16 levels, int8 scales a 16, a unit
+        parts = table_form(b.reshape(-1, t.type_size), name)
+        if parts is None:
+            raise ValueError(f"{name} blocks whose scales are no whole multiples of their d")
+        index, sc, unit = parts
+        levels = torch.from_numpy(x4_levels(name)).to(b.device)
+        return Prepared(name, n, k, _nibble_plane(index.reshape(n, k)), qh=levels,
+                        d=unit.reshape(n, k // 256), sc=sc.reshape(n, k // 16))  # fmt: skip
     if name == "MXFP4":  # e qs[16]: element j low, j + 16 high (the Q4_0 order)
         scales = torch.from_numpy(e8m0_half(b[..., 0].cpu().numpy())).to(b.device)
         qs = b[..., 1:17].reshape(n, k // 2).contiguous()
@@ -246,6 +270,8 @@ def dequantize_prepared(p: Prepared) -> torch.Tensor:
             q = q | (((h >> (2 * (j // 8))) & 3) << 4)
     if p.type_name in ("NVFP4", "MXFP4"):
         q = torch.from_numpy(KVALUES_MXFP4).to(dev)[q.long()]
+    elif p.type_name == "IQ4_NL" or p.type_name in TABLE_TYPES:  # the levels' indices
+        q = p.qh.to(torch.int32)[q.long()]
     q = q.float() + _OFFSET.get(p.type_name, 0)
     if p.type_name == "NVFP4":  # a scale per 16 elements
         return (q.reshape(n, -1, 16) * p.d.float().unsqueeze(-1)).reshape(n, -1)
@@ -253,7 +279,7 @@ def dequantize_prepared(p: Prepared) -> torch.Tensor:
         d = p.d.float().repeat_interleave(8, dim=1)
         s, off = d * p.sc.float(), -(p.dm.float().repeat_interleave(8, dim=1) * p.mn.float())
         return (q * s.unsqueeze(-1) + off.unsqueeze(-1)).reshape(n, -1)
-    if p.type_name in ("Q6_K", "Q3_K", "Q2_K"):
+    if p.type_name in ("Q6_K", "Q3_K", "Q2_K", *TABLE_TYPES):
         s = p.d.float().repeat_interleave(16, dim=1) * p.sc.float()  # per 16 elements
         y = q.reshape(n, -1, 16) * s.unsqueeze(-1)
         if p.type_name == "Q2_K":
