@@ -1,26 +1,27 @@
 """Kernel forms: types the kernels run as another type that holds exactly the same values.
 
 * IQ4_NL as Q8_0 (``iquants.nl_as_q8_0``: its levels are int8 codes under the same f16
-  ``d``): the CUDA engine and the C kernels' planes, which have no IQ4_NL layout (the fast
-  CPU layers run IQ4_NL panels of their own);
+  ``d``): the persistent CUDA kernel and the C kernels' planes, which have no IQ4_NL layout
+  (the fast CPU layers run IQ4_NL panels of their own);
 * MXFP4 as Q5_0 and Q1_0 as Q4_0 (``fp4.as_legacy``: their codes fit those types' under one
   f16 scale a 32 weights, and ggml's dot products of all four are alike): the persistent CUDA
-  kernel (the fused Triton kernels have planes of both: ``kernel_form(keep=)``), and
-  the C kernels where a weight's rows do not come in 16s (else qlib's MXFP4H / Q1_0H panels,
-  ``packing.pack``). An MXFP4 tensor whose scales leave f16's range stays as it is;
+  kernel, and the C kernels where a weight's rows do not come in 16s (else qlib's MXFP4H /
+  Q1_0H panels, ``packing.pack``). An MXFP4 tensor whose scales leave f16's range stays as it
+  is;
 * IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0 as Q6_K (``gridquants.as_q6_k``: a tensor
-  whose every block fits, 6.56 bits a weight; else it stays as it is): the fast CUDA engine,
-  whose Q6_K kernels are Triton code.
+  whose every block fits, 6.56 bits a weight; else it stays as it is): the persistent CUDA
+  kernel (which expands Q6_K, as every K-quant, into its ``T_X8`` blocks).
 
-What stays a grid, ternary or FP4 type is expanded further down: into ``T_X8`` blocks by the
-persistent CUDA kernel; the fused CUDA kernels run NVFP4 as planes of its own (``cuda.layout``:
-its E2M1 codes and an f16 scale per 16, 5 bits a weight) and the rest as float32 weights. The C
-kernels take every grid and ternary type as X4 blocks (``packing.pack``: 4-bit indices into the
-type's (at most 16) codes, 5.1 bits a weight, fewer than Q6_K's), in both CPU engines; NVFP4 as
-qlib's NVFP4H panels (each scale an f16, ggml's Q8_0 activations) in both, and where rows do
-not come in 16s as X4 blocks in the fast one (bf16 rows, ``bf16_form``, where a super-block's
-scales lie too far apart) and the torch matmul with ggml's semantics in the faithful one (X4's
-dot takes Q8_K activations: ``matmul.OTHER_DOT``).
+The fused CUDA kernels take none of these forms (``kernel_form(keep=cuda.layout.NATIVE)``):
+their planes hold every one of these types, NVFP4 and the IQ2 family as they are
+(``cuda.layout``). What stays a grid, ternary or FP4 type is expanded into ``T_X8`` blocks by
+the persistent kernel. The C kernels take every grid and ternary type as X4 blocks
+(``packing.pack``: 4-bit indices into the type's (at most 16) codes, 5.1 bits a weight, fewer
+than Q6_K's), in both CPU engines; NVFP4 as qlib's NVFP4H panels (each scale an f16, ggml's
+Q8_0 activations) in both, and where rows do not come in 16s as X4 blocks in the fast one
+(bf16 rows, ``bf16_form``, where a super-block's scales lie too far apart) and the torch
+matmul with ggml's semantics in the faithful one (X4's dot takes Q8_K activations:
+``matmul.OTHER_DOT``).
 """
 
 from __future__ import annotations
