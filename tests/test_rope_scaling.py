@@ -63,6 +63,17 @@ def with_scaling(src: str, dst, *, freqs: np.ndarray | None = None, linear: floa
     return str(dst)
 
 
+def scaled(tiny: str, tmp_path, kind: str) -> str:
+    """``tiny`` with ``kind`` of scaling (``freqs``, ``linear``, ``yarn``, ``yarn+freqs``):
+    seeded random ``rope_freqs``, linear x4, YaRN x4 over an original context of 48."""
+    rng = np.random.default_rng(0)
+    half = Content.read_path(tiny).metadata["llama.rope.dimension_count"] // 2
+    freqs = rng.uniform(1.0, 32.0, half) if "freqs" in kind else None
+    return with_scaling(tiny, tmp_path / "scaled.gguf", freqs=freqs,
+                        linear=4.0 if kind == "linear" else None,
+                        yarn=(4.0, 48) if "yarn" in kind else None)  # fmt: skip
+
+
 def ids() -> list[int]:
     gen = torch.Generator().manual_seed(1)
     return [int(i) for i in torch.randint(10, 40000, (N,), generator=gen)]
@@ -90,12 +101,7 @@ def test_fast_engine_scales_rope_as_llama_cpp(tiny, tmp_path, kind):
     """YaRN: factor 4 over an original context of 48 positions, so that the ramp between
     interpolated and original frequencies runs over pairs 0..8 of the 32 (and the cos / sin
     magnitude 1 + 0.1 ln 4)."""
-    rng = np.random.default_rng(0)
-    half = Content.read_path(tiny).metadata["llama.rope.dimension_count"] // 2
-    freqs = rng.uniform(1.0, 32.0, half) if "freqs" in kind else None
-    path = with_scaling(tiny, tmp_path / "scaled.gguf", freqs=freqs,
-                        linear=4.0 if kind == "linear" else None,
-                        yarn=(4.0, 48) if "yarn" in kind else None)  # fmt: skip
+    path = scaled(tiny, tmp_path, kind)
     ref = llama_cpp_logits(path)
     got = fast_logits(path)
     assert rel(got, ref) <= TOL
@@ -110,12 +116,7 @@ def test_cuda_engine_scales_rope_as_the_cpu_engine(tiny, tmp_path, kind, decode)
     the fast CPU engine, which the test above holds to llama.cpp's logits: both read the same
     RoPE tables (``rope_tables``), so they differ by float32 sums in another order. Tolerance
     1e-5 x max |logit| as above."""
-    rng = np.random.default_rng(0)
-    half = Content.read_path(tiny).metadata["llama.rope.dimension_count"] // 2
-    freqs = rng.uniform(1.0, 32.0, half) if "freqs" in kind else None
-    path = with_scaling(tiny, tmp_path / "scaled.gguf", freqs=freqs,
-                        linear=4.0 if kind == "linear" else None,
-                        yarn=(4.0, 48) if "yarn" in kind else None)  # fmt: skip
+    path = scaled(tiny, tmp_path, kind)
     ref = fast_logits(path)
     model, _ = load(path, "cuda", engine="fast", decode=decode)
     x, prompt = torch.tensor([ids()]), 64
