@@ -899,8 +899,10 @@ def test_dequantize_rows_of_packed_weights(type_name, panels):
 
 
 @needs_kernels
-# (qlib's own blocks: X4 in test_grid_types.py, the panels' forms in test_fp4_types.py)
-@pytest.mark.parametrize("type_name", sorted(set(cpu.ROW_TYPES) - {"X4", *PANEL_FORMS.values()}))
+# (qlib's own blocks: X4, X3 in test_grid_types.py, the panels' forms in test_fp4_types.py)
+@pytest.mark.parametrize(
+    "type_name", sorted(set(cpu.ROW_TYPES) - {"X4", "X3", *PANEL_FORMS.values()})
+)
 def test_dequant_rows_equals_the_blocks_dequantized(type_name):
     """rows.c's rows of GGUF blocks of every type it reads are ``dequantize_torch``'s (ggml's
     ``dequantize_row_*``, itself held to the gguf package's in test_quants) bit for bit,

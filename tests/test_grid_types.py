@@ -32,7 +32,7 @@ from qlib.llama.engine import load
 from qlib.quants import VEC_DOT_TYPE, cpu, dequantize, qmatmul, quantize
 from qlib.quants.api import READ_ONLY
 from qlib.quants.forms import kernel_form
-from qlib.quants.gridquants import GRID_TYPES, Q6_K_FORM, TERNARY_TYPES
+from qlib.quants.gridquants import GRID_TYPES, Q6_K_FORM, TERNARY_TYPES, X3_TYPES, x4_levels
 from qlib.quants.qtensor import QTensor
 
 TYPES = [*GRID_TYPES, *TERNARY_TYPES]
@@ -160,11 +160,13 @@ def test_q6_k_form_of_ggml_rows(ggml, t):
 
 @pytest.mark.parametrize("t", TYPES)
 def test_fast_engine_kernel_types(files, t):
-    """The fast CPU engine's layers run C kernels on every type, as X4 blocks
-    (``packing.pack``)."""
+    """The fast CPU engine's layers run C kernels on every type, as X4 blocks, or X3 (3-bit
+    indices) for the types of at most 8 levels (``packing.pack``)."""
     model, _ = load(files[t], "cpu", engine="fast")
     parts = [p for layer in model.layers for p in layer.wqkv.parts + layer.w2.parts]
-    assert {p.packed.type_name for p in parts if p.packed is not None} == {"X4"}
+    kind = "X3" if len(set(x4_levels(t))) <= 8 else "X4"
+    assert kind == ("X3" if t in X3_TYPES else "X4")
+    assert {p.packed.type_name for p in parts if p.packed is not None} == {kind}
     assert all(p.packed is not None for p in parts) or not cpu.available()
 
 
@@ -184,16 +186,17 @@ needs_kernels = pytest.mark.skipif(not cpu.available(), reason="needs the C kern
 @needs_kernels
 @pytest.mark.parametrize("t", TYPES)
 def test_x4_blocks(t):
-    """``pack`` makes X4 blocks of these types (``gridquants.as_x4``): their rows read back
-    (``rows.c``) are the type's values bit for bit; the C GEMV (1 row) and the tiled GEMM
-    (prefill, 40 rows) against the torch path's exact integer group sums (``prepare``): the
-    same integers, float32 order apart (measured <= 2e-7 of the largest output; 1e-6)."""
+    """``pack`` makes X4 blocks of these types (``gridquants.as_x4``; X3, ``x3_from_x4``, for
+    those of at most 8 levels): their rows read back (``rows.c``) are the type's values bit
+    for bit; the C GEMV (1 row) and the tiled GEMM (prefill, 40 rows) against the torch
+    path's exact integer group sums (``prepare``): the same integers, float32 order apart
+    (measured <= 2e-7 of the largest output; 1e-6)."""
     from qlib.quants.cpu.matmul import prepare, qmatmul_prepared
 
     w = np.random.default_rng(8).standard_normal((48, 512)).astype(np.float32) * 0.05
     q = random_blocks(w, t, seed=9)
     packed = cpu.pack(q)
-    assert packed.type_name == "X4"
+    assert packed.type_name == ("X3" if t in X3_TYPES else "X4")
     rows = cpu.dequantize_rows(packed, torch.arange(48))
     assert torch.equal(rows, q.dequantize())
     x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))

@@ -309,6 +309,11 @@ X4_UNIT: dict[str, float] = {
     "IQ1_S": 0.125, "IQ1_M": 0.125, "TQ1_0": 1.0, "TQ2_0": 1.0,
 }  # fmt: skip
 X4_BYTES = 164
+# X3: X4 for the types of at most 8 levels (``X3_TYPES``): ``qs[64]`` (the indices' low two
+# bits, bits 2i of byte l: element 64 i + l), ``hb[32]`` (their third bits, bit e: element e),
+# ``levels[8]``, the same scales and d: 3.9 bits a weight
+X3_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")
+X3_BYTES = 124
 
 
 @functools.cache
@@ -332,9 +337,13 @@ def x4_levels(type_name: str) -> np.ndarray:
 
 @functools.cache
 def _x4_index(type_name: str) -> np.ndarray:
-    """``(256,)`` uint8: the index in ``x4_levels`` of code ``c`` at ``c + 128`` (16: none)."""
+    """``(256,)`` uint8: the index in ``x4_levels`` of code ``c`` at ``c + 128`` (16: none; the
+    first of the repeated last level, so that a type of at most 8 levels has indices below 8:
+    X3's)."""
     lut = np.full(256, 16, dtype=np.uint8)
-    lut[x4_levels(type_name).astype(np.int16) + 128] = np.arange(16, dtype=np.uint8)
+    levels = x4_levels(type_name).astype(np.int16)
+    for i in reversed(range(16)):
+        lut[levels[i] + 128] = i
     return lut
 
 
@@ -410,6 +419,18 @@ def table_form(blocks: torch.Tensor, type_name: str):
     if (index == 16).any():
         return None
     return torch.from_numpy(index).to(blocks.device), sc, unit
+
+
+def x3_from_x4(x4: torch.Tensor) -> torch.Tensor:
+    """X4 blocks ``(B, 164)`` whose indices are all below 8 (an ``X3_TYPES`` type's) as X3
+    blocks ``(B, 124)`` of the same values."""
+    nib = x4[:, :128].reshape(-1, 4, 32)  # byte 32 c + j: element 64 c + j low, + 32 high
+    index = torch.cat([nib & 15, nib >> 4], dim=2)  # (B, 4, 64): element 64 c + l
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=x4.device).view(1, 4, 1)
+    low = ((index & 3) << shifts).sum(1, dtype=torch.uint8)  # disjoint bits: a sum is an or
+    bits = torch.arange(8, dtype=torch.uint8, device=x4.device)
+    high = ((index >> 2).reshape(-1, 32, 8) << bits).sum(2, dtype=torch.uint8)
+    return torch.cat([low, high, x4[:, 128:136], x4[:, 144:164]], 1)
 
 
 def q6_k_blocks(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

@@ -144,13 +144,13 @@ static int step_ok(const qlib_step *s) {
                    (t == 2 || t == 3 || t == 8 || t == 20 || (t >= 61 && t <= 63));
         return s->k % 64 == 0 && (t == 2 || t == 3 || t == 6 || t == 7 || t == 8);
     }
-    case STEP_KGEMV: /* GGUF blocks (Q2_K..Q6_K, IQ4_XS), X4 blocks (60), or Q4_K / IQ4_XS
+    case STEP_KGEMV: /* GGUF blocks (Q2_K..Q6_K, IQ4_XS), X4 / X3 blocks (60, 59), or Q4_K / IQ4_XS
                       * panels (| PANELS) */
         if (s->type == (12 | PANELS) || s->type == (23 | PANELS))
             return s->k % 256 == 0 && s->n % 16 == 0;
         return qlib_float_type(s->type) ? s->k % 64 == 0
                                         : ((s->type >= 10 && s->type <= 14) || s->type == 23 ||
-                                           s->type == 60) &&
+                                           s->type == 60 || s->type == 59) &&
                                               s->k % 256 == 0;
     case STEP_ATTN:
         return s->head_dim % 16 == 0 && s->head_dim <= 128 && s->n_head % s->n_kv == 0;

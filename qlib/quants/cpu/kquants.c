@@ -26,6 +26,10 @@
  * into levels[16] (the type's codes + 64), an int8 scale per 16 and a float32 d (value = d *
  * scale * code exactly as ggml dequantizes them); a vector of 64 codes is two 32-byte loads of
  * nibbles looked up by vpshufb, then run as Q6_K's codes are (offset 64 instead of 32).
+ * X3 is X4 for the types of at most 8 levels (the IQ2 and IQ1 families, the ternary types):
+ * 3-bit indices as a 2-bit plane (qs[64], Q2_K's: bits 2i of byte l are element 64i + l) and a
+ * bit plane (hb[32]: bit e the third bit of element e), levels[8], scales:i8[16], d:f32: 124
+ * bytes, 3.9 bits a weight (X4: 5.1).
  * Requires k % 256 == 0. F32 / F16 / BF16 rows, which the
  * Python side passes as one more kind of GGUF rows, go to floats.c.
  * From qlib_gemm_min_rows rows (4; prefill) the K-quants take a tiled GEMM path (below): the
@@ -53,7 +57,8 @@ void qlib_fgemv_region(int type, const uint8_t *w, int n, int k, const float *x,
 
 /* ggml's type ids */
 enum { QLIB_Q2_K = 10, QLIB_Q3_K = 11, QLIB_Q4_K = 12, QLIB_Q5_K = 13,
-       QLIB_Q6_K = 14, QLIB_IQ4_XS = 23, QLIB_X4 = 60 /* qlib's (below 64: the PANELS bit) */ };
+       QLIB_Q6_K = 14, QLIB_IQ4_XS = 23, QLIB_X3 = 59,
+       QLIB_X4 = 60 /* X3, X4: qlib's (below 64: the PANELS bit) */ };
 
 
 static int block_bytes(int type) {
@@ -65,6 +70,7 @@ static int block_bytes(int type) {
     case QLIB_Q6_K: return 210; /* ql[128] qh[64] scales:i8[16] d */
     case QLIB_IQ4_XS: return 136; /* d scales_h:u16 scales_l[4] qs[128] */
     case QLIB_X4: return 164;     /* qs[128] levels[16] (code + 64) scales:i8[16] d:f32 */
+    case QLIB_X3: return 124;     /* qs[64] hb[32] levels[8] (code + 64) scales:i8[16] d:f32 */
     default: return 0;
     }
 }
@@ -78,12 +84,13 @@ static inline float f16_at(const uint8_t *p) {
 /* The order of the 32-code chunks of an activation 256-block, as the weight unpacks:
  * Q4_K / Q5_K: the low nibbles of 64 bytes are elements 0..31 and 64..95, the high ones
  * 32..63 and 96..127 (then the same +128); Q2_K / Q3_K: bits 2j of 64 bytes are elements
- * 32j.. and 128 + 32j..; Q6_K, IQ4_XS and X4: natural order. */
+ * 32j.. and 128 + 32j..; Q6_K, IQ4_XS, X4 and X3: natural order. */
 static const int *act_order(int type) {
     static const int q45[8] = {0, 2, 1, 3, 4, 6, 5, 7}, q23[8] = {0, 4, 1, 5, 2, 6, 3, 7},
                      q6[8] = {0, 1, 2, 3, 4, 5, 6, 7};
     return type == QLIB_Q4_K || type == QLIB_Q5_K       ? q45
-           : type == QLIB_Q6_K || type == QLIB_IQ4_XS || type == QLIB_X4 ? q6
+           : type == QLIB_Q6_K || type == QLIB_IQ4_XS || type == QLIB_X4 || type == QLIB_X3
+               ? q6
                                                       : q23;
 }
 
@@ -147,7 +154,7 @@ static void scale_index(int type, int16_t idx[4][32]) {
             int s;
             if (type == QLIB_Q4_K || type == QLIB_Q5_K) /* sub-blocks (0,2) (1,3) (4,6) (5,7) */
                 s = (i / 2) * 4 + i % 2 + (l < 16 ? 0 : 2);
-            else if (type == QLIB_Q6_K || type == QLIB_X4) /* natural order, 16 per sub-block */
+            else if (type == QLIB_Q6_K || type == QLIB_X4 || type == QLIB_X3) /* natural, 16 each */
                 s = 4 * i + l / 8;
             else if (type == QLIB_IQ4_XS) /* int32 lanes (l / 2): 32 codes a scale, 2 copies */
                 s = l % 2 ? 0 : 2 * (2 * i + l / 16);
@@ -265,6 +272,18 @@ static inline __attribute__((always_inline)) void kunpack(const int type, const 
                 lv, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(x, m4y)),
                                        _mm256_and_si256(_mm256_srli_epi16(x, 4), m4y), 1));
         }
+    } else if (type == QLIB_X3) { /* vector i, byte l: element 64i + l; its index's low bits
+                                   * at bits 2i of qs[l], its third bit at bit 64i + l of hb */
+        memcpy(&d, w + 120, 4);
+        sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 104)));
+        const __m512i lv = _mm512_broadcast_i32x4(_mm_loadl_epi64((const __m128i *)(w + 96)));
+        const __m512i qs = _mm512_loadu_si512(w), four = _mm512_set1_epi8(4);
+        for (int i = 0; i < 4; i++) {
+            uint64_t hb;
+            memcpy(&hb, w + 64 + 8 * i, 8);
+            const __m512i low = _mm512_and_si512(_mm512_srli_epi16(qs, 2 * i), m2);
+            v[i] = _mm512_shuffle_epi8(lv, _mm512_mask_add_epi8(low, (__mmask64)hb, low, four));
+        }
     } else if (type == QLIB_IQ4_XS) {
         /* 8 scales ls - 32 of 32 codes (ls: a low nibble of scales_l, two bits of scales_h),
          * each twice (16 scale lanes, as the other types); a vector of 64 codes from 32 qs
@@ -317,7 +336,7 @@ static inline __attribute__((always_inline)) void kdot(const int type, const kun
     const int off_shift = type == QLIB_Q6_K     ? 5
                           : type == QLIB_Q3_K   ? 2
                           : type == QLIB_IQ4_XS ? 7
-                          : type == QLIB_X4     ? 6
+                          : type == QLIB_X4 || type == QLIB_X3 ? 6
                                                 : 0;
     __m512i isum = _mm512_setzero_si512();
     if (type == QLIB_IQ4_XS) /* codes up to 241: sums of 4 in int32 (vpmaddubsw would saturate) */
@@ -331,8 +350,9 @@ static inline __attribute__((always_inline)) void kdot(const int type, const kun
         const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(u->sc16, bsv), off_shift);
         isum = _mm512_sub_epi32(isum, _mm512_inserti64x4(_mm512_setzero_si512(), off, 0));
     }
-    if (type == QLIB_X4) { /* lanes of (code + 64) sums that cancel only across lanes (ternary
-                            * codes are +-1 against 64): their exact total, rounded once */
+    if (type == QLIB_X4 || type == QLIB_X3) { /* lanes of (code + 64) sums that cancel only
+                                               * across lanes (ternary codes are +-1 against
+                                               * 64): their exact total, rounded once */
         const __m512 t = _mm512_set1_ps((float)_mm512_reduce_add_epi32(isum));
         *acc = _mm512_mask3_fmadd_ps(t, _mm512_set1_ps(u->d * da), *acc, 1);
         return;
@@ -422,6 +442,7 @@ static void dot_rows_k(int rows, int type, const uint8_t *w, size_t row_bytes, i
         QLIB_K_CASE(QLIB_Q6_K)
         QLIB_K_CASE(QLIB_IQ4_XS)
         QLIB_K_CASE(QLIB_X4)
+        QLIB_K_CASE(QLIB_X3)
     }
 #undef QLIB_K_CASE
 }
@@ -444,6 +465,7 @@ static void dot_cols_k(int M, int type, const uint8_t *w, int k, const int8_t *a
         QLIB_K_CASE(QLIB_Q6_K)
         QLIB_K_CASE(QLIB_IQ4_XS)
         QLIB_K_CASE(QLIB_X4)
+        QLIB_K_CASE(QLIB_X3)
     }
 #undef QLIB_K_CASE
 }
@@ -481,7 +503,7 @@ static inline __attribute__((always_inline)) kgeom kgeometry(int type) {
     g.off = type == QLIB_Q6_K     ? 32
             : type == QLIB_Q3_K   ? 4
             : type == QLIB_IQ4_XS ? 128
-            : type == QLIB_X4     ? 64
+            : type == QLIB_X4 || type == QLIB_X3 ? 64
                                   : 0;
     g.mins = type == QLIB_Q2_K || by32;
     g.bs0 = by32 ? 8 : 0;
@@ -623,6 +645,7 @@ static void krows_tiled_t(int MR, int type, const uint8_t *wt, const float *sc,
         QLIB_KT_CASE(QLIB_Q6_K)
         QLIB_KT_CASE(QLIB_IQ4_XS)
         QLIB_KT_CASE(QLIB_X4)
+        QLIB_KT_CASE(QLIB_X3)
     }
 #undef QLIB_KT_CASE
 }

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..gridquants import X4_BYTES, X4_UNIT
+from ..gridquants import X3_BYTES, X4_BYTES, X4_UNIT
 
 # kernels.c's types: ggml's type ids, and qlib's own blocks of 32 for three GGUF types: MXFP4H
 # (``d:f16 qs[16]``, 18 bytes: an MXFP4 block's nibbles under its E8M0 scale as an f16, IQ4_NL's
@@ -39,12 +39,14 @@ PANEL_FORMS = {"MXFP4": "MXFP4H", "NVFP4": "NVFP4H", "Q1_0": "Q1_0H"}
 M_WORDS = {"Q4_1": 1, "Q5_0": 2, "Q5_1": 3}
 # the weight types of kquants.c (ggml's type ids), read as GGUF blocks: (elements, bytes) a
 # block; the float types' rows (floats.c, through kquants.c's entry points) are blocks of one.
-# X4 is qlib's own block (60, not a GGUF type): the types of ``X4_TYPES`` expanded at load
-BLOCK_CODES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
-               "Q6_K": 14, "IQ4_XS": 23, "X4": 60, "F32": 0, "F16": 1, "BF16": 30}  # fmt: skip
+# X4 and X3 are qlib's own blocks (60, 59: not GGUF types): the types of ``X4_TYPES`` expanded
+# at load (X3: those of ``X3_TYPES``, at most 8 levels, 3-bit indices)
+BLOCK_CODES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_XS": 23,
+               "X4": 60, "X3": 59, "F32": 0, "F16": 1, "BF16": 30}  # fmt: skip
 BLOCKS = {"Q2_K": (256, 84), "Q3_K": (256, 110),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136),
-          "X4": (256, X4_BYTES), "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2)}  # fmt: skip
+          "X4": (256, X4_BYTES), "X3": (256, X3_BYTES), "F32": (1, 4), "F16": (1, 2),
+          "BF16": (1, 2)}  # fmt: skip
 # the GGUF types ``pack`` expands into X4 blocks (``gridquants.as_x4``): the grid i-quants, the
 # ternary types and NVFP4 not packed as panels (bf16 rows where its scales do not fit one X4
 # block's unit)

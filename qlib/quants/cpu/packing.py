@@ -24,7 +24,7 @@ import torch
 from ..base import FORMATS
 from ..forms import bf16_form, kernel_form
 from ..fp4 import LEGACY_FORM, as_legacy
-from ..gridquants import as_x4, x4_tables
+from ..gridquants import X3_TYPES, as_x4, x3_from_x4, x4_tables
 from ..types import ggml_type
 from . import build, ops
 from .layout import (
@@ -48,12 +48,13 @@ Q = TypeVar("Q")  # a QTensor (qtensor imports this module)
 
 
 def supports(type_name: str, k: int) -> bool:
-    """Whether the C kernels handle a weight of this type and row length (``kernels.c``:
-    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (panels, else Q8_0 planes), k % 64 == 0, and as their
+    """Whether the C kernels handle a weight of this type and row length (``kernels.c``: Q4_0,
+    Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (panels, else Q8_0 planes), k % 64 == 0, and as their
     blocks MXFP4 (MXFP4H panels, else Q5_0), NVFP4 (NVFP4H panels) and Q1_0 (Q1_0H panels,
-    else Q4_0, k % 128); ``kquants.c``: Q2_K..Q6_K, IQ4_XS, k % 256 == 0, and as X4 blocks the
-    grid i-quants, the ternary types and NVFP4 without panels (bf16 rows where k % 256 or its
-    scales do not allow); ``floats.c``: F32, F16, BF16, k % 64)."""
+    else Q4_0, k % 128); ``kquants.c``: Q2_K..Q6_K, IQ4_XS, k % 256 == 0, and as X4 blocks
+    (X3 for those of at most 8 levels) the grid i-quants, the ternary types and NVFP4
+    without panels (bf16 rows where k % 256 or its scales do not allow); ``floats.c``: F32,
+    F16, BF16, k % 64)."""
     multiple = ROW_MULTIPLE.get(type_name)
     return multiple is not None and k % multiple == 0 and build.available()
 
@@ -104,20 +105,22 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
             for q in qtensors:
                 release(q.data)
         return packed
-    if name in X4_TYPES:  # the grid i-quants, ternary types, NVFP4: their values as X4 blocks,
-        # written where they are kept (NVFP4, which may not fit: first into memory of its own)
-        n, row_bytes = sum(r for r, _ in weights), k // 256 * BLOCKS["X4"][1]
+    if name in X4_TYPES:  # the grid i-quants, ternary types, NVFP4: their values as X4 blocks
+        # (X3 where 8 levels hold them), written where they are kept (NVFP4, which may not
+        # fit: first into memory of its own)
+        kind = "X3" if name in X3_TYPES else "X4"
+        n, row_bytes = sum(r for r, _ in weights), k // 256 * BLOCKS[kind][1]
         may_fail = name == "NVFP4"
         empty = torch.empty if may_fail else weights_empty
         codes = empty((n, row_bytes), dtype=torch.uint8) if k % 256 == 0 else None
         j = 0
         for rows, data in weights:
-            if codes is None or not _x4(data, name, release, codes[j : j + rows]):
+            if codes is None or not _x4(data, name, release, codes[j : j + rows], kind):
                 # NVFP4 rows of no whole super-blocks, or its scales too far apart: its values
                 # as bf16 rows
                 return pack([bf16_form(q) for q in qtensors], panels=panels)
             j += rows
-        return PackedWeight("X4", n, k, weights_copy(codes) if may_fail else codes, None, None)
+        return PackedWeight(kind, n, k, weights_copy(codes) if may_fail else codes, None, None)
     if name in BLOCK_CODES:  # kquants.c / floats.c read the GGUF rows: a copy, row after row
         elements, nbytes = BLOCKS[name]
         if k % ROW_MULTIPLE[name]:
@@ -200,31 +203,34 @@ def pack(qtensors, release: Callable[[torch.Tensor], object] | None = None,
     return PackedWeight(name, n, k, codes, d, m)
 
 
-def _x4(data: torch.Tensor, type_name: str, release, out: torch.Tensor) -> bool:
+def _x4(data: torch.Tensor, type_name: str, release, out: torch.Tensor, kind: str = "X4") -> bool:
     """GGUF blocks of an ``X4_TYPES`` weight as X4 blocks (``gridquants.as_x4``: the same
-    values) into ``out`` (uint8, its rows' X4 bytes), piece by piece (``release`` drops each
-    piece's mapped pages once read). A block that does not fit is a ``ValueError`` (ggml's
-    blocks of the grid and ternary types always do), or False for NVFP4 (its values then go as
-    bf16 rows)."""
+    values; ``kind`` X3: then as X3 blocks, ``x3_from_x4``) into ``out`` (uint8, its rows'
+    bytes), piece by piece (``release`` drops each piece's mapped pages once read). A block
+    that does not fit is a ``ValueError`` (ggml's blocks of the grid and ternary types always
+    do), or False for NVFP4 (its values then go as bf16 rows)."""
     t = ggml_type(type_name)
     per = 256 // t.block_size  # GGUF blocks an X4 block
     blocks = data.reshape(-1, t.type_size)
-    out = out.view(-1, BLOCKS["X4"][1])
+    out = out.view(-1, BLOCKS[kind][1])
     step = max(1, PACK_CHUNK // t.type_size // per) * per
     for b in range(0, blocks.shape[0], step):
         src, dst = blocks[b : b + step], out[b // per : (b + step) // per]
+        x4 = dst if kind == "X4" else torch.empty((len(dst), BLOCKS["X4"][1]), dtype=torch.uint8)
         if build.available():  # in C (gridx4.c): the same bytes, ~7x faster
-            done = ops.x4_from_blocks(type_name, src, *x4_tables(type_name), dst)
+            done = ops.x4_from_blocks(type_name, src, *x4_tables(type_name), x4)
         else:
-            x4 = as_x4(src, type_name)
-            done = x4 is not None
+            made = as_x4(src, type_name)
+            done = made is not None
             if done:
-                dst.copy_(x4)
+                x4.copy_(made)
             elif type_name != "NVFP4":
                 raise ValueError(f"{type_name} blocks with a scale that is no whole multiple of "
                                  "their d (a non-finite or corrupt d)")  # fmt: skip
         if not done:  # NVFP4 scales no one unit holds
             return False
+        if kind == "X3":
+            dst.copy_(x3_from_x4(x4))
         if release is not None:
             release(src)
     return True

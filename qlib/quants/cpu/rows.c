@@ -5,7 +5,7 @@
  * "The embedding row in C").
  *
  * qlib_dequant_rows reads GGUF blocks of F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
- * Q2_K..Q6_K, IQ4_NL, IQ4_XS (and qlib's X4, MXFP4H, NVFP4H and Q1_0H blocks), row after
+ * Q2_K..Q6_K, IQ4_NL, IQ4_XS (and qlib's X4, X3, MXFP4H, NVFP4H and Q1_0H blocks), row after
  * row, or 16-row panels (type | 64) of Q4_0 / Q4_1 / Q8_0 / IQ4_NL and qlib's (kernels.c's
  * qlib_panel_get) and Q4_K / IQ4_XS (kquants.c's qlib_kpanel_get), which give a row's blocks
  * back. */
@@ -17,7 +17,7 @@
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
-    T_IQ4_XS = 23, T_BF16 = 30, T_X4 = 60 /* qlib's expanded i-quants: kquants.c */,
+    T_IQ4_XS = 23, T_BF16 = 30, T_X3 = 59, T_X4 = 60 /* qlib's expanded i-quants: kquants.c */,
     T_MXFP4H = 61, T_NVFP4H = 62, T_Q1_0H = 63 /* qlib's blocks of 32: kernels.c */,
     PANELS = 64,
 };
@@ -33,8 +33,8 @@ static void block_shape(int type, int *qk, int *bytes) {
         {T_F32, 1, 4}, {T_F16, 1, 2}, {T_BF16, 1, 2}, {T_Q4_0, 32, 18}, {T_Q4_1, 32, 20},
         {T_Q5_0, 32, 22}, {T_Q5_1, 32, 24}, {T_Q8_0, 32, 34}, {T_Q2_K, 256, 84},
         {T_Q3_K, 256, 110}, {T_Q4_K, 256, 144}, {T_Q5_K, 256, 176}, {T_Q6_K, 256, 210},
-        {T_IQ4_NL, 32, 18}, {T_IQ4_XS, 256, 136}, {T_X4, 256, 164}, {T_MXFP4H, 32, 18},
-        {T_NVFP4H, 32, 20}, {T_Q1_0H, 32, 6},
+        {T_IQ4_NL, 32, 18}, {T_IQ4_XS, 256, 136}, {T_X4, 256, 164}, {T_X3, 256, 124},
+        {T_MXFP4H, 32, 18}, {T_NVFP4H, 32, 20}, {T_Q1_0H, 32, 6},
     };
     *qk = *bytes = 0;
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
@@ -216,6 +216,18 @@ static void x4_block(const uint8_t *b, float *y) {
     }
 }
 
+/* X3: the same with 3-bit indices, their low bits at bits 2 (e / 64) of byte e % 64, their
+ * third bit at bit e of hb (byte 64 on), 8 levels (kquants.c) */
+static void x3_block(const uint8_t *b, float *y) {
+    float d;
+    memcpy(&d, b + 120, 4);
+    for (int e = 0; e < 256; e++) {
+        const int low = (b[e % 64] >> (2 * (e / 64))) & 3, high = (b[64 + e / 8] >> (e % 8)) & 1;
+        const int index = low | high << 2;
+        y[e] = d * (float)(int8_t)b[104 + e / 16] * (float)(b[96 + index] - 64);
+    }
+}
+
 /* One row of k elements from its GGUF blocks */
 static void dequant_row(int type, const uint8_t *row, int k, float *y) {
     int qk, bytes;
@@ -236,6 +248,7 @@ static void dequant_row(int type, const uint8_t *row, int k, float *y) {
         case T_Q1_0H: q1_0h_block(row, y); break;
         case T_IQ4_XS: iq4_xs_block(row, y); break;
         case T_X4: x4_block(row, y); break;
+        case T_X3: x3_block(row, y); break;
         default: legacy_block(type, row, y);
         }
     }
