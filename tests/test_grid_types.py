@@ -209,11 +209,11 @@ def test_x4_blocks(t):
 @needs_kernels
 @pytest.mark.parametrize("t", TYPES)
 def test_x4_expansion_in_c_equals_torchs(t):
-    """The load's expansion in C (``cpu/gridx4.c``) gives the X4 bytes of ``as_x4`` (torch)
-    byte for byte: random blocks (every byte pattern is a block of these types; IQ1_M's d
-    included) and a d of zero."""
+    """The load's expansion in C (``cpu/gridx4.c``) gives the X4 bytes of ``as_x4`` (torch) byte
+    for byte, and X3's of ``x3_from_x4`` for the types of at most 8 levels: random blocks
+    (every byte pattern is a block of these types; IQ1_M's d included) and a d of zero."""
     from qlib.quants.cpu import ops
-    from qlib.quants.gridquants import as_x4, block_d, x4_tables
+    from qlib.quants.gridquants import as_x4, block_d, x3_from_x4, x4_tables
 
     w = np.random.default_rng(6).standard_normal((32, 1024)).astype(np.float32)
     q = random_blocks(w, t, seed=11)
@@ -225,6 +225,13 @@ def test_x4_expansion_in_c_equals_torchs(t):
     out = torch.empty((blocks.shape[0], 164), dtype=torch.uint8)
     ops.x4_from_blocks(t, blocks, *x4_tables(t), out)
     assert torch.equal(out, as_x4(blocks, t))
+    x3 = torch.empty((blocks.shape[0], 124), dtype=torch.uint8)
+    if t in X3_TYPES:  # and X3 blocks in C as in torch
+        ops.x4_from_blocks(t, blocks, *x4_tables(t), x3, "X3")
+        assert torch.equal(x3, x3_from_x4(out))
+    else:
+        with pytest.raises(ValueError, match="more than 8 levels"):
+            ops.x4_from_blocks(t, blocks, *x4_tables(t), x3, "X3")
 
 
 @needs_kernels

@@ -236,37 +236,70 @@ static int emit_x4(const int8_t *codes, const int *sc, float unit, const uint8_t
     return 0;
 }
 
-/* n GGUF blocks of `type` -> n X4 blocks at out. grid: the type's grid (int8 rows of 8 or 4),
- * index[c + 128]: the level index of code c (16: none), levels: the 16 level bytes. Returns 0;
- * -1 (an unknown type), -2 (a block with a non-finite d), -3 (a code the levels lack). */
-int qlib_x4_from_blocks(int type, const uint8_t *blocks, int64_t n, const int8_t *grid,
-                        const uint8_t *index, const uint8_t *levels, uint8_t *out) {
+/* One GGUF 256-weight block of `type` (NVFP4: four blocks) -> its X4 block at o: 0, or -2 (a
+ * non-finite d), -3 (a code the levels lack), -4 (NVFP4 scales no one unit holds) */
+static int x4_block(int type, const uint8_t *src, const int8_t *grid, const uint8_t *index,
+                    const uint8_t *levels, uint8_t *o) {
+    _Alignas(64) int8_t codes[256];
+    int sc[16];
+    float unit;
+    if (type == T_NVFP4) {
+        if (decode_nvfp4(src, codes, sc, &unit)) return -4;
+    } else {
+        float d, unit_of_d;
+        decode(type, src, grid, codes, sc, &d, &unit_of_d);
+        if (!isfinite(d)) return -2;
+        unit = d * unit_of_d; /* exact: a power of 2 (or 1) times an f16 */
+    }
+    return emit_x4(codes, sc, unit, index, levels, o);
+}
+
+/* An X4 block -> its X3 block (qs[64]: the indices' low two bits, bits 2i of byte l for
+ * element 64i + l; hb[32]: their third bits, bit e for element e; levels[8] scales[16] d),
+ * kquants.c's: 0, or -5 for an index of 8 or more (a type of more than 8 levels) */
+static int x3_of_x4(const uint8_t *x, uint8_t *o) {
+    int bad = 0;
+    memset(o, 0, 96);
+    for (int e = 0; e < 256; e++) {
+        const int byte = x[32 * (e / 64) + e % 32];
+        const int index = e % 64 < 32 ? byte & 15 : byte >> 4;
+        bad |= index > 7;
+        o[e % 64] |= (uint8_t)((index & 3) << (2 * (e / 64)));
+        o[64 + e / 8] |= (uint8_t)((index >> 2 & 1) << (e % 8));
+    }
+    memcpy(o + 96, x + 128, 8);
+    memcpy(o + 104, x + 144, 20);
+    return bad ? -5 : 0;
+}
+
+/* n GGUF blocks of `type` -> n X4 blocks at out (x3: X3 blocks, for the types of at most 8
+ * levels). grid: the type's grid (int8 rows of 8 or 4), index[c + 128]: the level index of
+ * code c (16: none), levels: the 16 level bytes. Returns 0; -1 (an unknown type), or a block's
+ * status (x4_block, x3_of_x4). */
+static int from_blocks(int type, const uint8_t *blocks, int64_t n, const int8_t *grid,
+                       const uint8_t *index, const uint8_t *levels, uint8_t *out, int x3) {
     const int size = type == T_NVFP4 ? 4 * 36 : block_bytes(type); /* NVFP4: 4 blocks a 256 */
     if (!size) return -1;
     int status = 0;
 #pragma omp parallel for schedule(static) reduction(min : status)
     for (int64_t i = 0; i < n; i++) {
-        _Alignas(64) int8_t codes[256];
-        int sc[16];
-        float unit;
-        if (type == T_NVFP4) {
-            if (decode_nvfp4(blocks + i * size, codes, sc, &unit)) {
-                status = -4;
-                continue;
-            }
-        } else {
-            float d, unit_of_d;
-            decode(type, blocks + i * size, grid, codes, sc, &d, &unit_of_d);
-            if (!isfinite(d)) {
-                status = -2;
-                continue;
-            }
-            unit = d * unit_of_d; /* exact: a power of 2 (or 1) times an f16 */
-        }
-        const int bad = emit_x4(codes, sc, unit, index, levels, out + i * X4_BYTES);
+        _Alignas(64) uint8_t x4[X4_BYTES];
+        uint8_t *o = x3 ? x4 : out + i * X4_BYTES;
+        int bad = x4_block(type, blocks + i * size, grid, index, levels, o);
+        if (!bad && x3) bad = x3_of_x4(x4, out + i * 124);
         if (bad) status = bad;
     }
     return status;
+}
+
+int qlib_x4_from_blocks(int type, const uint8_t *blocks, int64_t n, const int8_t *grid,
+                        const uint8_t *index, const uint8_t *levels, uint8_t *out) {
+    return from_blocks(type, blocks, n, grid, index, levels, out, 0);
+}
+
+int qlib_x3_from_blocks(int type, const uint8_t *blocks, int64_t n, const int8_t *grid,
+                        const uint8_t *index, const uint8_t *levels, uint8_t *out) {
+    return from_blocks(type, blocks, n, grid, index, levels, out, 1);
 }
 
 /* An MXFP4 block's scale 2^(e - 128) (ggml's GGML_E8M0_TO_FP32_HALF: subnormal below e = 2) */

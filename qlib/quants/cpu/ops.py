@@ -78,6 +78,7 @@ _SIGNATURES = {
     "qlib_kpanel_set_prefetch": ([_i], None),
     "qlib_kpanel_put": ([_i, _p, _i, _i, _p, _i], _i),
     "qlib_x4_from_blocks": ([_i, _p, ctypes.c_int64, _p, _p, _p, _p], _i),
+    "qlib_x3_from_blocks": ([_i, _p, ctypes.c_int64, _p, _p, _p, _p], _i),
     "qlib_legacy_from_blocks": ([_i, _p, ctypes.c_int64, _p], _i),
     "qlib_mxfp4h_from_blocks": ([_p, ctypes.c_int64, _p], _i),
     "qlib_nvfp4h_from_blocks": ([_p, ctypes.c_int64, _p], _i),
@@ -446,14 +447,15 @@ def kpanels_put(type_name: str, blocks: torch.Tensor, k: int, panels: torch.Tens
 
 def x4_from_blocks(type_name: str, blocks: torch.Tensor, grid: torch.Tensor,
                    index: torch.Tensor, levels: torch.Tensor,
-                   out: torch.Tensor) -> bool:  # fmt: skip
+                   out: torch.Tensor, kind: str = "X4") -> bool:  # fmt: skip
     """GGUF blocks of a grid i-quant, ternary type or NVFP4 (uint8 ``[n, block bytes]``) -> X4
     blocks (``out``, uint8 ``[n / per, 164]``, ``per`` GGUF blocks a 256 weights), as
-    ``gridquants.as_x4`` makes them (``gridx4.c``): ``grid`` the type's grid (int8 rows; any
-    int8 tensor for the others), ``index[c + 128]`` the level index of code ``c`` (16: none)
-    and ``levels`` the 16 level bytes (uint8). False, for NVFP4 scales that no one unit holds
-    (the caller takes another form); a ``ValueError`` for a block with a non-finite d or a
-    code outside the levels."""
+    ``gridquants.as_x4`` makes them (``gridx4.c``), or with ``kind`` X3 X3 blocks (``[n / per,
+    124]``, as ``gridquants.x3_from_x4`` makes them of those; the types of ``X3_TYPES``):
+    ``grid`` the type's grid (int8 rows; any int8 tensor for the others), ``index[c + 128]``
+    the level index of code ``c`` (16: none) and ``levels`` the 16 level bytes (uint8). False,
+    for NVFP4 scales that no one unit holds (the caller takes another form); a ``ValueError``
+    for a block with a non-finite d or a code outside the levels."""
     t = ggml_type(type_name)
     for name, tensor, dtype in (("blocks", blocks, torch.uint8), ("grid", grid, torch.int8),
                                 ("index", index, torch.uint8), ("levels", levels, torch.uint8),
@@ -461,18 +463,20 @@ def x4_from_blocks(type_name: str, blocks: torch.Tensor, grid: torch.Tensor,
         _check(tensor, dtype, name)
     size = t.type_size * 256 // t.block_size
     n = blocks.numel() // size
-    if blocks.numel() != n * size or out.numel() != n * BLOCKS["X4"][1]:
+    if blocks.numel() != n * size or out.numel() != n * BLOCKS[kind][1]:
         raise ValueError(f"x4_from_blocks: {blocks.numel()} bytes of {t.name} blocks for "
-                         f"{out.numel()} bytes of X4 blocks")  # fmt: skip
+                         f"{out.numel()} bytes of {kind} blocks")  # fmt: skip
     if index.numel() != 256 or levels.numel() != 16:
         raise ValueError("x4_from_blocks: index needs 256 entries and levels 16")
-    status = _lib().qlib_x4_from_blocks(t.id, blocks.data_ptr(), n, grid.data_ptr(),
-                                        index.data_ptr(), levels.data_ptr(),
-                                        out.data_ptr())  # fmt: skip
+    convert = _lib().qlib_x3_from_blocks if kind == "X3" else _lib().qlib_x4_from_blocks
+    status = convert(t.id, blocks.data_ptr(), n, grid.data_ptr(), index.data_ptr(),
+                     levels.data_ptr(), out.data_ptr())  # fmt: skip
     if status == -1:
         raise ValueError(f"x4_from_blocks: no X4 decoder for {t.name}")
     if status == -4:
         return False
+    if status == -5:
+        raise ValueError(f"x4_from_blocks: {t.name} has more than 8 levels: no X3 blocks")
     if status:
         raise ValueError(f"{t.name} blocks with a scale that is no whole multiple of their d "
                          "(a non-finite or corrupt d)")  # fmt: skip
