@@ -87,6 +87,19 @@ def test_repack_keeps_values(name):
         assert w.data.numel() <= p.nbytes() <= w.data.numel() * 1.3
 
 
+def test_table_planes_made_in_pieces(monkeypatch):
+    """A table type's planes made a few rows at a time (``TABLE_CHUNK``; a short last piece)
+    are the whole weight's."""
+    w = random_blocks(10, 512, "IQ2_XS", seed=4)
+    whole = layout.repack(w.data, "IQ2_XS", w.shape)
+    monkeypatch.setattr(layout, "TABLE_CHUNK", 3 * 512)
+    pieces = layout.repack(w.data, "IQ2_XS", w.shape)
+    for a, b in ((whole.qs, pieces.qs), (whole.sc, pieces.sc), (whole.d, pieces.d)):
+        assert torch.equal(a, b)
+    want = dequantize_torch(w.data, "IQ2_XS", w.shape)
+    assert torch.equal(layout.dequantize_prepared(pieces), want)
+
+
 def test_prepare_is_cached_and_keeps_gguf_bytes():
     w = random_blocks(8, 64, "Q4_1")
     before = w.data.clone()

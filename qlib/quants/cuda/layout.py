@@ -74,6 +74,7 @@ FORMAT_ID: dict[str, int] = {name: i for i, name in enumerate(_FORMATS[:-1])} | 
 # the epilogues of ``fused.norm_gemv`` (here, so that callers need not import Triton):
 # store, add into y, SwiGLU of a stacked gate/up, gate (y holds the gate: silu(y) * x @ W.T)
 EPI_STORE, EPI_ADD, EPI_SWIGLU, EPI_GATE = 0, 1, 2, 3
+TABLE_CHUNK = 1 << 22  # weights of a table type unpacked at a time (``repack``)
 _OFFSET = {"Q4_0": -8, "Q5_0": -16, "Q6_K": -32, "Q3_K": -4}  # symmetric formats: code - offset
 
 
@@ -218,13 +219,20 @@ def repack(data: torch.Tensor, type_name: str, shape: tuple[int, int]) -> Prepar
         qs = b[..., 2:18].reshape(n, k // 2).contiguous()
         return Prepared(name, n, k, qs, qh=levels, d=_field(b, 0, f16))
     if name in TABLE_TYPES:  # indices into the type's 16 levels, int8 scales a 16, a unit
-        parts = table_form(b.reshape(-1, t.type_size), name)
-        if parts is None:
-            raise ValueError(f"{name} blocks whose scales are no whole multiples of their d")
-        index, sc, unit = parts
+        qs = torch.empty((n, k // 2), dtype=u8, device=b.device)
+        sc = torch.empty((n, k // 16), dtype=torch.int8, device=b.device)
+        unit = torch.empty((n, k // 256), dtype=torch.float32, device=b.device)
+        step = max(1, TABLE_CHUNK // k)  # rows a piece: the unpacking's temporaries stay small
+        for r in range(0, n, step):
+            parts = table_form(b[r : r + step].reshape(-1, t.type_size), name)
+            if parts is None:
+                raise ValueError(f"{name} blocks whose scales are no whole multiples of their d")
+            rows = min(step, n - r)
+            qs[r : r + rows] = _nibble_plane(parts[0].reshape(rows, k))
+            sc[r : r + rows] = parts[1].reshape(rows, k // 16)
+            unit[r : r + rows] = parts[2].reshape(rows, k // 256)
         levels = torch.from_numpy(x4_levels(name)).to(b.device)
-        return Prepared(name, n, k, _nibble_plane(index.reshape(n, k)), qh=levels,
-                        d=unit.reshape(n, k // 256), sc=sc.reshape(n, k // 16))  # fmt: skip
+        return Prepared(name, n, k, qs, qh=levels, d=unit, sc=sc)
     if name == "MXFP4":  # e qs[16]: element j low, j + 16 high (the Q4_0 order)
         scales = torch.from_numpy(e8m0_half(b[..., 0].cpu().numpy())).to(b.device)
         qs = b[..., 1:17].reshape(n, k // 2).contiguous()
