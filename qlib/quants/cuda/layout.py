@@ -44,7 +44,8 @@ Q2_K's offset ``-dmin * m`` per 16 elements (two per 32-group).
 
 The planes take about the bytes of the GGUF tensor (Q4_K/Q5_K a little more:
 one byte per scale and min instead of 6 bits; Q3_K 4% more, Q2_K 19%: a byte
-per 4-bit scale and min). They are kept beside the
+per 4-bit scale and min; the table types' 4.6 bits up to twice their file's, the
+IQ2 family's 2.1-2.5). They are kept beside the
 ``QTensor`` (keyed on its ``data`` tensor, released with it); ``QTensor.data``
 is never changed. ``dequantize_prepared`` is the pure-torch reading of the
 planes that the kernels implement.
