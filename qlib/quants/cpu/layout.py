@@ -47,9 +47,9 @@ BLOCKS = {"Q2_K": (256, 84), "Q3_K": (256, 110),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136),
           "X4": (256, X4_BYTES), "X3": (256, X3_BYTES), "F32": (1, 4), "F16": (1, 2),
           "BF16": (1, 2)}  # fmt: skip
-# the GGUF types ``pack`` expands into X4 blocks (``gridquants.as_x4``): the grid i-quants, the
-# ternary types and NVFP4 not packed as panels (bf16 rows where its scales do not fit one X4
-# block's unit)
+# the GGUF types ``pack`` expands into X4 blocks (``gridquants.as_x4``; X3 for
+# ``gridquants.X3_TYPES``): the grid i-quants, the ternary types and NVFP4 not packed as panels
+# (bf16 rows where its scales do not fit one X4 block's unit)
 X4_TYPES = (*X4_UNIT, "NVFP4")
 # the GGUF types ``pack`` runs as legacy planes or panels of the same values (``packing._legacy``:
 # MXFP4 as Q5_0, Q1_0 as Q4_0; bf16 rows where an MXFP4 scale leaves f16's range), unless they
