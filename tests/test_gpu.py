@@ -29,7 +29,7 @@ from qlib.quants.api import dequantize_torch
 from qlib.quants.bench import random_blocks
 from qlib.quants.cuda import layout
 from qlib.quants.cuda import matmul as gpu
-from qlib.quants.gridquants import TABLE_TYPES
+from qlib.quants.gridquants import TABLE_TYPES, X3_TYPES
 from qlib.quants.types import ggml_type
 
 CUDA = torch.cuda.is_available() and gpu.triton_available()
@@ -81,7 +81,9 @@ def test_repack_keeps_values(name):
     p = layout.repack(w.data, name, w.shape)
     ref = dequantize_torch(w.data, name, w.shape)
     assert torch.equal(layout.dequantize_prepared(p), ref)
-    if name in TABLE_TYPES:  # 4.625 bits a weight and the 16 levels, whatever the file's bits
+    if name in X3_TYPES:  # 3.625 bits a weight and the 8 levels, whatever the file's bits
+        assert p.nbytes() == 24 * 512 * 29 // 64 + 8
+    elif name in TABLE_TYPES:  # 4.625 bits and the 16 levels
         assert p.nbytes() == 24 * 512 * 37 // 64 + 16
     else:
         assert w.data.numel() <= p.nbytes() <= w.data.numel() * 1.3

@@ -325,7 +325,7 @@ def _embed_kernel(
     gmask = (g < G)[:, None]
     g = tl.minimum(g, G - 1)
     i = tl.arange(0, 16)
-    lo, hi = _codes(qs, qh, row, g[:, None], i[None, :], qs_stride, qh_stride, FMT)
+    lo, hi = _codes(qs, qh, mn, row, g[:, None], i[None, :], qs_stride, qh_stride, FMT)
     s_lo, s_hi, off_lo, off_hi = _scales(d, dm, sc, mn, row, g, d_stride, sc_stride, FMT)
     v_lo = lo.to(tl.float32) * s_lo[:, None]
     v_hi = hi.to(tl.float32) * s_hi[:, None]

@@ -36,12 +36,13 @@ NVFP4 = tl.constexpr(FORMAT_ID["NVFP4"])
 Q1_0 = tl.constexpr(FORMAT_ID["Q1_0"])
 MXFP4 = tl.constexpr(FORMAT_ID["MXFP4"])
 IQ4_NL = tl.constexpr(FORMAT_ID["IQ4_NL"])
-TABLE = tl.constexpr(FORMAT_ID["IQ4_XS"])  # every type of gridquants.TABLE_TYPES
+TABLE = tl.constexpr(FORMAT_ID["IQ4_XS"])  # the types of gridquants.TABLE_TYPES of 16 levels
+TABLE3 = tl.constexpr(FORMAT_ID["IQ2_XS"])  # those of at most 8 (gridquants.X3_TYPES)
 _HAS_OFFSET = {FORMAT_ID[n] for n in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")}
 
 
 @triton.jit
-def _codes(qs, qh, row, g, i, qs_stride, qh_stride, FMT: tl.constexpr):
+def _codes(qs, qh, mn, row, g, i, qs_stride, qh_stride, FMT: tl.constexpr):
     """Signed codes of elements ``32g + i`` (lo) and ``32g + 16 + i`` (hi) of weight row ``row``.
 
     ``row`` (int64), ``g`` and ``i`` broadcast against each other; so do the results.
@@ -54,15 +55,21 @@ def _codes(qs, qh, row, g, i, qs_stride, qh_stride, FMT: tl.constexpr):
         h = tl.load(qs + row * qs_stride + g)
         lo = ((h >> i) & 1) * 2 - 1
         hi = ((h >> (i + 16)) & 1) * 2 - 1
-    elif FMT == Q2_K or FMT == Q3_K:
+    elif FMT == Q2_K or FMT == Q3_K or FMT == TABLE3:
         b = tl.load(qs + row * qs_stride + g * 8 + (i % 8)).to(tl.int32)
         shift = (i // 8) * 2
         lo = (b >> shift) & 3
         hi = (b >> (shift + 4)) & 3
-        if FMT == Q3_K:
+        if FMT == Q3_K or FMT == TABLE3:
             h = tl.load(qh + row * qh_stride + g)
-            lo = (lo | (((h >> i) & 1) << 2)) - 4
-            hi = (hi | (((h >> (i + 16)) & 1) << 2)) - 4
+            lo = lo | (((h >> i) & 1) << 2)
+            hi = hi | (((h >> (i + 16)) & 1) << 2)
+        if FMT == Q3_K:
+            lo = lo - 4
+            hi = hi - 4
+        if FMT == TABLE3:  # 3-bit indices into the type's 8 levels (mn: int8)
+            lo = tl.load(mn + lo).to(tl.int32)
+            hi = tl.load(mn + hi).to(tl.int32)
     else:
         b = tl.load(qs + row * qs_stride + g * 16 + i).to(tl.int32)
         lo = b & 15
@@ -123,7 +130,7 @@ def _scales(d, dm, sc, mn, row, g, d_stride, sc_stride, FMT: tl.constexpr):
         s_hi = tl.load(d + row * d_stride + 2 * g + 1).to(tl.float32)
         off_lo = s_lo
         off_hi = s_hi
-    elif FMT == Q6_K or FMT == Q3_K or FMT == Q2_K or FMT == TABLE:
+    elif FMT == Q6_K or FMT == Q3_K or FMT == Q2_K or FMT == TABLE or FMT == TABLE3:
         sb = row * d_stride + g // 8
         dd = tl.load(d + sb).to(tl.float32)
         s_lo = dd * tl.load(sc + row * sc_stride + 2 * g).to(tl.float32)
@@ -170,13 +177,20 @@ def _dot_rows(
             x_lo = x_lo * rstd * tl.load(nw + xo, mask=gmask, other=0.0)
             x_hi = x_hi * rstd * tl.load(nw + xo + 16, mask=gmask, other=0.0)
         lo, hi = _codes(
-            qs, qh, row[:, None, None], g[None, :, None], i[None, None, :],
+            qs, qh, mn, row[:, None, None], g[None, :, None], i[None, None, :],
             qs_stride, qh_stride, FMT,
         )  # fmt: skip
         s_lo, s_hi, off_lo, off_hi = _scales(
             d, dm, sc, mn, row[:, None], g[None, :], d_stride, sc_stride, FMT
         )
-        if FMT == Q6_K or FMT == Q3_K or FMT == Q2_K or FMT == NVFP4 or FMT == TABLE:  # per 16
+        if (  # a scale per 16
+            FMT == Q6_K
+            or FMT == Q3_K
+            or FMT == Q2_K
+            or FMT == NVFP4
+            or FMT == TABLE
+            or FMT == TABLE3
+        ):
             acc += tl.sum(lo.to(tl.float32) * x_lo[None, :, :], 2) * s_lo
             acc += tl.sum(hi.to(tl.float32) * x_hi[None, :, :], 2) * s_hi
         else:
@@ -240,7 +254,7 @@ def _gemm_kernel(
     for g in range(0, G):
         x_lo = tl.load(xp + g * 32)
         x_hi = tl.load(xp + g * 32 + 16)
-        lo, hi = _codes(qs, qh, wrow[None, :], g, i[:, None], qs_stride, qh_stride, FMT)
+        lo, hi = _codes(qs, qh, mn, wrow[None, :], g, i[:, None], qs_stride, qh_stride, FMT)
         s_lo, s_hi, off_lo, off_hi = _scales(d, dm, sc, mn, wrow, g, d_stride, sc_stride, FMT)
         # codes -> float32 -> 16-bit: exact (|code| <= 128); no direct int -> bf16 cast
         w_lo = lo.to(tl.float32)
@@ -251,7 +265,14 @@ def _gemm_kernel(
         else:
             w_lo = w_lo.to(x_lo.dtype)
             w_hi = w_hi.to(x_lo.dtype)
-        if FMT == Q6_K or FMT == Q3_K or FMT == Q2_K or FMT == NVFP4 or FMT == TABLE:  # per 16
+        if (  # a scale per 16
+            FMT == Q6_K
+            or FMT == Q3_K
+            or FMT == Q2_K
+            or FMT == NVFP4
+            or FMT == TABLE
+            or FMT == TABLE3
+        ):
             if SPLIT:
                 p_lo = _dot3(x_lo, w_lo)
                 p_hi = _dot3(x_hi, w_hi)
@@ -289,8 +310,9 @@ def _dequant_kernel(
     gl = tl.minimum(g, G - 1)
     i = tl.arange(0, 16)
     lo, hi = _codes(
-        qs, qh, row[:, None, None], gl[None, :, None], i[None, None, :], qs_stride, qh_stride, FMT
-    )
+        qs, qh, mn, row[:, None, None], gl[None, :, None], i[None, None, :],
+        qs_stride, qh_stride, FMT,
+    )  # fmt: skip
     s_lo, s_hi, off_lo, off_hi = _scales(
         d, dm, sc, mn, row[:, None], gl[None, :], d_stride, sc_stride, FMT
     )

@@ -59,19 +59,20 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..fp4 import KVALUES_MXFP4, e8m0_half, ue4m3_to_f32
-from ..gridquants import TABLE_TYPES, table_form, x4_levels
+from ..gridquants import TABLE_TYPES, X3_TYPES, table_form, x4_levels
 from ..iquants import KVALUES
 from ..types import ggml_type
 
 _FORMATS: tuple[str, ...] = (
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "NVFP4",
-    "Q1_0", "MXFP4", "IQ4_NL", "TABLE",
+    "Q1_0", "MXFP4", "IQ4_NL", "TABLE", "TABLE3",
 )  # fmt: skip
-# the GGUF types with kernels; the ``TABLE_TYPES`` share the table format (ids stable: append)
-NATIVE: tuple[str, ...] = (*_FORMATS[:-1], *TABLE_TYPES)
-FORMAT_ID: dict[str, int] = {name: i for i, name in enumerate(_FORMATS[:-1])} | dict.fromkeys(
-    TABLE_TYPES, len(_FORMATS) - 1
-)
+# the GGUF types with kernels; the ``TABLE_TYPES`` share the two table formats, 4-bit indices
+# and (``X3_TYPES``, at most 8 levels) 3-bit ones (ids stable: append; the table formats last)
+NATIVE: tuple[str, ...] = (*_FORMATS[:-2], *TABLE_TYPES)
+FORMAT_ID: dict[str, int] = {name: i for i, name in enumerate(_FORMATS[:-2])} | {
+    t: len(_FORMATS) - (1 if t in X3_TYPES else 2) for t in TABLE_TYPES
+}
 # the epilogues of ``fused.norm_gemv`` (here, so that callers need not import Triton):
 # store, add into y, SwiGLU of a stacked gate/up, gate (y holds the gate: silu(y) * x @ W.T)
 EPI_STORE, EPI_ADD, EPI_SWIGLU, EPI_GATE = 0, 1, 2, 3
@@ -220,7 +221,9 @@ def repack(data: torch.Tensor, type_name: str, shape: tuple[int, int]) -> Prepar
         qs = b[..., 2:18].reshape(n, k // 2).contiguous()
         return Prepared(name, n, k, qs, qh=levels, d=_field(b, 0, f16))
     if name in TABLE_TYPES:  # indices into the type's 16 levels, int8 scales a 16, a unit
-        qs = torch.empty((n, k // 2), dtype=u8, device=b.device)
+        three = name in X3_TYPES  # 3-bit indices: a 2-bit plane and a bit plane (Q3_K's)
+        qs = torch.empty((n, k // 4 if three else k // 2), dtype=u8, device=b.device)
+        qh = torch.empty((n, k // 32), dtype=torch.int32, device=b.device) if three else None
         sc = torch.empty((n, k // 16), dtype=torch.int8, device=b.device)
         unit = torch.empty((n, k // 256), dtype=torch.float32, device=b.device)
         step = max(1, TABLE_CHUNK // k)  # rows a piece: the unpacking's temporaries stay small
@@ -229,10 +232,17 @@ def repack(data: torch.Tensor, type_name: str, shape: tuple[int, int]) -> Prepar
             if parts is None:
                 raise ValueError(f"{name} blocks whose scales are no whole multiples of their d")
             rows = min(step, n - r)
-            qs[r : r + rows] = _nibble_plane(parts[0].reshape(rows, k))
+            index = parts[0].reshape(rows, k)
+            if three:
+                qs[r : r + rows] = _crumb_plane(index & 3)
+                qh[r : r + rows] = _bit_plane(index >> 2)
+            else:
+                qs[r : r + rows] = _nibble_plane(index)
             sc[r : r + rows] = parts[1].reshape(rows, k // 16)
             unit[r : r + rows] = parts[2].reshape(rows, k // 256)
         levels = torch.from_numpy(x4_levels(name)).to(b.device)
+        if three:  # the levels in ``mn``: ``qh`` holds the indices' third bits
+            return Prepared(name, n, k, qs, qh=qh, d=unit, sc=sc, mn=levels[:8].contiguous())
         return Prepared(name, n, k, qs, qh=levels, d=unit, sc=sc)
     if name == "MXFP4":  # e qs[16]: element j low, j + 16 high (the Q4_0 order)
         scales = torch.from_numpy(e8m0_half(b[..., 0].cpu().numpy())).to(b.device)
@@ -264,10 +274,10 @@ def dequantize_prepared(p: Prepared) -> torch.Tensor:
         return (q.float() * p.d.float().repeat_interleave(4, dim=1).unsqueeze(-1)).reshape(n, -1)
     if p.type_name == "Q8_0":
         q = p.qs.reshape(n, G, 32).to(torch.int32)
-    elif p.type_name in ("Q2_K", "Q3_K"):
+    elif p.type_name in ("Q2_K", "Q3_K") or p.type_name in X3_TYPES:
         c = p.qs.reshape(n, G, 8).to(torch.int32)[..., j % 8]
         q = (c >> (2 * (j // 8))) & 3
-        if p.type_name == "Q3_K":
+        if p.type_name != "Q2_K":
             q = q | (((p.qh.unsqueeze(-1) >> j) & 1) << 2)
     else:
         c = p.qs.reshape(n, G, 16).to(torch.int32)
@@ -279,7 +289,9 @@ def dequantize_prepared(p: Prepared) -> torch.Tensor:
             q = q | (((h >> (2 * (j // 8))) & 3) << 4)
     if p.type_name in ("NVFP4", "MXFP4"):
         q = torch.from_numpy(KVALUES_MXFP4).to(dev)[q.long()]
-    elif p.type_name == "IQ4_NL" or p.type_name in TABLE_TYPES:  # the levels' indices
+    elif p.type_name in X3_TYPES:  # the levels' indices
+        q = p.mn.to(torch.int32)[q.long()]
+    elif p.type_name == "IQ4_NL" or p.type_name in TABLE_TYPES:
         q = p.qh.to(torch.int32)[q.long()]
     q = q.float() + _OFFSET.get(p.type_name, 0)
     if p.type_name == "NVFP4":  # a scale per 16 elements
