@@ -33,7 +33,9 @@ values bit for bit:
   holds (int8 ``[16]``: IQ4's KVALUES, ``gridquants.x4_levels``); IQ4_NL's ``d`` float16
   ``[n, k/32]``; the table types' ``d`` float32 ``[n, k/256]``, a super-block's unit, and
   ``sc`` int8 ``[n, k/16]``, each 16's multiple of it (``gridquants.table_form``): 4.5
-  and 4.6 bits a weight.
+  and 4.6 bits a weight. The table types of at most 8 levels (``gridquants.X3_TYPES``)
+  keep 3-bit indices instead, as Q3_K's codes (``qs`` their low two bits, ``qh`` the
+  third), and their 8 levels in ``mn``: 3.6 bits a weight.
 * Q1_0: ``qs`` int32 ``[n, k/32]``, bit ``j`` of word ``g`` the sign of element
   ``32g + j`` (set: +1, clear: -1; GGUF's ``qs`` as it is), ``d`` float16
   ``[n, k/128]``: 1.125 bits a weight.
@@ -44,8 +46,8 @@ Q2_K's offset ``-dmin * m`` per 16 elements (two per 32-group).
 
 The planes take about the bytes of the GGUF tensor (Q4_K/Q5_K a little more:
 one byte per scale and min instead of 6 bits; Q3_K 4% more, Q2_K 19%: a byte
-per 4-bit scale and min; the table types' 4.6 bits up to twice their file's, the
-IQ2 family's 2.1-2.5). They are kept beside the
+per 4-bit scale and min; the table types' 4.6 bits, 3.6 for those of at most 8
+levels, up to 1.7 times their file's, the IQ2 family's 2.1-2.5). They are kept beside the
 ``QTensor`` (keyed on its ``data`` tensor, released with it); ``QTensor.data``
 is never changed. ``dequantize_prepared`` is the pure-torch reading of the
 planes that the kernels implement.
