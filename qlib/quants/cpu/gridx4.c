@@ -258,18 +258,23 @@ static int x4_block(int type, const uint8_t *src, const int8_t *grid, const uint
  * element 64i + l; hb[32]: their third bits, bit e for element e; levels[8] scales[16] d),
  * kquants.c's: 0, or -5 for an index of 8 or more (a type of more than 8 levels) */
 static int x3_of_x4(const uint8_t *x, uint8_t *o) {
-    int bad = 0;
-    memset(o, 0, 96);
-    for (int e = 0; e < 256; e++) {
-        const int byte = x[32 * (e / 64) + e % 32];
-        const int index = e % 64 < 32 ? byte & 15 : byte >> 4;
-        bad |= index > 7;
-        o[e % 64] |= (uint8_t)((index & 3) << (2 * (e / 64)));
-        o[64 + e / 8] |= (uint8_t)((index >> 2 & 1) << (e % 8));
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m512i low = _mm512_setzero_si512(), big = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) { /* elements 64c + l: byte l of the chunk's indices */
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(x + 32 * c));
+        const __m512i index = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_and_si256(b, m4)),
+            _mm256_and_si256(_mm256_srli_epi16(b, 4), m4), 1);
+        big = _mm512_or_si512(big, index);
+        low = _mm512_or_si512(low, _mm512_sllv_epi16(_mm512_and_si512(index, _mm512_set1_epi8(3)),
+                                                     _mm512_set1_epi16((short)(2 * c))));
+        const uint64_t third = _mm512_test_epi8_mask(index, _mm512_set1_epi8(4));
+        memcpy(o + 64 + 8 * c, &third, 8);
     }
+    _mm512_storeu_si512(o, low);
     memcpy(o + 96, x + 128, 8);
     memcpy(o + 104, x + 144, 20);
-    return bad ? -5 : 0;
+    return _mm512_test_epi8_mask(big, _mm512_set1_epi8(8)) ? -5 : 0;
 }
 
 /* n GGUF blocks of `type` -> n X4 blocks at out (x3: X3 blocks, for the types of at most 8
