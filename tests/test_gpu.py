@@ -121,6 +121,10 @@ def test_format_ids_stable():
     assert layout.FORMAT_ID["Q2_K"] == 8 and layout.FORMAT_ID["Q3_K"] == 9
     assert layout.FORMAT_ID["NVFP4"] == 10 and layout.FORMAT_ID["Q1_0"] == 11
     assert layout.FORMAT_ID["MXFP4"] == 12
+    # kernels.py's "a scale per 16": ids Q6_K .. NVFP4 and the table formats, the last ids
+    assert [layout.FORMAT_ID[n] for n in ("Q6_K", "Q2_K", "Q3_K", "NVFP4")] == [7, 8, 9, 10]
+    assert max(layout.FORMAT_ID.values()) == layout.FORMAT_ID["IQ2_XS"]
+    assert layout.FORMAT_ID["IQ2_XS"] == layout.FORMAT_ID["IQ4_XS"] + 1 == 15
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -38,6 +38,9 @@ MXFP4 = tl.constexpr(FORMAT_ID["MXFP4"])
 IQ4_NL = tl.constexpr(FORMAT_ID["IQ4_NL"])
 TABLE = tl.constexpr(FORMAT_ID["IQ4_XS"])  # the types of gridquants.TABLE_TYPES of 16 levels
 TABLE3 = tl.constexpr(FORMAT_ID["IQ2_XS"])  # those of at most 8 (gridquants.X3_TYPES)
+# a scale per 16 elements: the formats Q6_K, Q2_K, Q3_K, NVFP4 (ids 7 to 10) and the table
+# formats (the last ids): ``(FMT >= Q6_K and FMT <= NVFP4) or FMT >= TABLE`` (test_gpu's
+# test_format_ids_stable holds the order)
 _HAS_OFFSET = {FORMAT_ID[n] for n in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")}
 
 
@@ -183,14 +186,7 @@ def _dot_rows(
         s_lo, s_hi, off_lo, off_hi = _scales(
             d, dm, sc, mn, row[:, None], g[None, :], d_stride, sc_stride, FMT
         )
-        if (  # a scale per 16
-            FMT == Q6_K
-            or FMT == Q3_K
-            or FMT == Q2_K
-            or FMT == NVFP4
-            or FMT == TABLE
-            or FMT == TABLE3
-        ):
+        if (FMT >= Q6_K and FMT <= NVFP4) or FMT >= TABLE:  # a scale per 16 (the ids' order)
             acc += tl.sum(lo.to(tl.float32) * x_lo[None, :, :], 2) * s_lo
             acc += tl.sum(hi.to(tl.float32) * x_hi[None, :, :], 2) * s_hi
         else:
@@ -265,14 +261,7 @@ def _gemm_kernel(
         else:
             w_lo = w_lo.to(x_lo.dtype)
             w_hi = w_hi.to(x_lo.dtype)
-        if (  # a scale per 16
-            FMT == Q6_K
-            or FMT == Q3_K
-            or FMT == Q2_K
-            or FMT == NVFP4
-            or FMT == TABLE
-            or FMT == TABLE3
-        ):
+        if (FMT >= Q6_K and FMT <= NVFP4) or FMT >= TABLE:  # a scale per 16 (the ids' order)
             if SPLIT:
                 p_lo = _dot3(x_lo, w_lo)
                 p_hi = _dot3(x_hi, w_hi)
