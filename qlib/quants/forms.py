@@ -17,11 +17,11 @@ their planes hold every one of these types, NVFP4 and the IQ2 family as they are
 (``cuda.layout``). What stays a grid, ternary or FP4 type is expanded into ``T_X8`` blocks by
 the persistent kernel. The C kernels take every grid and ternary type as X4 blocks
 (``packing.pack``: 4-bit indices into the type's (at most 16) codes, 5.1 bits a weight, fewer
-than Q6_K's), in both CPU engines; NVFP4 as qlib's NVFP4H panels (each scale an f16, ggml's
-Q8_0 activations) in both, and where rows do not come in 16s as X4 blocks in the fast one
-(bf16 rows, ``bf16_form``, where a super-block's scales lie too far apart) and the torch
-matmul with ggml's semantics in the faithful one (X4's dot takes Q8_K activations:
-``matmul.OTHER_DOT``).
+than Q6_K's; X3, 3-bit indices, 3.9 bits, for those of at most 8), in both CPU engines; NVFP4
+as qlib's NVFP4H panels (each scale an f16, ggml's Q8_0 activations) in both, and where rows do
+not come in 16s as X4 blocks in the fast one (bf16 rows, ``bf16_form``, where a super-block's
+scales lie too far apart) and the torch matmul with ggml's semantics in the faithful one (X4's
+dot takes Q8_K activations: ``matmul.OTHER_DOT``).
 """
 
 from __future__ import annotations
