@@ -221,7 +221,8 @@ def test_merged_decode_with_a_mixed_layer(tmp_path, n_kv_head):
 
 
 @needs_cuda  # the tensor-core GEMM's bf16 dots are not emulated faithfully by the interpreter
-@pytest.mark.parametrize("type_name", ["Q5_1", "Q2_K", "Q3_K"])
+@pytest.mark.parametrize("type_name", ["Q5_1", "Q2_K", "Q3_K", "NVFP4", "MXFP4", "Q1_0", "IQ4_NL",
+                                       "IQ4_XS"])  # fmt: skip
 def test_packed_prefill_matches_dense(tmp_path, type_name):
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type=type_name, **sizes(type_name))
     ref, fast = load_pair(path, prefill="packed")
