@@ -558,7 +558,7 @@ class CudaFastModel(StaticKVState):
         if prefill not in PREFILL_MODES:
             raise ModelError(f"unknown prefill mode {prefill!r}: {', '.join(PREFILL_MODES)}")
 
-        def get(name: str) -> QTensor:  # (Q1_0 as it is: the Triton kernels have its planes)
+        def get(name: str) -> QTensor:  # (types with Triton planes as they are)
             return kernel_form(content.tensor(f, name, dev), keep=NATIVE)
 
         dense = PREFILL_DTYPES.get(prefill)  # None: "packed"

@@ -366,29 +366,47 @@ def _finest_power_of_two(scale: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones(e.shape), torch.where(e == 1 << 20, 0, e))
 
 
-def as_x4(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
-    """Blocks ``(B, bytes)`` of an ``X4_UNIT`` type, or NVFP4 (four blocks of 64 a super-block
-    of 256), as X4 blocks ``(B, 164)`` (``(B / 4, 164)``) of exactly the same values; None if a
-    scale is not an integer multiple (<= 127) of the unit: a non-finite d (not for blocks ggml
-    writes), or NVFP4 scales of one super-block more than 2^3 apart."""
+# The CUDA kernels' table form (``cuda.layout``) of every type whose weights are a block's
+# unit x an int8 scale per 16 x one of 16 levels: X4's parts (the grid and ternary types), and
+# IQ4_XS (the unit its d, ls - 32 per 32, its 16 KVALUES levels)
+TABLE_TYPES = (*X4_UNIT, "IQ4_XS")
+
+
+def table_form(blocks: torch.Tensor, type_name: str):
+    """Blocks ``(B, bytes)`` of a ``TABLE_TYPES`` type (or NVFP4: four blocks of 64 a 256) as
+    ``(index, scales, unit)`` per 256 weights: each weight's index into ``x4_levels`` (uint8
+    ``(B, 256)``), the int8 scale of each 16 ``(B, 16)`` and the float32 unit ``(B, 1)``, every
+    weight ``unit * scale * level`` exactly (X4's parts, ``as_x4``); None if a scale is no
+    integer multiple (<= 127) of the unit: a non-finite d, or NVFP4 scales of one 256 more
+    than 2^3 apart."""
     codes, scale, _ = FORMATS[type_name].unpack(blocks)
     if type_name == "NVFP4":  # the unit: the finest power of two of the super-block's scales
         codes, scale = codes.reshape(-1, 256), scale.reshape(-1, 16)
         unit = _finest_power_of_two(scale)
     else:
-        unit = block_d(blocks, type_name) * X4_UNIT[type_name]  # exact: a power of 2 (or 1)
+        unit = block_d(blocks, type_name) * X4_UNIT.get(type_name, 1.0)  # a power of 2 (or 1)
     sc = _whole_scales(scale, unit)
     if sc is None:
         return None
-    levels = x4_levels(type_name)
     # code -> index, looked up by the code's byte with its sign bit flipped (code + 128), in
     # NumPy (uint8 indices as they are; torch's would be widened to int64 first)
-    idx = torch.from_numpy(
-        _x4_index(type_name)[codes.to(torch.int8).cpu().numpy().view(np.uint8) ^ 0x80]
-    )
-    idx = idx.to(blocks.device).view(-1, 4, 2, 32)
-    if (idx == 16).any():
+    index = _x4_index(type_name)[codes.to(torch.int8).cpu().numpy().view(np.uint8) ^ 0x80]
+    if (index == 16).any():
         return None
+    return torch.from_numpy(index).to(blocks.device), sc, unit
+
+
+def as_x4(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
+    """Blocks ``(B, bytes)`` of an ``X4_UNIT`` type, or NVFP4 (four blocks of 64 a super-block
+    of 256), as X4 blocks ``(B, 164)`` (``(B / 4, 164)``) of exactly the same values; None if a
+    scale is not an integer multiple (<= 127) of the unit: a non-finite d (not for blocks ggml
+    writes), or NVFP4 scales of one super-block more than 2^3 apart."""
+    parts = table_form(blocks, type_name)
+    if parts is None:
+        return None
+    index, sc, unit = parts
+    levels = x4_levels(type_name)
+    idx = index.view(-1, 4, 2, 32)
     qs = (idx[:, :, 0] | (idx[:, :, 1] << 4)).reshape(-1, 128)
     level_bytes = (
         torch.from_numpy((levels.astype(np.int16) + 64).astype(np.uint8))
@@ -397,28 +415,6 @@ def as_x4(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
     )
     return torch.cat([qs, level_bytes, sc.view(torch.uint8),
                       unit.view(torch.uint8).reshape(-1, 4)], 1)  # fmt: skip
-
-
-# The CUDA kernels' table form (``cuda.layout``) of every type whose weights are a block's
-# unit x an int8 scale per 16 x one of 16 levels: X4's parts (the grid and ternary types), and
-# IQ4_XS (the unit its d, ls - 32 per 32, its 16 KVALUES levels)
-TABLE_TYPES = (*X4_UNIT, "IQ4_XS")
-
-
-def table_form(blocks: torch.Tensor, type_name: str):
-    """Blocks ``(B, bytes)`` of a ``TABLE_TYPES`` type as ``(index, scales, unit)``: each
-    weight's index into ``x4_levels`` (uint8 ``(B, 256)``), the int8 scale of each 16 ``(B,
-    16)`` and the block's float32 unit ``(B, 1)``, every weight ``unit * scale * level``
-    exactly; None if a scale is no integer multiple (<= 127) of the unit (a non-finite d)."""
-    codes, scale, _ = FORMATS[type_name].unpack(blocks)
-    unit = block_d(blocks, type_name) * X4_UNIT.get(type_name, 1.0)  # (a power of 2: exact)
-    sc = _whole_scales(scale, unit)
-    if sc is None:
-        return None
-    index = _x4_index(type_name)[codes.to(torch.int8).cpu().numpy().view(np.uint8) ^ 0x80]
-    if (index == 16).any():
-        return None
-    return torch.from_numpy(index).to(blocks.device), sc, unit
 
 
 def x3_from_x4(x4: torch.Tensor) -> torch.Tensor:
