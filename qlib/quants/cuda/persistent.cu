@@ -172,6 +172,9 @@ static_assert(SMAXPOS >= NSMAX * HPT * (HD + 2), "the splits' partials gathered 
 #ifndef MLP_PAIR
 #define MLP_PAIR 0  // MLP tasks c, c + 1 on a cluster of two blocks (below; persistent.py sets it)
 #endif
+#ifndef PDL
+#define PDL 0  // launched as a programmatic dependent of the step before (persistent.py's pdl)
+#endif
 
 // MLP_PAIR: the grid runs as clusters of two blocks, and MLP tasks 2p and 2p + 1 sit on the two
 // blocks of one cluster. Each computes its CHUNK units' silu(gate) * up and writes them as tagged
@@ -1209,6 +1212,11 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int otype = ROWB_CONST ? only_type(OUT_TYPES) : out_type;  // (OUT_TYPES: one bit)
     (void)otype;  // (OUT_Q8X: not read)
+#if PDL  // the layers' types (constant) first, then wait until the step before has finished
+         // and its writes are visible: every word below may be one of them
+    for (int i = threadIdx.x; i < NL * 7; i += THREADS) stypes[i] = types[i];
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     const int pos = *pos_p, L = pos + 1;
     const u32 step_no = __ldcg(steps), par = step_no & 1u;
     const u32 tag = step_no + 1u;  // (the exchange starts zeroed: tag 0 is never a step's)
@@ -1247,7 +1255,9 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         const u8* row = tok_embd + row_bytes(emb_type, DIM) * (usize)tok[0];
         for (int i = threadIdx.x; i < DIM; i += THREADS) res_in[i] = row_elem(emb_type, row, i);
     }
+#if !PDL
     for (int i = threadIdx.x; i < NL * 7; i += THREADS) stypes[i] = types[i];
+#endif
     __syncthreads();
     // splits of a head's positions: up to NS_FREE (the blocks before the MLP blocks hold them
     // all) of at least MIN_SPLIT positions; past NS_FREE x SPLIT positions, splits of SPLIT
@@ -1833,6 +1843,9 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
+#if PDL  // the next step may be launched now: its blocks take an SM as this grid's leave it
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
     // ---- every block: the output layer and the argmax
 #if XRES
