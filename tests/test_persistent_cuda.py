@@ -362,7 +362,9 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
         {"Q41_WIDE": 0},
         {"KV_GROUP": 0},
         {"GROUP_FROM": 0},
+        pytest.param({"STAGE0_SPLIT": 1}, id="STAGE0_SPLIT"),
         pytest.param({"pdl": True}, id="pdl"),
+        pytest.param({"pdl": True, "macros": {"STAGE0_SPLIT": 1}}, id="pdl-stage0_split"),
     ],
 )
 @pytest.mark.parametrize("shape", [(4, 2, 128, None), (2, 2, 128, 16)])
@@ -376,15 +378,15 @@ def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
     dots; the Q8_0 output layer read as its blocks, not as int8 rows and scales; Q4_1 parts
     by 16-bit loads; Q4_1 codes made floats by their bits; each query head's attention
     reading its KV head's rows itself; a KV head's query heads scored together from position
-    0 on, not from ``GROUP_FROM``; each step launched as a programmatic dependent of the one
-    before, ``pdl``) stay correct: decode steps from
+    0 on, not from ``GROUP_FROM``; layer 0's staging in two parts; each step launched as a
+    programmatic dependent of the one before, ``pdl``) stay correct: decode steps from
     position 0 as the f32 form, GQA 2:1 and MHA with ``split=16`` (several blocks a head past
     16 positions); a Q8_0 output layer, as SmolLM2's."""
     n_head, n_kv, n_embd, split = shape
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=n_embd,
                             n_head=n_head, n_kv_head=n_kv, n_ff=256,
                             weight_types={"token_embd.weight": "Q8_0"})  # fmt: skip
-    options = {"pdl": True} if macros == {"pdl": True} else {"macros": macros}
+    options = macros if "pdl" in macros else {"macros": macros}
     steps_match_f32(path, {**options, **({"split": split} if split else {})}, 40, seed=1)
 
 

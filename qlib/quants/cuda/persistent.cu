@@ -172,6 +172,9 @@ static_assert(SMAXPOS >= NSMAX * HPT * (HD + 2), "the splits' partials gathered 
 #ifndef MLP_PAIR
 #define MLP_PAIR 0  // MLP tasks c, c + 1 on a cluster of two blocks (below; persistent.py sets it)
 #endif
+#ifndef STAGE0_SPLIT
+#define STAGE0_SPLIT 0  // layer 0's staging in two parts: q/k/v's first, the rest after q/k/v
+#endif
 #ifndef PDL
 #define PDL 0  // launched as a programmatic dependent of the step before (persistent.py's pdl)
 #endif
@@ -976,15 +979,17 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// Copy pieces src[i] (bytes[i], multiples of 16, 16-aligned) into a staging area of `cap`
-// bytes in order with cp.async, as one commit group; where[i] is the piece's copy, or src[i]
-// itself (prefetched into L2, pieces before NOPF) where it does not fit or is not 16-aligned.
+// Copy pieces src[i] (bytes[i], multiples of 16, 16-aligned), i0 <= i < i1, into a staging
+// area of `cap` bytes in order from byte `off` with cp.async, as one commit group; where[i] is
+// the piece's copy, or src[i] itself (prefetched into L2, pieces before NOPF) where it does not
+// fit or is not 16-aligned. Returns the offset after the last copy.
 template <int N, int NOPF = N>
-__device__ __forceinline__ void stage(const u8* const (&src)[N], const int (&bytes)[N], u8* area,
-                                      int cap, const u8** where) {
-    int off = 0;
+__device__ __forceinline__ int stage(const u8* const (&src)[N], const int (&bytes)[N], u8* area,
+                                     int cap, const u8** where, int i0 = 0, int i1 = N,
+                                     int off = 0) {
 #pragma unroll
     for (int i = 0; i < N; i++) {
+        if (i < i0 || i >= i1) continue;
         if (bytes[i] > 0 && off + bytes[i] <= cap && !(((usize)src[i] | bytes[i]) & 15)) {
             where[i] = area + off;
             for (int j = threadIdx.x * 16; j < bytes[i]; j += THREADS * 16) cp_async16(area + off + j, src[i] + j);
@@ -996,6 +1001,7 @@ __device__ __forceinline__ void stage(const u8* const (&src)[N], const int (&byt
         }
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
+    return off;
 }
 // This layer's staging (issued during the layer before) has landed: every commit group.
 __device__ __forceinline__ void staged() {
@@ -1317,7 +1323,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #else
     const u8* where[2][NP];
 #endif
-    auto stage_layer = [&](int l) {
+    // layer l's pieces [i0, i1) from byte off of its area (returns the offset after them)
+    auto stage_layer = [&](int l, int i0, int i1, int off) {
         const u64* W = weights + (usize)l * W_PER_LAYER;
         const int* T = stypes + l * 7;
         const u8* src[NP];
@@ -1365,7 +1372,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         src[P_KV + 1] = (const u8*)(kc + (usize)NKV * MAXSEQ * HD);
         bytes[P_KV] = bytes[P_KV + 1] = att ? (tc - t0) * HD * (int)sizeof(kv_t) : 0;
 #if !KV_STAGE
-        if (att) {
+        if (att && i1 > P_KV) {
             for (int j = threadIdx.x * 128; j < bytes[P_KV]; j += THREADS * 128) {
                 prefetch_l2(src[P_KV] + j);
                 prefetch_l2(src[P_KV + 1] + j);
@@ -1373,7 +1380,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         }
         bytes[P_KV] = bytes[P_KV + 1] = 0;
 #endif
-        stage<NP, KV_PREFETCH ? NP : P_KV>(src, bytes, smem_raw + (l & 1) * WCAP, WCAP, where[l & 1]);
+        return stage<NP, KV_PREFETCH ? NP : P_KV>(src, bytes, smem_raw + (l & 1) * WCAP, WCAP,
+                                                  where[l & 1], i0, i1, off);
     };
 
 #if MLP_PAIR
@@ -1382,7 +1390,11 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     for (int i = threadIdx.x; i < 4 * CHUNK; i += THREADS) MBOX[i] = 0ull;
     cluster_arrive();  // (zeroed, and the other block started, before either writes)
 #endif
-    stage_layer(0);
+#if STAGE0_SPLIT  // the norms and q/k/v rows now (the first task), the rest after q/k/v
+    const int off0 = stage_layer(0, 0, P_WO, 0);
+#else
+    stage_layer(0, 0, NP, 0);
+#endif
 #if MLP_PAIR
     cluster_wait();
 #endif
@@ -1395,7 +1407,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         auto stage_next = [&]() {
             __syncthreads();
             if (l + 1 < NL) {
-                stage_layer(l + 1);
+                stage_layer(l + 1, 0, NP, 0);
             } else {
                 asm volatile("cp.async.commit_group;" ::: "memory");
             }
@@ -1503,6 +1515,9 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         }
         if (b == 0) MARK(NMARK * l + 2);
         BLOCK_MARK(1)
+#if STAGE0_SPLIT
+        if (l == 0) stage_layer(0, P_WO, NP, off0);  // wo, MLP, keys and values
+#endif
         if (!att) stage_next();  // (it waits for the heads next)
 
         // ---- attention: the task's query heads (one, or the KV head's GQA) over the split
@@ -1512,6 +1527,9 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             const kv_t* kh = kc + (usize)kvh * MAXSEQ * HD;  // (XCHG: the new rows as tagged words)
             const kv_t* vh = vc + (usize)kvh * MAXSEQ * HD;
             wait_count(qkv_cnt + l * NKV + kvh, PAIRS_G);
+#endif
+#if STAGE0_SPLIT
+            if (l == 0) staged();  // (layer 0's second part: the only group in flight)
 #endif
             if (b == 0) MARK(NMARK * l + 3);
             const float scale = 1.0f / sqrtf((float)HD);
@@ -1764,6 +1782,12 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             if (b == MLP_FIRST) MARK(NMARK * l + 8);
             BLOCK_MARK(2)
             read_sum(sum_at(A, 2 * l + 1), res_in);
+#endif
+#if STAGE0_SPLIT
+            if (l == 0) {  // layer 0's second part (layer 1's may be in flight after it)
+                asm volatile("cp.async.wait_group 1;" ::: "memory");
+                __syncthreads();
+            }
 #endif
             norm_for_dots(res_in, (const float*)wp[1], xs, red);
             if (b == MLP_FIRST) MARK(NMARK * l + 9);
