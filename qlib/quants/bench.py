@@ -104,6 +104,9 @@ def random_blocks(n: int, k: int, type_name: str, device="cpu", seed: int = 0) -
         # 2^127 times the codes overflows float32)
         e = torch.randint(118, 122, (nb,), generator=g, device=device)
         raw[:, 0] = e.to(torch.uint8)
+    if t.name == "NVFP4":  # the four UE4M3 scales: exponents 1..2, values 2^-6 .. 2^-4 (halved
+        # by the doubled table); a random byte reaches 480, and 12 x 240 x 4096 sums overflow f16
+        raw[:, :4] = torch.randint(8, 24, (nb, 4), generator=g, device=device).to(torch.uint8)
     if t.name == "IQ1_M":  # its f16 d: the top nibbles of the four scale words (bytes 48..55)
         s = ((torch.rand(nb, generator=g, device=device) + 0.5) * 0.01).half()
         bits = s.view(torch.int16).int() & 0xFFFF
