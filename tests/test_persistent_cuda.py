@@ -252,25 +252,20 @@ def test_default_decode_is_the_auto_choice(tmp_path):
 
 
 @needs_cuda
-@pytest.mark.parametrize("decode", ["persistent", "persistent-pdl", "fused"])
+@pytest.mark.parametrize("decode", ["persistent", "fused"])
 def test_greedy_steps_launched_ahead(tmp_path, decode):
     """``greedy_step`` with the next step queued before this one's id is read (``launch_ahead``,
     the default with CUDA graphs; the persistent kernel writes the id to the host, the fused
-    path's graphs copy it; ``persistent-pdl``: each step a programmatic dependent of the one
-    before, launched without a graph): the ids of 40 steps equal the step-by-step loop's and
-    those of ``forward`` + argmax; a chain broken by another token at the next position, by
-    ``forward`` or by a new sequence from position 0 gives what the same calls give without
-    launch-ahead (the step queued ahead ran unused; its KV row is rewritten)."""
+    path's graphs copy it): the ids of 40 steps equal the step-by-step loop's and those of
+    ``forward`` + argmax; a chain broken by another token at the next position, by ``forward``
+    or by a new sequence from position 0 gives what the same calls give without launch-ahead
+    (the step queued ahead ran unused; its KV row is rewritten)."""
     from qlib.llama.fast_cuda import CudaFastModel
 
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=128, n_head=4,
                             n_kv_head=2, n_ff=256, tie_output=False)  # fmt: skip
-    decode, _, pdl = decode.partition("-")
-    options = {"pdl": True} if pdl else None
     with open(path, "rb") as f:
-        fast = CudaFastModel.from_gguf(Content.read(f), f, "cuda", decode=decode,
-                                       decode_options=options)  # fmt: skip
-    assert fast.decode == decode, fast.decode_note
+        fast = CudaFastModel.from_gguf(Content.read(f), f, "cuda", decode=decode)
     prompt = torch.tensor([[1, 5, 9, 33, 7]])
 
     def run(ahead: bool) -> list:
@@ -362,9 +357,7 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
         {"Q41_WIDE": 0},
         {"KV_GROUP": 0},
         {"GROUP_FROM": 0},
-        pytest.param({"STAGE0_SPLIT": 1}, id="STAGE0_SPLIT"),
-        pytest.param({"pdl": True}, id="pdl"),
-        pytest.param({"pdl": True, "macros": {"STAGE0_SPLIT": 1}}, id="pdl-stage0_split"),
+        {"STAGE0_SPLIT": 1},
     ],
 )
 @pytest.mark.parametrize("shape", [(4, 2, 128, None), (2, 2, 128, 16)])
@@ -378,16 +371,15 @@ def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
     dots; the Q8_0 output layer read as its blocks, not as int8 rows and scales; Q4_1 parts
     by 16-bit loads; Q4_1 codes made floats by their bits; each query head's attention
     reading its KV head's rows itself; a KV head's query heads scored together from position
-    0 on, not from ``GROUP_FROM``; layer 0's staging in two parts; each step launched as a
-    programmatic dependent of the one before, ``pdl``) stay correct: decode steps from
+    0 on, not from ``GROUP_FROM``; layer 0's staging in two parts) stay correct: decode
+    steps from
     position 0 as the f32 form, GQA 2:1 and MHA with ``split=16`` (several blocks a head past
     16 positions); a Q8_0 output layer, as SmolLM2's."""
     n_head, n_kv, n_embd, split = shape
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=n_embd,
                             n_head=n_head, n_kv_head=n_kv, n_ff=256,
                             weight_types={"token_embd.weight": "Q8_0"})  # fmt: skip
-    options = macros if "pdl" in macros else {"macros": macros}
-    steps_match_f32(path, {**options, **({"split": split} if split else {})}, 40, seed=1)
+    steps_match_f32(path, {"macros": macros, **({"split": split} if split else {})}, 40, seed=1)
 
 
 @needs_cuda

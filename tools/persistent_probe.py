@@ -86,15 +86,13 @@ def generate_ms(model, prompt: torch.Tensor, steps: int) -> tuple[float, list[in
 
 def graph_us(model, n: int = 100, graph=None) -> float:
     """GPU us per replay of the decode graph, or of ``graph`` (the position advances; the
-    cache past the greedy run's end is scratch); where the steps go to the stream without a
-    graph (``persistent:pdl=1``), per step of ``n`` launched back to back."""
+    cache past the greedy run's end is scratch)."""
     graph = graph or model._decode_graph
-    run = graph.replay if graph is not None else model._decode_kernels
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    run()
+    graph.replay()
     start.record()
     for _ in range(n):
-        run()
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / n

@@ -518,8 +518,7 @@ class CudaFastModel(StaticKVState):
         one kernel, ``qlib.quants.cuda.persistent``: a device copy of the GGUF blocks as well,
         K-quants expanded exactly to 12 bits a weight; ``decode_options`` go to its
         ``PersistentDecoder`` when it runs: ``threads``, ``split``, ``min_split``,
-        ``kv_stage``, ``stage_times``, ``pdl`` (each step a programmatic dependent of the one
-        before, launched without a graph), ``macros``);
+        ``kv_stage``, ``stage_times``, ``macros``);
         ``pdl``: programmatic dependent launch of the fused kernels (None: on where the device
         and Triton have it, ``fused.pdl_available()``)."""
         dev = as_device(device)
@@ -707,10 +706,7 @@ class CudaFastModel(StaticKVState):
         (it compiles them), then replaying ``graph``, captured here when None; returns it."""
         if pos != self._device_pos:  # after a prefill or a restart; a step advances it itself
             self._pos.fill_(pos)
-        # (a persistent kernel launched with PDL goes straight to the stream: a graph's launch
-        # would wait for the step before it to finish, which PDL is there to overlap)
-        direct = self._persistent is not None and self._persistent.pdl
-        if not self.graphs or self._decode_runs == 0 or direct:
+        if not self.graphs or self._decode_runs == 0:
             kernels()
         else:
             if graph is None:

@@ -175,9 +175,6 @@ static_assert(SMAXPOS >= NSMAX * HPT * (HD + 2), "the splits' partials gathered 
 #ifndef STAGE0_SPLIT
 #define STAGE0_SPLIT 0  // layer 0's staging in two parts: q/k/v's first, the rest after q/k/v
 #endif
-#ifndef PDL
-#define PDL 0  // launched as a programmatic dependent of the step before (persistent.py's pdl)
-#endif
 
 // MLP_PAIR: the grid runs as clusters of two blocks, and MLP tasks 2p and 2p + 1 sit on the two
 // blocks of one cluster. Each computes its CHUNK units' silu(gate) * up and writes them as tagged
@@ -1218,57 +1215,6 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int otype = ROWB_CONST ? only_type(OUT_TYPES) : out_type;  // (OUT_TYPES: one bit)
     (void)otype;  // (OUT_Q8X: not read)
-    const int b = blockIdx.x;
-    // a layer's staged pieces: the two norms, q/k/v rows, wo rows, MLP rows, cached keys, values
-    constexpr int P_QKV = 2, P_WO = 2 + 2 * MAXQ, P_MLP = P_WO + 1, P_KV = P_MLP + 3 * MAXCH;
-    constexpr int NP = P_KV + 2;
-#if WHERE_SHARED
-    // The staged pieces' addresses (the same in every thread) in shared memory. As a local array
-    // indexed by the layer's parity they lived on the stack: every task began with a load from
-    // L1, or from L2 once the staging's traffic had evicted the line.
-    static_assert(NP <= WHERE_MAX, "WHERE_MAX: the staged pieces of a layer");
-    __shared__ const u8* where[2][WHERE_MAX];
-#else
-    const u8* where[2][NP];
-#endif
-    // layer l's norms and q/k/v rows (pieces [0, P_WO)): they depend on the block alone
-    auto head_pieces = [&](int l, const u8** src, int* bytes) {
-        const u64* W = weights + (usize)l * W_PER_LAYER;
-        const int* T = stypes + l * 7;
-        src[0] = (const u8*)W[W_ATTN_NORM];
-        src[1] = (const u8*)W[W_FFN_NORM];
-        bytes[0] = bytes[1] = DIM * 4;
-#pragma unroll
-        for (int k = 0; k < MAXQ; k++) {  // q/k/v task: QPB RoPE pairs of one head's rows
-            const int task = b + k * gridDim.x;
-            const int pr = task * QPB, g = pr / PAIRS_G, r = pr % PAIRS_G;
-            const int seg = r / (HD / 2), i0 = r % (HD / 2);
-            const int which = seg < GQA ? W_Q : seg == GQA ? W_K : W_V;
-            const int head = seg < GQA ? g * GQA + seg : g;
-            const int rb = (int)row_bytes(layer_type(T, which), DIM);
-            const u8* base = (const u8*)W[which] + (usize)head * HD * rb;
-            const bool mine = task < QKV_T;
-            src[P_QKV + 2 * k] = base + (usize)(NEOX ? i0 : 2 * i0) * rb;
-            src[P_QKV + 2 * k + 1] = base + (usize)(i0 + HD / 2) * rb;
-            bytes[P_QKV + 2 * k] = mine ? (NEOX ? QPB : 2 * QPB) * rb : 0;
-            bytes[P_QKV + 2 * k + 1] = mine && NEOX ? QPB * rb : 0;
-        }
-    };
-#if PDL  // the layers' types (constant) first, then wait until the step before has finished
-         // and its writes are visible: every word below may be one of them
-    for (int i = threadIdx.x; i < NL * 7; i += THREADS) stypes[i] = types[i];
-#if STAGE0_SPLIT  // and layer 0's norms and q/k/v rows staged while the step before ends
-    __syncthreads();
-    int off0;
-    {
-        const u8* src[NP];
-        int bytes[NP];
-        head_pieces(0, src, bytes);
-        off0 = stage<NP, P_KV>(src, bytes, smem_raw, WCAP, where[0], 0, P_WO, 0);
-    }
-#endif
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
     const int pos = *pos_p, L = pos + 1;
     const u32 step_no = __ldcg(steps), par = step_no & 1u;
     const u32 tag = step_no + 1u;  // (the exchange starts zeroed: tag 0 is never a step's)
@@ -1284,6 +1230,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     u32* mlp_done = attn_done + NL;       // NL: MLP blocks added into res(l + 1)
     u32* head_cnt = mlp_done + NL;        // NL x NH: splits done per head
     u32* done = head_cnt + NL * NH;       // blocks finished
+    const int b = blockIdx.x;
     if (b == 0) MARK(NMARK * NL);
     {  // the other set, for the next launch
 #if XRES
@@ -1306,9 +1253,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         const u8* row = tok_embd + row_bytes(emb_type, DIM) * (usize)tok[0];
         for (int i = threadIdx.x; i < DIM; i += THREADS) res_in[i] = row_elem(emb_type, row, i);
     }
-#if !PDL
     for (int i = threadIdx.x; i < NL * 7; i += THREADS) stypes[i] = types[i];
-#endif
     __syncthreads();
     // splits of a head's positions: up to NS_FREE (the blocks before the MLP blocks hold them
     // all) of at least MIN_SPLIT positions; past NS_FREE x SPLIT positions, splits of SPLIT
@@ -1357,13 +1302,41 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     // this block's rows of the output layer, prefetched into L2 during the last layers
     constexpr int OUT_RB = (VOCAB + GRID - 1) / GRID;
     const int out_r0 = min(VOCAB, b * OUT_RB), out_r1 = min(VOCAB, out_r0 + OUT_RB);
+    constexpr int P_QKV = 2, P_WO = 2 + 2 * MAXQ, P_MLP = P_WO + 1, P_KV = P_MLP + 3 * MAXCH;
+    constexpr int NP = P_KV + 2;
+#if WHERE_SHARED
+    // The staged pieces' addresses (the same in every thread) in shared memory. As a local array
+    // indexed by the layer's parity they lived on the stack: every task began with a load from
+    // L1, or from L2 once the staging's traffic had evicted the line.
+    static_assert(NP <= WHERE_MAX, "WHERE_MAX: the staged pieces of a layer");
+    __shared__ const u8* where[2][WHERE_MAX];
+#else
+    const u8* where[2][NP];
+#endif
     // layer l's pieces [i0, i1) from byte off of its area (returns the offset after them)
     auto stage_layer = [&](int l, int i0, int i1, int off) {
         const u64* W = weights + (usize)l * W_PER_LAYER;
         const int* T = stypes + l * 7;
         const u8* src[NP];
         int bytes[NP];
-        head_pieces(l, src, bytes);
+        src[0] = (const u8*)W[W_ATTN_NORM];
+        src[1] = (const u8*)W[W_FFN_NORM];
+        bytes[0] = bytes[1] = DIM * 4;
+#pragma unroll
+        for (int k = 0; k < MAXQ; k++) {  // q/k/v task: QPB RoPE pairs of one head's rows
+            const int task = b + k * gridDim.x;
+            const int pr = task * QPB, g = pr / PAIRS_G, r = pr % PAIRS_G;
+            const int seg = r / (HD / 2), i0 = r % (HD / 2);
+            const int which = seg < GQA ? W_Q : seg == GQA ? W_K : W_V;
+            const int head = seg < GQA ? g * GQA + seg : g;
+            const int rb = (int)row_bytes(layer_type(T, which), DIM);
+            const u8* base = (const u8*)W[which] + (usize)head * HD * rb;
+            const bool mine = task < QKV_T;
+            src[P_QKV + 2 * k] = base + (usize)(NEOX ? i0 : 2 * i0) * rb;
+            src[P_QKV + 2 * k + 1] = base + (usize)(i0 + HD / 2) * rb;
+            bytes[P_QKV + 2 * k] = mine ? (NEOX ? QPB : 2 * QPB) * rb : 0;
+            bytes[P_QKV + 2 * k + 1] = mine && NEOX ? QPB * rb : 0;
+        }
         const int sbo = (int)row_bytes(layer_type(T, W_O), HD);
         src[P_WO] = (const u8*)W[W_O] + ((usize)h * DIM + wo_r0) * sbo;
         bytes[P_WO] = att ? (wo_r1 - wo_r0) * sbo : 0;
@@ -1408,9 +1381,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     cluster_arrive();  // (zeroed, and the other block started, before either writes)
 #endif
 #if STAGE0_SPLIT  // the norms and q/k/v rows now (the first task), the rest after q/k/v
-#if !PDL  // (with PDL: staged before the wait for the step before)
     const int off0 = stage_layer(0, 0, P_WO, 0);
-#endif
 #else
     stage_layer(0, 0, NP, 0);
 #endif
@@ -1886,9 +1857,6 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
-#if PDL  // the next step may be launched now: its blocks take an SM as this grid's leave it
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 
     // ---- every block: the output layer and the argmax
 #if XRES

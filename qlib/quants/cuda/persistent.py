@@ -210,18 +210,11 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("attrs", ctypes.c_void_p), ("n_attrs", ctypes.c_uint)]  # fmt: skip
 
 
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union
-    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
-
-
-_PROGRAMMATIC_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-
 class Kernel:
     """A loaded ``qlib_decode_step`` and its launch through ``cuLaunchKernel``."""
 
     def __init__(self, cubin: bytes, shared_bytes: int, device: torch.device, threads: int,
-                 cluster: int = 1, pdl: bool = False):  # fmt: skip
+                 cluster: int = 1):  # fmt: skip
         torch.cuda.init()
         torch.empty(1, device=device)  # the primary context is current on this thread
         self.cu = _driver()
@@ -248,15 +241,6 @@ class Kernel:
                     f"clusters of {cluster} blocks: {n.value} resident at once, not the "
                     f"{self.blocks // cluster} the grid needs (driver code {rc})"
                 )
-        self._config = None
-        if pdl:  # a programmatic dependent of the launch before it on the stream (PDL)
-            if getattr(self.cu, "cuLaunchKernelEx", None) is None:
-                raise PersistentError("this CUDA driver has no cuLaunchKernelEx (for pdl)")
-            self._attr = _LaunchAttribute(_PROGRAMMATIC_SERIALIZATION)
-            self._attr.value[0] = 1
-            self._config = _LaunchConfig((self.blocks, 1, 1), (threads, 1, 1), shared_bytes)
-            self._config.attrs = ctypes.addressof(self._attr)
-            self._config.n_attrs = 1
 
     def _check(self, rc: int, what: str) -> None:
         if rc:
@@ -265,12 +249,8 @@ class Kernel:
     def launch(self, args: list[ctypes._SimpleCData]) -> None:
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
-        if self._config is not None:
-            self._config.stream = stream
-            rc = self.cu.cuLaunchKernelEx(ctypes.byref(self._config), self.fn, params, None)
-        else:
-            rc = self.cu.cuLaunchKernel(self.fn, self.blocks, 1, 1, self.threads, 1, 1,
-                                        self.shared_bytes, stream, params, None)  # fmt: skip
+        rc = self.cu.cuLaunchKernel(self.fn, self.blocks, 1, 1, self.threads, 1, 1,
+                                    self.shared_bytes, stream, params, None)  # fmt: skip
         self._check(rc, "launch")
 
 
@@ -434,18 +414,15 @@ class PersistentDecoder:
     position itself. ``threads`` (a block), ``split`` and ``min_split`` (positions per attention
     split) shape the launch (docs/gpu.md has the sweeps); ``kv_stage``: an attention split's
     cached keys and values staged into shared memory where they fit; ``stage_times``: the
-    spans of a step (``stage_times_ns``); ``pdl``: each launch a programmatic dependent of the
-    one before it on the stream (its blocks start as the step before leaves the SMs, and wait
-    for its writes in ``griddepcontrol.wait``); ``macros``: more of ``persistent.cu``'s macros,
-    for experiments (``tools/persistent_probe.py``).
+    spans of a step (``stage_times_ns``); ``macros``: more of ``persistent.cu``'s macros, for
+    experiments (``tools/persistent_probe.py``).
     """
 
     def __init__(self, config, layers: list[dict], tok_embd, output, out_norm: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                  device: torch.device, *, threads: int = THREADS, split: int = SPLIT,
                  min_split: int = MIN_SPLIT, kv_stage: bool = True,
-                 stage_times: bool = False, pdl: bool = False,
-                 macros: dict[str, int] | None = None):  # fmt: skip
+                 stage_times: bool = False, macros: dict[str, int] | None = None):  # fmt: skip
         c = config
         dim = layers[0]["ffn_gate"].shape[1]
         hd, nh, nl = c.head_dim, c.head_count, c.block_count
@@ -455,9 +432,6 @@ class PersistentDecoder:
         # experiments: persistent.cu's macros (KV_STAGE, ...), from $QLIB_PERSISTENT_MACROS
         # (any command's kernel) and from the caller
         given = {**env_macros(os.environ.get("QLIB_PERSISTENT_MACROS", "")), **(macros or {})}
-        self.pdl = bool(pdl)
-        if self.pdl:
-            given["PDL"] = 1
         optin = _device_attribute(device, _SHARED_OPTIN_ATTR)
         self.macros, shared = kernel_macros(
             config, layers, output, cache.shape[3], blocks=blocks, optin=optin, major=major,
@@ -522,7 +496,7 @@ class PersistentDecoder:
 
     def _kernel(self, arch: str, shared: int, device: torch.device, threads: int) -> Kernel:
         cluster = 2 if self.macros["MLP_PAIR"] else 1
-        return Kernel(cached_cubin(self.macros, arch), shared, device, threads, cluster, self.pdl)
+        return Kernel(cached_cubin(self.macros, arch), shared, device, threads, cluster)
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor,
              host_out: torch.Tensor | None = None,
