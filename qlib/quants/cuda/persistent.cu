@@ -173,7 +173,8 @@ static_assert(SMAXPOS >= NSMAX * HPT * (HD + 2), "the splits' partials gathered 
 #define MLP_PAIR 0  // MLP tasks c, c + 1 on a cluster of two blocks (below; persistent.py sets it)
 #endif
 #ifndef STAGE0_SPLIT
-#define STAGE0_SPLIT 0  // layer 0's staging in two parts: q/k/v's first, the rest after q/k/v
+#define STAGE0_SPLIT 0  // A/B: layer 0's staging in two parts, q/k/v's first, the rest after
+                        // q/k/v (docs/gpu.md, fortieth session: -1 to -2 us a step on Q4_1)
 #endif
 
 // MLP_PAIR: the grid runs as clusters of two blocks, and MLP tasks 2p and 2p + 1 sit on the two
@@ -982,8 +983,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 // fit or is not 16-aligned. Returns the offset after the last copy.
 template <int N, int NOPF = N>
 __device__ __forceinline__ int stage(const u8* const (&src)[N], const int (&bytes)[N], u8* area,
-                                     int cap, const u8** where, int i0 = 0, int i1 = N,
-                                     int off = 0) {
+                                     int cap, const u8** where, int i0, int i1, int off) {
 #pragma unroll
     for (int i = 0; i < N; i++) {
         if (i < i0 || i >= i1) continue;
