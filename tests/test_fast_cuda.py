@@ -380,15 +380,15 @@ def test_types_without_kernels_are_dense_parts(tmp_path):
                                                  ("IQ4_NL", 4.5), ("IQ4_XS", 4.625)])  # fmt: skip
 def test_planes_of_their_own(tmp_path, type_name, bits):
     """NVFP4, MXFP4, Q1_0, IQ4_NL and IQ4_XS (a table type) run as planes of their own
-    (``layout``: bits a weight as given, and the 16 levels of the last two), no float32 copy of
-    the weights (a CPU device: the planes only, no kernel runs)."""
+    (``layout``: bits a weight as given, and a table of 16 levels but for Q1_0), no float32
+    copy of the weights (a CPU device: the planes only, no kernel runs)."""
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type=type_name, n_embd=256, n_ff=512)
     with open(path, "rb") as f:
         content = Content.read(f)
         fast = CudaFastModel.from_gguf(content, f, "cpu", prefill="packed", decode="fused")
     for lin in (fast.layers[0].wqkv, fast.layers[0].w2):
         assert lin.types == [type_name] and lin.dense is None
-        levels = 16 if type_name.startswith("IQ4") else 0
+        levels = 0 if type_name == "Q1_0" else 16
         assert 8 * (lin.parts[0].nbytes() - levels) / (lin.out_features * lin.in_features) == bits
 
 

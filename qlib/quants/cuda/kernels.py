@@ -19,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import FORMAT_ID, Prepared
+from .layout import E2M1_BY_SELECTS, FORMAT_ID, Prepared
+
+E2M1_SELECTS = tl.constexpr(E2M1_BY_SELECTS)  # A/B: FP4 codes by selects, else looked up in qh
 
 # Format ids (as gpu.FORMAT_ID), constexpr for the kernels.
 Q4_0 = tl.constexpr(FORMAT_ID["Q4_0"])
@@ -95,10 +97,11 @@ def _codes(qs, qh, mn, row, g, i, qs_stride, qh_stride, FMT: tl.constexpr):
         if FMT == Q6_K:
             lo = lo - 32
             hi = hi - 32
-        if FMT == NVFP4 or FMT == MXFP4:
+        if (FMT == NVFP4 or FMT == MXFP4) and E2M1_SELECTS:
             lo = _e2m1(lo)
             hi = _e2m1(hi)
-        if FMT == IQ4_NL or FMT == TABLE:  # indices into the type's 16 levels (qh: int8)
+        if FMT == IQ4_NL or FMT == TABLE or ((FMT == NVFP4 or FMT == MXFP4) and not E2M1_SELECTS):
+            # indices into the type's 16 levels (qh: int8)
             lo = tl.load(qh + lo).to(tl.int32)
             hi = tl.load(qh + hi).to(tl.int32)
     return lo, hi

@@ -55,6 +55,7 @@ planes that the kernels implement.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,9 @@ FORMAT_ID: dict[str, int] = {name: i for i, name in enumerate(_FORMATS[:-2])} | 
 # the epilogues of ``fused.norm_gemv`` (here, so that callers need not import Triton):
 # store, add into y, SwiGLU of a stacked gate/up, gate (y holds the gate: silu(y) * x @ W.T)
 EPI_STORE, EPI_ADD, EPI_SWIGLU, EPI_GATE = 0, 1, 2, 3
+# A/B (docs/gpu.md): the FP4 types' E2M1 codes made values by selects in the kernels, else
+# looked up in ``qh`` (their 16 doubled values, as IQ4_NL's levels)
+E2M1_BY_SELECTS = os.environ.get("QLIB_E2M1_SELECTS") == "1"
 TABLE_CHUNK = 1 << 22  # weights of a table type unpacked at a time (``repack``)
 _OFFSET = {"Q4_0": -8, "Q5_0": -16, "Q6_K": -32, "Q3_K": -4}  # symmetric formats: code - offset
 
@@ -246,15 +250,16 @@ def repack(data: torch.Tensor, type_name: str, shape: tuple[int, int]) -> Prepar
         if three:  # the levels in ``mn``: ``qh`` holds the indices' third bits
             return Prepared(name, n, k, qs, qh=qh, d=unit, sc=sc, mn=levels[:8].contiguous())
         return Prepared(name, n, k, qs, qh=levels, d=unit, sc=sc)
+    e2m1 = None if E2M1_BY_SELECTS else torch.from_numpy(KVALUES_MXFP4).to(b.device)
     if name == "MXFP4":  # e qs[16]: element j low, j + 16 high (the Q4_0 order)
         scales = torch.from_numpy(e8m0_half(b[..., 0].cpu().numpy())).to(b.device)
         qs = b[..., 1:17].reshape(n, k // 2).contiguous()
-        return Prepared(name, n, k, qs, d=scales.reshape(n, k // 32).contiguous())
+        return Prepared(name, n, k, qs, qh=e2m1, d=scales.reshape(n, k // 32).contiguous())
     if name == "NVFP4":  # d[4] qs[32]: group s's 8 bytes hold its element j low, j + 8 high
         qs = b[..., 4:36].reshape(n, -1, 4, 8)
         index = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # E2M1 codes (table indices)
         scales = ue4m3_to_f32(b[..., 0:4]).reshape(n, k // 16)  # exact in f16
-        return Prepared(name, n, k, _nibble_plane(index), d=scales.to(f16).contiguous())
+        return Prepared(name, n, k, _nibble_plane(index), qh=e2m1, d=scales.to(f16).contiguous())
     # Q6_K: element 128h + 32j + l; ql byte 64h + 32(j % 2) + l, nibble j // 2; qh byte 32h + l
     ql = b[..., 0:128].reshape(n, -1, 2, 2, 32)
     low = torch.cat([ql & 15, ql >> 4], dim=3)
