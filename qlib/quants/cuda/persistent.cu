@@ -173,8 +173,8 @@ static_assert(SMAXPOS >= NSMAX * HPT * (HD + 2), "the splits' partials gathered 
 #define MLP_PAIR 0  // MLP tasks c, c + 1 on a cluster of two blocks (below; persistent.py sets it)
 #endif
 #ifndef STAGE0_SPLIT
-#define STAGE0_SPLIT 0  // A/B: layer 0's staging in two parts, q/k/v's first, the rest after
-                        // q/k/v (docs/gpu.md, fortieth session: -1 to -2 us a step on Q4_1)
+#define STAGE0_SPLIT 1  // layer 0's staging in two parts, q/k/v's first, the rest after q/k/v
+                        // (docs/gpu.md, fortieth session: -1 to -2 us a step on Q4_1)
 #endif
 
 // MLP_PAIR: the grid runs as clusters of two blocks, and MLP tasks 2p and 2p + 1 sit on the two
