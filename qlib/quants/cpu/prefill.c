@@ -1272,6 +1272,9 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
             for (int mb = m0; mb < m1; mb += 32) {
                 const uint16_t *a0 = A + (size_t)mb * K, *a1 = a0 + (size_t)16 * K;
                 float (*pend)[256] = buf[1 - cb];
+                /* a last block of at most 16 rows: the products of its first A tile only
+                 * (SmolLM2's 203-row prefill on an AMX VM: 31.2 against 31.6 ms) */
+                const int two = M - mb > 16;
                 _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
                 for (int kc = 0; kc < nkc; kc++) {
                     if (next && done < ntile) amx_expand_block_tile(w, nb_next, done++, nkc, next);
@@ -1280,9 +1283,11 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
                     _tile_loadd(3, b1 + (size_t)kc * 512, 64);
                     _tile_dpbf16ps(4, 0, 2);
                     _tile_dpbf16ps(5, 0, 3);
-                    _tile_loadd(1, a1 + 32 * kc, K * 2);
-                    _tile_dpbf16ps(6, 1, 2);
-                    _tile_dpbf16ps(7, 1, 3);
+                    if (two) {
+                        _tile_loadd(1, a1 + 32 * kc, K * 2);
+                        _tile_dpbf16ps(6, 1, 2);
+                        _tile_dpbf16ps(7, 1, 3);
+                    }
                     if (p_done < p_rows) {
                         const int r1 = p_done + per_step < p_rows ? p_done + per_step : p_rows;
                         amx_epilogue(pend, p_done, r1, p_mb, p_nb, epi, out, ldo);
@@ -1292,8 +1297,10 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
                 amx_epilogue(pend, p_done, p_rows, p_mb, p_nb, epi, out, ldo);
                 _tile_stored(4, buf[cb][0], 64);
                 _tile_stored(5, buf[cb][1], 64);
-                _tile_stored(6, buf[cb][2], 64);
-                _tile_stored(7, buf[cb][3], 64);
+                if (two) {
+                    _tile_stored(6, buf[cb][2], 64);
+                    _tile_stored(7, buf[cb][3], 64);
+                }
                 p_rows = M - mb < 32 ? M - mb : 32, p_done = 0, p_mb = mb, p_nb = nb;
                 cb = 1 - cb;
             }
