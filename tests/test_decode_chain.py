@@ -127,6 +127,28 @@ def test_next_step_prefetch_changes_nothing(tmp_path, name):
 
 
 @needs_kernels
+@pytest.mark.parametrize("name", ["Q4_K_M mix", "legacy mix"])
+def test_panel_prefetch_changes_nothing(tmp_path, name):
+    """The panels' GEMVs prefetching their weights ahead (``set_panel_prefetch``,
+    ``set_kpanel_prefetch``: none, the vendor's default, 64 KB, past a thread's share) leave
+    the logits and the cache equal bit for bit."""
+    path = write_tiny_llama(tmp_path / "m.gguf", **SIZES, **FILES[name][0])
+    model = _build(path, max_seq_len=256)
+    runs = []
+    try:
+        for distance in (0, -1, 1 << 16):
+            ops.set_panel_prefetch(distance)
+            ops.set_kpanel_prefetch(distance)
+            runs.append(_decode(model, "region", 20, 6))
+    finally:
+        ops.set_panel_prefetch()
+        ops.set_kpanel_prefetch()
+    for logits, cache in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][0], logits, strict=True))
+        assert torch.equal(runs[0][1], cache)
+
+
+@needs_kernels
 def test_step_times_time_the_same_step(tmp_path):
     """``FastModel.decode_step_times`` (``DecodeChain.step_seconds``: the region's own clock
     after each step's barrier, for tools/cpu_decode_profile.py) runs the same step: the logits

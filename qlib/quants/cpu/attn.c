@@ -27,7 +27,6 @@
  * then p v (a float32 cache's keys prefetched 16 rows ahead: pf_rows_f32; the values' pass
  * left to the hardware's prefetchers). e^x is the vector exp16 (~1 ulp).
  * d % 16 == 0, d <= 128. Returns 0, or -1 (out of memory). */
-#include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -399,12 +398,8 @@ static void store_row(void *cache, size_t at, const float *x, int d, int f16) {
  * float16 caches keep the one pass (keys outer: measured the same or faster). The two differ
  * by float rounding only. */
 static int two_pass_f32 = -1;
-static int amd_cpu(void) {
-    unsigned a, b, c, d;
-    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u; /* "Auth"enticAMD */
-}
-__attribute__((constructor)) static void two_pass_init(void) { two_pass_f32 = amd_cpu(); }
-void qlib_attn_set_two_pass(int on) { two_pass_f32 = on < 0 ? amd_cpu() : on; }
+__attribute__((constructor)) static void two_pass_init(void) { two_pass_f32 = qlib_amd_cpu(); }
+void qlib_attn_set_two_pass(int on) { two_pass_f32 = on < 0 ? qlib_amd_cpu() : on; }
 
 /* The pieces per KV head: a multiple of 16 positions each, n_kv * P a multiple of the
  * thread count where that leaves pieces of >= 64 positions (else one piece per head). */

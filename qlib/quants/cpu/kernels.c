@@ -551,12 +551,20 @@ static inline __attribute__((always_inline)) void gemv_group(
     }
 }
 
-/* Bytes ahead of each thread's stream that the panels' GEMV prefetches into L1 (an A/B hook,
- * qlib_gemv_set_panel_prefetch). 0, the default: none, the hardware's prefetch alone (one
- * sequential stream a thread); 2 KB ahead was 0-15% slower in one process alternating
- * (docs/performance.md, "The panels without software prefetch"). */
+/* Bytes ahead of each thread's stream that the panels' GEMV prefetches into L1: by the CPU's
+ * vendor, or as set by qlib_gemv_set_panel_prefetch (an A/B hook; -1 restores the vendor's).
+ * On an AMD Zen 4 VM none (the hardware's prefetch alone on the one sequential stream a
+ * thread): 2 KB ahead was 0-15% slower (docs/performance.md, "The panels without software
+ * prefetch"); on an Intel Xeon VM 4 KB ahead made the 1B shape's Q8_0 decode step 38.5 ->
+ * 32.9 ms, alternating in one process ("Software prefetch by the CPU's vendor"). */
+enum { PANEL_PREFETCH_INTEL = 4096 };
 int qlib_panel_prefetch = 0;
-void qlib_gemv_set_panel_prefetch(int bytes) { qlib_panel_prefetch = bytes; }
+__attribute__((constructor)) static void panel_prefetch_init(void) {
+    qlib_panel_prefetch = qlib_amd_cpu() ? 0 : PANEL_PREFETCH_INTEL;
+}
+void qlib_gemv_set_panel_prefetch(int bytes) {
+    qlib_panel_prefetch = bytes >= 0 ? bytes : qlib_amd_cpu() ? 0 : PANEL_PREFETCH_INTEL;
+}
 
 /* Whether the panels' GEMVs (here and kquants.c's Q4_K panels) prefetch the activation row's
  * next codes and scales into L1 as they go (an A/B hook, qlib_gemv_set_act_prefetch; 1, the

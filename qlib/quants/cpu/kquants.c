@@ -800,11 +800,20 @@ int qlib_kpanel_get(int type, const uint8_t *panels, int n, int k, const int64_t
     return 0;
 }
 
-/* Bytes ahead of a thread's stream that the Q4_K panels' GEMV prefetches into L2 (an A/B hook,
- * qlib_kpanel_set_prefetch; 0, the default: none, the hardware's prefetch alone on the one
- * stream, as for kernels.c's panels) */
+/* Bytes ahead of a thread's stream that the Q4_K / IQ4_XS panels' GEMV prefetches into L2: by
+ * the CPU's vendor, or as set by qlib_kpanel_set_prefetch (an A/B hook; -1 restores the
+ * vendor's). On an AMD Zen 4 VM none (the hardware's prefetch alone on the one stream, as for
+ * kernels.c's panels; the thirtieth session's harness: 54 against 40 GB/s); on an Intel Xeon
+ * VM two Q4_K records ahead made the 1B shape's Q4_K_M decode step 31.0 -> 21.2 ms
+ * (docs/performance.md, "Software prefetch by the CPU's vendor"). */
+static int kpanel_prefetch_vendor(void) { return qlib_amd_cpu() ? 0 : 2 * KP_SB; }
 static int qlib_kpanel_prefetch = 0;
-void qlib_kpanel_set_prefetch(int bytes) { qlib_kpanel_prefetch = bytes < 0 ? 0 : bytes; }
+__attribute__((constructor)) static void kpanel_prefetch_init(void) {
+    qlib_kpanel_prefetch = kpanel_prefetch_vendor();
+}
+void qlib_kpanel_set_prefetch(int bytes) {
+    qlib_kpanel_prefetch = bytes >= 0 ? bytes : kpanel_prefetch_vendor();
+}
 
 extern int qlib_act_prefetch; /* kernels.c's A/B hook, qlib_gemv_set_act_prefetch */
 

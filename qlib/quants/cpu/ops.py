@@ -164,9 +164,9 @@ def set_gemv_sequential(max_k: int = 1 << 30) -> None:
     _lib().qlib_gemv_set_seq_k(int(max_k))
 
 
-def set_panel_prefetch(distance: int = 0) -> None:
+def set_panel_prefetch(distance: int = -1) -> None:
     """Bytes ahead of a thread's stream that the GEMV over panels prefetches into L1 (an A/B
-    hook; results are the same; 0, the default: none)."""
+    hook; results are the same; -1, the default: by the CPU's vendor, AMD 0, else 4,096)."""
     _lib().qlib_gemv_set_panel_prefetch(int(distance))
 
 
@@ -182,9 +182,10 @@ def set_kgemv_prefetch(groups: int = 2) -> None:
     _lib().qlib_kgemv_set_prefetch(int(groups))
 
 
-def set_kpanel_prefetch(distance: int = 0) -> None:
+def set_kpanel_prefetch(distance: int = -1) -> None:
     """Bytes ahead of a thread's stream that the GEMV over Q4_K panels prefetches into L2 (an
-    A/B hook; results are the same; 0, the default: none)."""
+    A/B hook; results are the same; -1, the default: by the CPU's vendor, AMD 0, else two
+    panel records, 4,736)."""
     _lib().qlib_kpanel_set_prefetch(int(distance))
 
 

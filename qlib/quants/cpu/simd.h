@@ -3,12 +3,20 @@
  * kernels (fused RmsNorm / SwiGLU) and its Q8_0 / Q8_1 quantization; a per-thread scratch. */
 #ifndef QLIB_SIMD_H
 #define QLIB_SIMD_H
+#include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* Whether the CPU is AMD's: some streaming choices go by the vendor (measured on one VM of
+ * each: an AMD Zen 4 and an Intel Xeon with AMX; docs/performance.md) */
+static inline int qlib_amd_cpu(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u; /* "Auth"enticAMD */
+}
 
 /* ggml's kvalues_iq4nl + 128: the unsigned codes of IQ4_NL / IQ4_XS dot products */
 static const uint8_t iq4_levels_u8[16] = {1,   24,  45,  63,  79,  93,  106, 118,
