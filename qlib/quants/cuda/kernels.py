@@ -7,10 +7,10 @@ group). ``_codes`` gives the signed integer codes of both halves, ``_scales`` th
 and offsets (the min of Q4_1/Q5_1, ``-dmin * m`` of Q4_K/Q5_K, the same for both halves;
 Q2_K's ``-dmin * m`` of each 16 elements); the value of element ``e`` is ``code * scale +
 offset``, as in ``dequantize_torch``. Formats with a scale per 16 elements (Q6_K, Q3_K,
-Q2_K, NVFP4, the table types) scale the halves' sums separately (NVFP4's and MXFP4's codes
-are their E2M1 values doubled, ``_e2m1``; IQ4_NL's and the table types' are looked up in the
-16 levels of ``qh``); Q2_K (``two offsets``) adds the halves' x-sums times their offsets
-separately.
+Q2_K, NVFP4, the table types) scale the halves' sums separately (NVFP4's, MXFP4's, IQ4_NL's
+and the table types' codes are indices into the 16 levels of ``qh``: the FP4 types' E2M1
+values doubled, looked up faster than made by selects, docs/gpu.md); Q2_K (``two offsets``)
+adds the halves' x-sums times their offsets separately.
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import E2M1_BY_SELECTS, FORMAT_ID, Prepared
-
-E2M1_SELECTS = tl.constexpr(E2M1_BY_SELECTS)  # A/B: FP4 codes by selects, else looked up in qh
+from .layout import FORMAT_ID, Prepared
 
 # Format ids (as gpu.FORMAT_ID), constexpr for the kernels.
 Q4_0 = tl.constexpr(FORMAT_ID["Q4_0"])
@@ -97,22 +95,11 @@ def _codes(qs, qh, mn, row, g, i, qs_stride, qh_stride, FMT: tl.constexpr):
         if FMT == Q6_K:
             lo = lo - 32
             hi = hi - 32
-        if (FMT == NVFP4 or FMT == MXFP4) and E2M1_SELECTS:
-            lo = _e2m1(lo)
-            hi = _e2m1(hi)
-        if FMT == IQ4_NL or FMT == TABLE or ((FMT == NVFP4 or FMT == MXFP4) and not E2M1_SELECTS):
-            # indices into the type's 16 levels (qh: int8)
+        if FMT == IQ4_NL or FMT == TABLE or FMT == NVFP4 or FMT == MXFP4:
+            # indices into the type's 16 levels (qh: int8; the FP4 types' E2M1 values doubled)
             lo = tl.load(qh + lo).to(tl.int32)
             hi = tl.load(qh + hi).to(tl.int32)
     return lo, hi
-
-
-@triton.jit
-def _e2m1(c):
-    """E2M1 code ``c`` (0..15) as ggml's doubled value: 0, 1, 2, 3, 4, 6, 8, 12 (bit 3: minus)."""
-    m = c & 7
-    mag = tl.where(m < 4, m, (2 + (m & 1)) << ((m >> 1) - 1))
-    return tl.where(c >= 8, -mag, mag)
 
 
 @triton.jit

@@ -21,11 +21,11 @@ values bit for bit:
   Q5_K, the 6-bit values unpacked), per 16 elements ``[n, k/16]``: int8 for the
   signed scales of Q6_K and Q3_K (Q3_K's 6-bit ``sc - 32``), uint8 for Q2_K's
   4-bit scales and mins.
-* NVFP4: ``qs`` as above holds the E2M1 codes (indices into ggml's doubled table
-  ``kvalues_mxfp4``: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives), ``d`` float16
+* NVFP4: ``qs`` as above holds the E2M1 codes, indices into ``qh`` (int8 ``[16]``, ggml's
+  doubled table ``kvalues_mxfp4``: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives), ``d`` float16
   ``[n, k/16]`` the scale of each 16 (the E4M3 byte's value halved, as ggml's
   ``ggml_ue4m3_to_fp32``: exact in float16): 5 bits a weight.
-* MXFP4: ``qs`` as NVFP4's, ``d`` float32 ``[n, k/32]`` the scale of each 32 (the
+* MXFP4: ``qs`` and ``qh`` as NVFP4's, ``d`` float32 ``[n, k/32]`` the scale of each 32 (the
   E8M0 exponent as ggml's ``GGML_E8M0_TO_FP32_HALF``: it may leave float16's range):
   5 bits a weight.
 * IQ4_NL and the table types (``gridquants.TABLE_TYPES``: the grid i-quants, the ternary
@@ -55,7 +55,6 @@ planes that the kernels implement.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -79,9 +78,6 @@ FORMAT_ID: dict[str, int] = {name: i for i, name in enumerate(_FORMATS[:-2])} | 
 # the epilogues of ``fused.norm_gemv`` (here, so that callers need not import Triton):
 # store, add into y, SwiGLU of a stacked gate/up, gate (y holds the gate: silu(y) * x @ W.T)
 EPI_STORE, EPI_ADD, EPI_SWIGLU, EPI_GATE = 0, 1, 2, 3
-# A/B (docs/gpu.md): the FP4 types' E2M1 codes made values by selects in the kernels, else
-# looked up in ``qh`` (their 16 doubled values, as IQ4_NL's levels)
-E2M1_BY_SELECTS = os.environ.get("QLIB_E2M1_SELECTS") == "1"
 TABLE_CHUNK = 1 << 22  # weights of a table type unpacked at a time (``repack``)
 _OFFSET = {"Q4_0": -8, "Q5_0": -16, "Q6_K": -32, "Q3_K": -4}  # symmetric formats: code - offset
 
@@ -250,7 +246,8 @@ def repack(data: torch.Tensor, type_name: str, shape: tuple[int, int]) -> Prepar
         if three:  # the levels in ``mn``: ``qh`` holds the indices' third bits
             return Prepared(name, n, k, qs, qh=qh, d=unit, sc=sc, mn=levels[:8].contiguous())
         return Prepared(name, n, k, qs, qh=levels, d=unit, sc=sc)
-    e2m1 = None if E2M1_BY_SELECTS else torch.from_numpy(KVALUES_MXFP4).to(b.device)
+    if name in ("MXFP4", "NVFP4"):  # the E2M1 values (doubled) as qh, the codes' table
+        e2m1 = torch.from_numpy(KVALUES_MXFP4).to(b.device)
     if name == "MXFP4":  # e qs[16]: element j low, j + 16 high (the Q4_0 order)
         scales = torch.from_numpy(e8m0_half(b[..., 0].cpu().numpy())).to(b.device)
         qs = b[..., 1:17].reshape(n, k // 2).contiguous()
