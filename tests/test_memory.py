@@ -52,6 +52,12 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="/proc and ru_ma
 
 MIB = 1 << 20
 LOAD_MARGIN_MIB = 64  # environment spread ~20 MiB (see above) < one copy (94)
+# the fast engine packs piece by piece and drops each piece's mapped pages once packed, so for
+# a moment it holds one piece twice: up to the tied 49,152 x 576 Q8_0 output, 30 MiB. Its
+# load peak spread over 193.6-227.8 MiB in nine runs on an Intel Xeon VM (2026-12-06; 93.8
+# file + 75.9 AMX codes + 24-58) and reached 237.5 in a fresh clone there: 16 MiB more margin,
+# still below one more copy of the file (94)
+FAST_LOAD_MARGIN_MIB = 80
 RUN_MARGIN_MIB = 96  # with the C kernels (64 + the environment spread)
 RUN_MARGIN_TORCH_MIB = 128  # torch path: unpacking the 27 MiB tied output makes two code copies
 
@@ -185,7 +191,7 @@ def test_fast_engine_holds_the_weights_once(model_path):
     the CPU has AMX, the bf16 prefill keeps its own copy of the layer
     weights (AMX tile order: the same bytes as the blocks for Q4_x / Q8_0), counted apart."""
     m = _child(model_path, "mmap", "fast")
-    bound = m["file_mib"] + m["prefill_copy_mib"] + LOAD_MARGIN_MIB
+    bound = m["file_mib"] + m["prefill_copy_mib"] + FAST_LOAD_MARGIN_MIB
     assert m["load_peak_mib"] <= bound, f"fast load peak {m['load_peak_mib']:.1f} > {bound:.1f}"
     assert m["run_peak_mib"] <= bound + RUN_MARGIN_MIB, m
 
