@@ -263,8 +263,9 @@ class FastLinear:
     run one after the other into slices of one output. Uniform stacks are one part (``packed``
     or ``prepared`` is then that part's; both None for a mixed stack). The bf16 prefill copy
     (and the AMX tiles) is always one matrix: a mix of types is dequantized to bf16 values.
-    ``panels``: Q4_0 / Q4_1 / Q8_0 / Q4_K parts as 16-row panels (``cpu.pack``), unless the AMX
-    tiles are made from their planes.
+    ``panels``: Q4_0 / Q4_1 / Q8_0 / Q4_K parts as 16-row panels (``cpu.pack``); where the CPU
+    has AMX, the AMX codes are then read from the GGUF blocks (``cpu.pack_amx_codes``), and
+    types without such codes (IQ4_NL, the FP4 types, ...) keep planes to make theirs from.
     """
 
     def __init__(self, qtensors: list[QTensor], bf16: bool, amx: bool = False,
@@ -276,12 +277,16 @@ class FastLinear:
         self.out_features = sum(q.shape[0] for q in qtensors)
         self.in_features = qtensors[0].shape[-1]
         runs = _runs(qtensors)
-        codes = bf16 and amx and amx_packed  # AMX tiles of 4/8-bit codes (from the planes)
+        codes = bf16 and amx and amx_packed  # AMX tiles of 4/8-bit codes
+        # the codes read from the GGUF blocks where the types have such codes, so that the
+        # decode keeps its panels; else (IQ4_NL, ...) made from the planes, without panels
+        block_codes = codes and cpu.amx_codes_plan(q.dtype.name for q in qtensors) is not None
         self.parts: list[LinearPart] = []
         for run in runs:
             r0 = self.parts[-1].r0 + self.parts[-1].n if self.parts else 0
             # blocks released as packed
-            self.parts.append(LinearPart(run, r0, release, panels=panels and not codes))
+            part_panels = panels and (block_codes or not codes)
+            self.parts.append(LinearPart(run, r0, release, panels=part_panels))
         one = self.parts[0] if len(self.parts) == 1 else None
         self.packed: cpu.PackedWeight | None = one.packed if one is not None else None
         self.prepared: PreparedWeight | None = one.prepared if one is not None else None
@@ -291,10 +296,10 @@ class FastLinear:
         self.bf16: torch.Tensor | None = None
         self.bf16_prepacked = False
         self.amx: cpu.AmxWeight | None = None
-        if codes and self.packed is not None and not self.packed.blocks:
+        if codes and self.packed is not None and not (self.packed.blocks or self.packed.panels):
             self.amx = cpu.pack_amx_quantized(self.packed, interleave)  # from the planes
-        elif codes and cpu.amx_codes_plan(q.dtype.name for q in qtensors) is not None:
-            self.amx = cpu.pack_amx_codes(qtensors, interleave, release)  # K-quants, mixes
+        elif block_codes:  # K-quants, mixes, panels
+            self.amx = cpu.pack_amx_codes(qtensors, interleave, release)
         elif bf16:
             w = torch.cat([p.dequantize_bf16(run) for p, run in zip(self.parts, runs, strict=True)])
             if amx:
