@@ -557,13 +557,13 @@ static inline __attribute__((always_inline)) void gemv_group(
  * thread): 2 KB ahead was 0-15% slower (docs/performance.md, "The panels without software
  * prefetch"); on an Intel Xeon VM 4 KB ahead made the 1B shape's Q8_0 decode step 38.5 ->
  * 32.9 ms, alternating in one process ("Software prefetch by the CPU's vendor"). */
-enum { PANEL_PREFETCH_INTEL = 4096 };
+static int panel_prefetch_vendor(void) { return qlib_amd_cpu() ? 0 : 4096; }
 int qlib_panel_prefetch = 0;
 __attribute__((constructor)) static void panel_prefetch_init(void) {
-    qlib_panel_prefetch = qlib_amd_cpu() ? 0 : PANEL_PREFETCH_INTEL;
+    qlib_panel_prefetch = panel_prefetch_vendor();
 }
 void qlib_gemv_set_panel_prefetch(int bytes) {
-    qlib_panel_prefetch = bytes >= 0 ? bytes : qlib_amd_cpu() ? 0 : PANEL_PREFETCH_INTEL;
+    qlib_panel_prefetch = bytes >= 0 ? bytes : panel_prefetch_vendor();
 }
 
 /* Whether the panels' GEMVs (here and kquants.c's Q4_K panels) prefetch the activation row's
