@@ -801,10 +801,11 @@ Q4_K_M_LIKE = {"*attn_v*": "Q6_K", "*ffn_down*": "Q6_K", "token_embd*": "Q8_0"}
 
 
 @needs_amx
-@pytest.mark.parametrize("types", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_1", "Q4_K_M"])
+@pytest.mark.parametrize("types", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_1", "Q4_K_M",
+                                   "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4"])  # fmt: skip
 def test_amx_codes_equal_bf16_tiles(tmp_path, types):
-    """K-quant (and Q5_1, and a Q4_K_M-like mix) weights kept as AMX codes give the logits of
-    a bf16 tile copy bit for bit, and hold fewer bytes."""
+    """K-quant (and Q5_1, a Q4_K_M-like mix, the IQ4 and FP4 types) weights kept as AMX codes
+    give the logits of a bf16 tile copy bit for bit, and hold fewer bytes."""
     mix = Q4_K_M_LIKE if types == "Q4_K_M" else None
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_K" if mix else types,
                             weight_types=mix, n_embd=256, n_kv_head=2, n_ff=512)  # fmt: skip

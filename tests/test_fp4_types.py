@@ -215,15 +215,16 @@ def test_every_cpu_engine_runs_them(files, t):
 
 @pytest.mark.parametrize("t", TYPES)
 def test_fast_engine_kernel_types(files, t):
-    """The layers as the type's own panels (``layout.PANEL_FORMS``), except where the AMX
-    prefill makes its tiles from the planes of ``forms.kernel_form`` (a CPU with AMX, such as
-    the GPU machine's): then the layers keep those planes (X4 for NVFP4)."""
+    """The layers as the type's own panels (``layout.PANEL_FORMS``); on a CPU with AMX too
+    for MXFP4 and NVFP4, whose AMX codes are read from their blocks, while Q1_0, which has
+    none (``packing.AMX_CODES``), keeps the planes of ``forms.kernel_form`` that the AMX
+    prefill makes its tiles from."""
     model, _ = load(files[t], "cpu", engine="fast")
     parts = [p for layer in model.layers for p in layer.wqkv.parts + layer.w2.parts]
     kinds = {p.packed.type_name if p.packed is not None else None for p in parts}
     if cpu.available():
-        planes = {"MXFP4": "Q5_0", "Q1_0": "Q4_0", "NVFP4": "X4"}[t]
-        assert kinds == {planes if model.amx_layers else t + "H"}
+        planes = "Q4_0" if t == "Q1_0" and model.amx_layers else t + "H"
+        assert kinds == {planes}
 
 
 @pytest.mark.peers

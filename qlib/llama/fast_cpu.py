@@ -265,7 +265,7 @@ class FastLinear:
     (and the AMX tiles) is always one matrix: a mix of types is dequantized to bf16 values.
     ``panels``: Q4_0 / Q4_1 / Q8_0 / Q4_K parts as 16-row panels (``cpu.pack``); where the CPU
     has AMX, the AMX codes are then read from the GGUF blocks (``cpu.pack_amx_codes``), and
-    types without such codes (IQ4_NL, the FP4 types, ...) keep planes to make theirs from.
+    types without such codes (Q1_0, the grid types, ...) keep planes to make theirs from.
     """
 
     def __init__(self, qtensors: list[QTensor], bf16: bool, amx: bool = False,
@@ -279,7 +279,7 @@ class FastLinear:
         runs = _runs(qtensors)
         codes = bf16 and amx and amx_packed  # AMX tiles of 4/8-bit codes
         # the codes read from the GGUF blocks where the types have such codes, so that the
-        # decode keeps its panels; else (IQ4_NL, ...) made from the planes, without panels
+        # decode keeps its panels; else (Q1_0, ...) made from the planes, without panels
         block_codes = codes and cpu.amx_codes_plan(q.dtype.name for q in qtensors) is not None
         self.parts: list[LinearPart] = []
         for run in runs:

@@ -357,6 +357,9 @@ AMX_CODES = {
     "Q5_0": AmxCodes(8, 32, False), "Q5_1": AmxCodes(8, 32, True), "Q8_0": AmxCodes(8, 32, False),
     "Q2_K": AmxCodes(4, 16, True), "Q3_K": AmxCodes(4, 16, False, 4),
     "Q4_K": AmxCodes(4, 32, True), "Q5_K": AmxCodes(8, 32, True), "Q6_K": AmxCodes(8, 16, False),
+    # their levels as int8 codes (IQ4's -127..113, the FP4 types' doubled E2M1 -12..12)
+    "IQ4_NL": AmxCodes(8, 32, False), "IQ4_XS": AmxCodes(8, 32, False),
+    "MXFP4": AmxCodes(8, 32, False), "NVFP4": AmxCodes(8, 16, False),
 }  # fmt: skip
 
 
