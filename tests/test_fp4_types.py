@@ -223,8 +223,8 @@ def test_fast_engine_kernel_types(files, t):
     parts = [p for layer in model.layers for p in layer.wqkv.parts + layer.w2.parts]
     kinds = {p.packed.type_name if p.packed is not None else None for p in parts}
     if cpu.available():
-        planes = "Q4_0" if t == "Q1_0" and model.amx_layers else t + "H"
-        assert kinds == {planes}
+        layers = "Q4_0" if t == "Q1_0" and model.amx_layers else t + "H"
+        assert kinds == {layers}
 
 
 @pytest.mark.peers

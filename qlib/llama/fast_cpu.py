@@ -281,12 +281,12 @@ class FastLinear:
         # the codes read from the GGUF blocks where the types have such codes, so that the
         # decode keeps its panels; else (Q1_0, ...) made from the planes, without panels
         block_codes = codes and cpu.amx_codes_plan(q.dtype.name for q in qtensors) is not None
+        panels = panels and (block_codes or not codes)
         self.parts: list[LinearPart] = []
         for run in runs:
             r0 = self.parts[-1].r0 + self.parts[-1].n if self.parts else 0
             # blocks released as packed
-            part_panels = panels and (block_codes or not codes)
-            self.parts.append(LinearPart(run, r0, release, panels=part_panels))
+            self.parts.append(LinearPart(run, r0, release, panels=panels))
         one = self.parts[0] if len(self.parts) == 1 else None
         self.packed: cpu.PackedWeight | None = one.packed if one is not None else None
         self.prepared: PreparedWeight | None = one.prepared if one is not None else None
