@@ -744,8 +744,8 @@ def _expand_amx_codes(w: cpu.AmxWeight) -> torch.Tensor:
     is exact in float32, so this is the kernel's one fused rounding) -> bf16, in row order."""
     nj, nc = w.n // 16, w.k // 32
     t = w.tiles.to(torch.int16) if w.kind.startswith("q8") else w.tiles
-    if w.kind.startswith("q4"):  # byte n of tile row r: k 2r | k 2r + 1 << 4
-        t = torch.stack([t & 15, t >> 4], dim=-1).to(torch.int16)
+    if w.kind.startswith("q4"):  # byte i of tile row r: value i | value 16 + i << 4
+        t = torch.stack([t & 15, t >> 4], dim=-2).to(torch.int16)
     q = t.reshape(nj, nc, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(w.n, w.k).float()
     groups = w.d.shape[1]
     per = lambda x: x.permute(0, 2, 1).reshape(w.n, groups).repeat_interleave(w.k // groups, 1)  # noqa: E731

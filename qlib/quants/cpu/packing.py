@@ -395,10 +395,10 @@ def _amx_code_tiles(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor
     if rows is not None:
         q, d = q[rows], d[rows]
         m = m[rows] if m is not None else None
-    q = q.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
-    if kind.startswith("q4"):
-        q = q.view(torch.uint8)
-        tiles = weights_copy(q[..., 0] | (q[..., 1] << 4))
+    q = q.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [.., row, column, pair]
+    if kind.startswith("q4"):  # columns 0..7's codes in the low nibbles, 8..15's in the high
+        q = q.view(torch.uint8).reshape(n // 16, k // 32, 16, 2, 16)
+        tiles = weights_copy(q[..., 0, :] | (q[..., 1, :] << 4))
     else:
         tiles = weights_copy(q)
     scales = lambda x: weights_copy(x.reshape(n // 16, 16, groups).permute(0, 2, 1))  # noqa: E731

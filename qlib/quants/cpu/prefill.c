@@ -1141,9 +1141,11 @@ enum { EPI_BF16 = 0, EPI_ADD = 1, EPI_SWIGLU = 2 };
 /* A weight for amx_gemm: bf16 B tiles, or 4/8-bit codes in the same tile order expanded
  * to bf16 tiles per column block as the GEMM goes (a third / a half of the bytes to read).
  *   AMXW_BF16: t = bf16 tiles [N/16][K/32][16][16][2];
- *   AMXW_Q4:   t = uint8 [N/16][K/32][16 rows][16 columns]: byte n of row r = code of
- *              (column n, k 2r) | code of (column n, k 2r + 1) << 4 (codes 0..15);
- *   AMXW_Q8:   t = int8 [N/16][K/32][16 rows][16 columns][2];
+ *   AMXW_Q8:   t = int8 [N/16][K/32][16 rows][32]: byte 2n + e of row r = the code of
+ *              (column n, k 2r + e), the bf16 tile row's order;
+ *   AMXW_Q4:   t = uint8 [N/16][K/32][16 rows][16]: byte i = byte i of the Q8 row (columns
+ *              0..7) | byte 16 + i of it (columns 8..15) << 4 (codes 0..15), so that a row's
+ *              two halves come out of one load already in the tile's order;
  *   d, m:      float32 [N/16][K/32][16]: value = code * d + m (m NULL: 0), rounded to bf16,
  *              the bf16 copy's value bit for bit (code * d is exact in float32);
  *   AMXW_Q4_G16, AMXW_Q8_G16: the same codes with a scale (and offset) per 16 k, as the
@@ -1156,43 +1158,41 @@ typedef struct {
     const float *d, *m;
 } amx_weight;
 
-/* Tiles j (16 columns), chunks 0..nkc-1 of a quantized weight -> bf16 tiles at out. */
-/* word 2n <- n (vl[n]), word 2n + 1 <- 16 + n (vh[n]) */
-#define PAIR_IDX _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, \
-                                  23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
-
-/* Tile (j, c) of a quantized weight (16 columns x 32 k) -> one bf16 tile at out. */
+/* Tile (j, c) of a quantized weight (16 columns x 32 k) -> one bf16 tile at out. A row's
+ * 32 values are two vectors of 16 floats, x (columns 0..7, k 2r and 2r + 1 in turn) and y
+ * (columns 8..15), each with its columns' scales doubled; cvtne2ps puts them side by side,
+ * which is the tile row (no word permute). */
 static inline void amx_expand_tile(const amx_weight *w, int j, int c, int nkc, uint16_t *out) {
-    const __m512i pair_idx = PAIR_IDX;
+    const __m512i ix = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i iy = _mm512_add_epi32(ix, _mm512_set1_epi32(8));
     const size_t tile = (size_t)j * nkc + c;
     const int g16 = w->kind >= AMXW_Q4_G16, q4 = w->kind == AMXW_Q4 || w->kind == AMXW_Q4_G16;
     const size_t at = 16 * (tile << g16); /* g16: two sets of 16 scales a tile */
-    __m512 d = _mm512_loadu_ps(w->d + at);
-    __m512 m = w->m ? _mm512_loadu_ps(w->m + at) : _mm512_setzero_ps();
+    __m512 dx, dy, mx, my;
     uint32_t *o = (uint32_t *)out;
     for (int r = 0; r < 16; r++) {
-        __m512i lo, hi;
-        if (g16 && r == 8) { /* k 16..31 of the tile: the second sub-block's scales */
-            d = _mm512_loadu_ps(w->d + at + 16);
-            if (w->m) m = _mm512_loadu_ps(w->m + at + 16);
+        if (r == 0 || (g16 && r == 8)) { /* g16, rows 8..15: k 16..31, the second scales */
+            const size_t s = at + (r ? 16 : 0);
+            const __m512 d = _mm512_loadu_ps(w->d + s);
+            const __m512 m = w->m ? _mm512_loadu_ps(w->m + s) : _mm512_setzero_ps();
+            dx = _mm512_permutexvar_ps(ix, d), dy = _mm512_permutexvar_ps(iy, d);
+            mx = _mm512_permutexvar_ps(ix, m), my = _mm512_permutexvar_ps(iy, m);
         }
+        __m512i x, y;
         if (q4) {
             const __m512i b = _mm512_cvtepu8_epi32(
                 _mm_loadu_si128((const __m128i *)((const uint8_t *)w->t + tile * 256 + 16 * r)));
-            lo = _mm512_and_si512(b, _mm512_set1_epi32(15));
-            hi = _mm512_srli_epi32(b, 4);
+            x = _mm512_and_si512(b, _mm512_set1_epi32(15));
+            y = _mm512_srli_epi32(b, 4);
         } else {
-            const __m512i p = _mm512_cvtepu16_epi32(
-                _mm256_loadu_si256((const __m256i *)((const int8_t *)w->t + tile * 512 + 32 * r)));
-            lo = _mm512_srai_epi32(_mm512_slli_epi32(p, 24), 24);
-            hi = _mm512_srai_epi32(_mm512_slli_epi32(p, 16), 24);
+            const int8_t *p = (const int8_t *)w->t + tile * 512 + 32 * r;
+            x = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+            y = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
         }
-        const __m512 vl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m);
-        const __m512 vh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m);
-        /* bf16 (nearest even; the values are never float32 denormals): [vl | vh], then
-         * interleaved into pairs (vl[n], vh[n]) */
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(vh, vl);
-        _mm512_store_si512(o + 16 * r, _mm512_permutexvar_epi16(pair_idx, both));
+        const __m512 vx = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x), dx, mx);
+        const __m512 vy = _mm512_fmadd_ps(_mm512_cvtepi32_ps(y), dy, my);
+        /* bf16, nearest even (the values are never float32 denormals) */
+        _mm512_store_si512(o + 16 * r, (__m512i)_mm512_cvtne2ps_pbh(vy, vx));
     }
 }
 
