@@ -1196,12 +1196,6 @@ static inline void amx_expand_tile(const amx_weight *w, int j, int c, int nkc, u
     }
 }
 
-/* Tile t (0 .. 2 nkc - 1) of column block nb's two column tiles -> its place in buf. */
-static inline void amx_expand_block_tile(const amx_weight *w, int nb, int t, int nkc,
-                                         uint16_t *buf) {
-    amx_expand_tile(w, 2 * nb + t / nkc, t % nkc, nkc, buf + (size_t)t * 512);
-}
-
 /* The epilogue of rows r0..r1-1 of a 32 x 32 block (C tiles stored in buf: rows 0-15 in
  * buf[0] | buf[1], rows 16-31 in buf[2] | buf[3]) at rows mb.., column block nb of out. */
 static inline void amx_epilogue(float (*buf)[256], int r0, int r1, int mb, int nb, int epi,
@@ -1236,13 +1230,14 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
                     void *out, int ldo) {
     const int nkc = K / 32, nb32 = N / 32;
     float buf[2][4][256] __attribute__((aligned(64)));
-    /* quantized weights: this thread's column blocks expanded into two buffers of 2 nkc
-     * tiles, the next block's tiles one per tile step while the current block's products
-     * run (AVX-512 and AMX units busy at once) */
+    /* quantized weights: a column block's 2 nkc tiles expanded into xb by its first row
+     * block, two per k step just before their products (then in L1 for the next row blocks;
+     * expanding the next block's tiles during this one's products, into a second buffer,
+     * pushed this block's tiles and A rows out of L1: 2-3% slower) */
     const int quant = w->kind != AMXW_BF16, ntile = 2 * nkc;
-    uint16_t *xb = quant ? aligned_alloc(64, (size_t)ntile * 2 * 1024) : NULL;
+    uint16_t *xb = quant ? aligned_alloc(64, (size_t)ntile * 1024) : NULL;
     const int fail = quant && !xb;
-    /* the static split of omp for, made explicit: a thread knows its next block */
+    /* the static split of omp for, made explicit */
     const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
     const int nb_lo = (int)((long)nb32 * tid / nth), nb_hi = (int)((long)nb32 * (tid + 1) / nth);
     const int per_step = (32 + nkc - 1) / nkc; /* epilogue rows per k step */
@@ -1250,25 +1245,13 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
      * re-reads its pass's A rows (from L3 when A is larger: 0.4 against 1.2 TFLOP/s) */
     int pass = AMX_PASS_BYTES / (K * 2) / 32 * 32;
     pass = pass < 32 ? 32 : pass;
-    int cur = 0, cb = 0;                       /* expansion buffer; C buffer */
+    int cb = 0;                                     /* C buffer */
     int p_rows = 0, p_done = 0, p_mb = 0, p_nb = 0; /* the pending epilogue (buf[1 - cb]) */
-    if (quant && !fail && nb_lo < nb_hi)
-        for (int t = 0; t < ntile; t++) amx_expand_block_tile(w, nb_lo, t, nkc, xb);
     for (int m0 = 0; m0 < M && !fail; m0 += pass) {
         const int m1 = M - m0 < pass ? M : m0 + pass;
         for (int nb = nb_lo; nb < nb_hi; nb++) {
-            const uint16_t *b0, *b1;
-            uint16_t *next = NULL; /* the next block's tiles: nb + 1, or nb_lo of the next pass */
-            const int nb_next = nb + 1 < nb_hi ? nb + 1 : (m1 < M ? nb_lo : -1);
-            int done = 0; /* tiles of the next block expanded so far */
-            if (!quant) {
-                b0 = (const uint16_t *)w->t + (size_t)(2 * nb) * nkc * 512;
-                b1 = b0 + (size_t)nkc * 512;
-            } else {
-                b0 = xb + (size_t)cur * ntile * 512, b1 = b0 + (size_t)nkc * 512;
-                if (nb_next >= 0 && nb_next != nb) next = xb + (size_t)(1 - cur) * ntile * 512;
-                else done = ntile;
-            }
+            const uint16_t *b0 = quant ? xb : (const uint16_t *)w->t + (size_t)(2 * nb) * nkc * 512;
+            const uint16_t *b1 = b0 + (size_t)nkc * 512;
             for (int mb = m0; mb < m1; mb += 32) {
                 const uint16_t *a0 = A + (size_t)mb * K, *a1 = a0 + (size_t)16 * K;
                 float (*pend)[256] = buf[1 - cb];
@@ -1277,7 +1260,10 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
                 const int two = M - mb > 16;
                 _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
                 for (int kc = 0; kc < nkc; kc++) {
-                    if (next && done < ntile) amx_expand_block_tile(w, nb_next, done++, nkc, next);
+                    if (quant && mb == m0) {
+                        amx_expand_tile(w, 2 * nb, kc, nkc, xb + (size_t)kc * 512);
+                        amx_expand_tile(w, 2 * nb + 1, kc, nkc, xb + (size_t)(nkc + kc) * 512);
+                    }
                     _tile_loadd(0, a0 + 32 * kc, K * 2);
                     _tile_loadd(2, b0 + (size_t)kc * 512, 64);
                     _tile_loadd(3, b1 + (size_t)kc * 512, 64);
@@ -1303,10 +1289,6 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
                 }
                 p_rows = M - mb < 32 ? M - mb : 32, p_done = 0, p_mb = mb, p_nb = nb;
                 cb = 1 - cb;
-            }
-            if (next) {
-                while (done < ntile) amx_expand_block_tile(w, nb_next, done++, nkc, next);
-                cur = 1 - cur;
             }
         }
     }
