@@ -1233,7 +1233,7 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
     /* quantized weights: a column block's 2 nkc tiles expanded into xb by its first row
      * block, two per k step just before their products (then in L1 for the next row blocks;
      * expanding the next block's tiles during this one's products, into a second buffer,
-     * pushed this block's tiles and A rows out of L1: 2-3% slower) */
+     * pushed this block's tiles and A rows out of L1, and was no faster) */
     const int quant = w->kind != AMXW_BF16, ntile = 2 * nkc;
     uint16_t *xb = quant ? aligned_alloc(64, (size_t)ntile * 1024) : NULL;
     const int fail = quant && !xb;
