@@ -37,9 +37,10 @@ void qlib_exp_diff(const float *s, int n, float m, float *y) {
 /* For rows i < t of h [t, k] float32: h += delta (bf16 [t, k], when not NULL); then
  * out[i] = h[i] / sqrt(mean(h[i]^2) + eps) * w, stored as bf16 (out_bf16) or float32. */
 /* Row x of k floats: x += delta (bf16, when not NULL); out = x / sqrt(mean(x^2) + eps) * w,
- * as bf16 (out_bf16) or float32. */
+ * as bf16 (out_bf16) or float32; element e of out at (e / 32) cs + e % 32 (cs = 32: a row;
+ * 512: a row of AMX A tiles, a_tile_at). */
 static inline void add_rmsnorm_row(float *x, const uint16_t *delta, int k, const float *w,
-                                   float eps, void *out, int out_bf16) {
+                                   float eps, void *out, int out_bf16, int cs) {
     __m512 ss = _mm512_setzero_ps();
     for (int e = 0; e < k; e += 16) {
         __m512 v = _mm512_loadu_ps(x + e);
@@ -52,11 +53,19 @@ static inline void add_rmsnorm_row(float *x, const uint16_t *delta, int k, const
     const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)k + eps));
     for (int e = 0; e < k; e += 16) {
         const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + e), r), _mm512_loadu_ps(w + e));
+        const size_t at = (size_t)(e >> 5) * cs + (e & 31);
         if (out_bf16)
-            bf16x16_store((uint16_t *)out + e, v);
+            bf16x16_store((uint16_t *)out + at, v);
         else
-            _mm512_storeu_ps((float *)out + e, v);
+            _mm512_storeu_ps((float *)out + at, v);
     }
+}
+
+/* Where element (i, c) of a bf16 matrix of nkc * 32 columns lies when it is held as AMX A
+ * tiles (the layer kernel's activations): tile (i / 16, c / 32) of 16 rows of 32, 1 KB each,
+ * the tiles of a row block side by side; rows of tiles need the same padding as rows. */
+static inline size_t a_tile_at(int i, int c, int nkc) {
+    return ((((size_t)(i >> 4) * nkc) + (c >> 5)) << 9) + ((i & 15) << 5) + (c & 31);
 }
 
 void qlib_add_rmsnorm(float *h, const uint16_t *delta, int t, int k, const float *w, float eps,
@@ -68,7 +77,7 @@ void qlib_add_rmsnorm(float *h, const uint16_t *delta, int t, int k, const float
 #pragma omp for schedule(static)
     for (int i = 0; i < t; i++)
         add_rmsnorm_row(h + (size_t)i * k, delta ? delta + (size_t)i * k : NULL, k, w, eps,
-                        (char *)out + osize * (size_t)i * k, out_bf16);
+                        (char *)out + osize * (size_t)i * k, out_bf16, 32);
     FTZ_END
     }
 }
@@ -959,7 +968,7 @@ static inline float softmax_row_bf16(const float *sr, int Lq, uint16_t *pr, int 
 
 static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, int pos,
                             int n_head, int n_kv, int d, int max_seq, const float *cos,
-                            const float *sin, int neox, int q_from, uint16_t *out) {
+                            const float *sin, int neox, int q_from, uint16_t *out, int out_tiles) {
     const int rep = n_head / n_kv, L = pos + t, nk32 = (L + 31) / 32, nk16 = 2 * nk32;
     const int row = (n_head + 2 * n_kv) * d, nc = d / 32, nd = d / 16;
     const int tq = t - q_from, tq16 = (tq + 15) / 16 * 16, nqb = tq16 / 16;
@@ -1109,10 +1118,13 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
             }
 #undef VT
             for (int r = 0; r < rows; r++) {
-                uint16_t *o = out + ((size_t)(i0 + r - q_from) * n_head + h) * d;
+                const int i = i0 + r - q_from;
                 const __m512 w = _mm512_set1_ps(inv[r]);
-                for (int e = 0; e < d; e += 16)
-                    bf16x16_store(o + e, _mm512_mul_ps(_mm512_loadu_ps(O + (size_t)r * d + e), w));
+                for (int e = 0; e < d; e += 16) {
+                    const size_t at = out_tiles ? a_tile_at(i, h * d + e, n_head * d / 32)
+                                                : ((size_t)i * n_head + h) * d + e;
+                    bf16x16_store(out + at, _mm512_mul_ps(_mm512_loadu_ps(O + (size_t)r * d + e), w));
+                }
             }
         }
         _tile_release();
@@ -1197,9 +1209,10 @@ static inline void amx_expand_tile(const amx_weight *w, int j, int c, int nkc, u
 }
 
 /* The epilogue of rows r0..r1-1 of a 32 x 32 block (C tiles stored in buf: rows 0-15 in
- * buf[0] | buf[1], rows 16-31 in buf[2] | buf[3]) at rows mb.., column block nb of out. */
+ * buf[0] | buf[1], rows 16-31 in buf[2] | buf[3]) at rows mb.., column block nb of out
+ * (EPI_SWIGLU's out as A tiles of ldo columns when out_tiles). */
 static inline void amx_epilogue(float (*buf)[256], int r0, int r1, int mb, int nb, int epi,
-                                void *out, int ldo) {
+                                void *out, int ldo, int out_tiles) {
     for (int r = r0; r < r1; r++) {
         const __m512 c0 = _mm512_load_ps(buf[(r >> 4) * 2] + (r & 15) * 16);
         const __m512 c1 = _mm512_load_ps(buf[(r >> 4) * 2 + 1] + (r & 15) * 16);
@@ -1213,12 +1226,18 @@ static inline void amx_epilogue(float (*buf)[256], int r0, int r1, int mb, int n
             _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), c0));
             _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_loadu_ps(o + 16), c1));
         } else {
-            bf16x16_store((uint16_t *)out + row + 16 * nb, _mm512_mul_ps(silu16(c0), c1));
+            uint16_t *o = (uint16_t *)out + (out_tiles ? a_tile_at(mb + r, 16 * nb, ldo / 32)
+                                                       : row + 16 * nb);
+            bf16x16_store(o, _mm512_mul_ps(silu16(c0), c1));
         }
     }
 }
 
-/* Inside a parallel region (tiles configured): rows 0..M-1 of A [*, K] bf16 times the
+/* amx_gemm's layouts: A as tiles (a_tile_at) rather than rows; EPI_SWIGLU's out likewise */
+enum { AMX_A_TILES = 1, AMX_OUT_TILES = 2 };
+
+/* Inside a parallel region (tiles configured): rows 0..M-1 of A [*, K] bf16 (rows, or tiles:
+ * tiles & AMX_A_TILES, each A tile one contiguous load instead of 16 rows K apart) times the
  * weight's N columns; column blocks of 32 split over the threads (omp for, ends with a barrier).
  * EPI_BF16: out bf16 [M, ldo] = C; EPI_ADD: out float32 [M, ldo] += C; EPI_SWIGLU: out bf16
  * [M, ldo] column 16 b + n = silu(C[:, 32 b + n]) * C[:, 32 b + 16 + n] (gate | up tiles).
@@ -1227,7 +1246,7 @@ static inline void amx_epilogue(float (*buf)[256], int r0, int r1, int mb, int n
  * right after its tile stores waited for them and left the AMX unit idle: half the time).
  * Returns 0, or -1 when this thread could not allocate its expansion buffer. */
 static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N, int epi,
-                    void *out, int ldo) {
+                    void *out, int ldo, int tiles) {
     const int nkc = K / 32, nb32 = N / 32;
     float buf[2][4][256] __attribute__((aligned(64)));
     /* quantized weights: a column block's 2 nkc tiles expanded into xb by its first row
@@ -1253,7 +1272,11 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
             const uint16_t *b0 = quant ? xb : (const uint16_t *)w->t + (size_t)(2 * nb) * nkc * 512;
             const uint16_t *b1 = b0 + (size_t)nkc * 512;
             for (int mb = m0; mb < m1; mb += 32) {
-                const uint16_t *a0 = A + (size_t)mb * K, *a1 = a0 + (size_t)16 * K;
+                /* A tile (mb / 16 + h, kc) at ah + kc * as, row stride lda */
+                const int at = tiles & AMX_A_TILES, lda = at ? 64 : K * 2;
+                const size_t as = at ? 512 : 32;
+                const uint16_t *a0 = A + (at ? a_tile_at(mb, 0, nkc) : (size_t)mb * K);
+                const uint16_t *a1 = a0 + (at ? (size_t)nkc * 512 : (size_t)16 * K);
                 float (*pend)[256] = buf[1 - cb];
                 /* a last block of at most 16 rows: the products of its first A tile only
                  * (SmolLM2's 203-row prefill on an AMX VM: 31.2 against 31.6 ms) */
@@ -1264,23 +1287,23 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
                         amx_expand_tile(w, 2 * nb, kc, nkc, xb + (size_t)kc * 512);
                         amx_expand_tile(w, 2 * nb + 1, kc, nkc, xb + (size_t)(nkc + kc) * 512);
                     }
-                    _tile_loadd(0, a0 + 32 * kc, K * 2);
+                    _tile_loadd(0, a0 + as * kc, lda);
                     _tile_loadd(2, b0 + (size_t)kc * 512, 64);
                     _tile_loadd(3, b1 + (size_t)kc * 512, 64);
                     _tile_dpbf16ps(4, 0, 2);
                     _tile_dpbf16ps(5, 0, 3);
                     if (two) {
-                        _tile_loadd(1, a1 + 32 * kc, K * 2);
+                        _tile_loadd(1, a1 + as * kc, lda);
                         _tile_dpbf16ps(6, 1, 2);
                         _tile_dpbf16ps(7, 1, 3);
                     }
                     if (p_done < p_rows) {
                         const int r1 = p_done + per_step < p_rows ? p_done + per_step : p_rows;
-                        amx_epilogue(pend, p_done, r1, p_mb, p_nb, epi, out, ldo);
+                        amx_epilogue(pend, p_done, r1, p_mb, p_nb, epi, out, ldo, tiles & AMX_OUT_TILES);
                         p_done = r1;
                     }
                 }
-                amx_epilogue(pend, p_done, p_rows, p_mb, p_nb, epi, out, ldo);
+                amx_epilogue(pend, p_done, p_rows, p_mb, p_nb, epi, out, ldo, tiles & AMX_OUT_TILES);
                 _tile_stored(4, buf[cb][0], 64);
                 _tile_stored(5, buf[cb][1], 64);
                 if (two) {
@@ -1292,17 +1315,17 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
             }
         }
     }
-    amx_epilogue(buf[1 - cb], p_done, p_rows, p_mb, p_nb, epi, out, ldo);
+    amx_epilogue(buf[1 - cb], p_done, p_rows, p_mb, p_nb, epi, out, ldo, tiles & AMX_OUT_TILES);
 #pragma omp barrier
     free(xb);
     return fail;
 }
 
-/* RmsNorm of rows 0..t-1 of h [*, k] -> bf16 out rows (omp for, ends with a barrier) */
+/* RmsNorm of rows 0..t-1 of h [*, k] -> bf16 A tiles out (omp for, ends with a barrier) */
 static void rmsnorm_rows_bf16(float *h, int t, int k, const float *w, float eps, uint16_t *out) {
 #pragma omp for schedule(static)
     for (int i = 0; i < t; i++)
-        add_rmsnorm_row(h + (size_t)i * k, NULL, k, w, eps, out + (size_t)i * k, 1);
+        add_rmsnorm_row(h + (size_t)i * k, NULL, k, w, eps, out + a_tile_at(i, 0, k / 32), 1, 512);
 }
 
 /* Test hook: out = A [M, K] x W^T through amx_gemm (A with 32 rows of padding); 0 or -1. */
@@ -1314,7 +1337,7 @@ int qlib_amx_gemm(const uint16_t *A, int M, int K, int kind, const void *tiles, 
     {
         FTZ_BEGIN
         amx_tiles_16x64();
-        fail |= amx_gemm(A, M, K, &w, N, epi, out, ldo);
+        fail |= amx_gemm(A, M, K, &w, N, epi, out, ldo, 0);
         _tile_release();
         FTZ_END
     }
@@ -1345,12 +1368,13 @@ int qlib_prefill_layer(float *h, int t, int k, const float *attn_norm, const flo
         FTZ_BEGIN
         amx_tiles_16x64();
         rmsnorm_rows_bf16(h, t, k, attn_norm, eps, a);
-        fail |= amx_gemm(a, t, k, wqkv, n_qkv, EPI_BF16, qkv, n_qkv);
+        fail |= amx_gemm(a, t, k, wqkv, n_qkv, EPI_BF16, qkv, n_qkv, AMX_A_TILES);
         _tile_release();
         FTZ_END
     }
     if (fail) return -1;
-    if (attn_prefill_amx(qkv, t, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox, q_from, y))
+    if (attn_prefill_amx(qkv, t, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox, q_from, y,
+                         1))
         return -1;
     const int m = t - q_from;
     float *hm = h + (size_t)q_from * k;
@@ -1358,10 +1382,10 @@ int qlib_prefill_layer(float *h, int t, int k, const float *attn_norm, const flo
     {
         FTZ_BEGIN
         amx_tiles_16x64();
-        fail |= amx_gemm(y, m, nd, wo, k, EPI_ADD, hm, k);
+        fail |= amx_gemm(y, m, nd, wo, k, EPI_ADD, hm, k, AMX_A_TILES);
         rmsnorm_rows_bf16(hm, m, k, ffn_norm, eps, a);
-        fail |= amx_gemm(a, m, k, w13, 2 * n_ff, EPI_SWIGLU, g, n_ff);
-        fail |= amx_gemm(g, m, n_ff, w2, k, EPI_ADD, hm, k);
+        fail |= amx_gemm(a, m, k, w13, 2 * n_ff, EPI_SWIGLU, g, n_ff, AMX_A_TILES | AMX_OUT_TILES);
+        fail |= amx_gemm(g, m, n_ff, w2, k, EPI_ADD, hm, k, AMX_A_TILES);
         _tile_release();
         FTZ_END
     }
@@ -1379,7 +1403,7 @@ int qlib_attn_prefill_ex(const uint16_t *qkv, int t, float *kc, float *vc, int p
 #ifdef __AMX_BF16__
     if (amx && d % 32 == 0 && d <= 128 && n_head % n_kv == 0 && q_from >= 0 && q_from < t)
         return attn_prefill_amx(qkv, t, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox,
-                                q_from, out);
+                                q_from, out, 0);
 #endif
     (void)amx;
     return qlib_attn_prefill(qkv, t, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox,
