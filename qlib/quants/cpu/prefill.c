@@ -1264,6 +1264,9 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
      * re-reads its pass's A rows (from L3 when A is larger: 0.4 against 1.2 TFLOP/s) */
     int pass = AMX_PASS_BYTES / (K * 2) / 32 * 32;
     pass = pass < 32 ? 32 : pass;
+    const int at = tiles & AMX_A_TILES, ot = tiles & AMX_OUT_TILES;
+    const int lda = at ? 64 : K * 2; /* an A tile's row stride */
+    const size_t as = at ? 512 : 32;  /* from one A tile to the next along k */
     int cb = 0;                                     /* C buffer */
     int p_rows = 0, p_done = 0, p_mb = 0, p_nb = 0; /* the pending epilogue (buf[1 - cb]) */
     for (int m0 = 0; m0 < M && !fail; m0 += pass) {
@@ -1272,9 +1275,7 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
             const uint16_t *b0 = quant ? xb : (const uint16_t *)w->t + (size_t)(2 * nb) * nkc * 512;
             const uint16_t *b1 = b0 + (size_t)nkc * 512;
             for (int mb = m0; mb < m1; mb += 32) {
-                /* A tile (mb / 16 + h, kc) at ah + kc * as, row stride lda */
-                const int at = tiles & AMX_A_TILES, lda = at ? 64 : K * 2;
-                const size_t as = at ? 512 : 32;
+                /* the A tiles of rows mb.. and mb + 16.. at a0, a1 + kc * as */
                 const uint16_t *a0 = A + (at ? a_tile_at(mb, 0, nkc) : (size_t)mb * K);
                 const uint16_t *a1 = a0 + (at ? (size_t)nkc * 512 : (size_t)16 * K);
                 float (*pend)[256] = buf[1 - cb];
@@ -1299,11 +1300,11 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
                     }
                     if (p_done < p_rows) {
                         const int r1 = p_done + per_step < p_rows ? p_done + per_step : p_rows;
-                        amx_epilogue(pend, p_done, r1, p_mb, p_nb, epi, out, ldo, tiles & AMX_OUT_TILES);
+                        amx_epilogue(pend, p_done, r1, p_mb, p_nb, epi, out, ldo, ot);
                         p_done = r1;
                     }
                 }
-                amx_epilogue(pend, p_done, p_rows, p_mb, p_nb, epi, out, ldo, tiles & AMX_OUT_TILES);
+                amx_epilogue(pend, p_done, p_rows, p_mb, p_nb, epi, out, ldo, ot);
                 _tile_stored(4, buf[cb][0], 64);
                 _tile_stored(5, buf[cb][1], 64);
                 if (two) {
@@ -1315,7 +1316,7 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
             }
         }
     }
-    amx_epilogue(buf[1 - cb], p_done, p_rows, p_mb, p_nb, epi, out, ldo, tiles & AMX_OUT_TILES);
+    amx_epilogue(buf[1 - cb], p_done, p_rows, p_mb, p_nb, epi, out, ldo, ot);
 #pragma omp barrier
     free(xb);
     return fail;
