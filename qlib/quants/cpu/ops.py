@@ -1102,7 +1102,9 @@ class AmxLayer:
 @dataclass
 class PrefillScratch:
     """bf16 buffers of ``prefill_layer`` for up to ``rows`` rows, each with 32 rows of
-    padding (the kernel's row blocks of 32 read past the last row)."""
+    padding (the kernel's row blocks of 32 read past the last row). The kernel keeps ``a``,
+    ``y`` and ``g`` (the GEMMs' A operands) as AMX A tiles, not rows: 16 x 32 values a KB
+    (``a_tile_at`` in prefill.c)."""
 
     rows: int
     a: torch.Tensor  # [rows + 32, k]

@@ -1350,7 +1350,8 @@ int qlib_amx_gemm(const uint16_t *A, int M, int K, int kind, const void *tiles, 
  *   q_from..t-1) -> y; h[q_from:] += y Wo^T (float32) -> a = RmsNorm(h[q_from:]) ->
  *   g = silu(a Wg^T) * (a Wu^T) (bf16) -> h[q_from:] += g Wd^T.
  * h [t, k] float32 (the residual stream); a [t + 32, k], qkv [t + 32, n_qkv], y [t + 32,
- * n_head d], g [t + 32, n_ff] bf16 scratch. ws: the 4 weights wqkv, wo, w13 (tiles
+ * n_head d], g [t + 32, n_ff] bf16 scratch (a, y and g, the GEMMs' A operands, held as AMX
+ * A tiles: a_tile_at). ws: the 4 weights wqkv, wo, w13 (tiles
  * interleaved), w2, as amx_weight.
  * Needs k, n_qkv, n_head d, n_ff % 32 == 0 and d % 32 == 0. Returns 0 or -1. */
 int qlib_prefill_layer(float *h, int t, int k, const float *attn_norm, const float *ffn_norm,
