@@ -397,8 +397,9 @@ def _amx_code_tiles(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor
         m = m[rows] if m is not None else None
     q = q.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [.., row, column, pair]
     if kind.startswith("q4"):  # columns 0..7's codes in the low nibbles, 8..15's in the high
-        q = q.view(torch.uint8).reshape(n // 16, k // 32, 16, 2, 16)
-        tiles = weights_copy(q[..., 0, :] | (q[..., 1, :] << 4))
+        q = q.view(torch.uint8)
+        low_high = q[..., :8, :] | (q[..., 8:, :] << 4)  # [.., row, 8 columns, pair]
+        tiles = weights_copy(low_high.reshape(n // 16, k // 32, 16, 16))
     else:
         tiles = weights_copy(q)
     scales = lambda x: weights_copy(x.reshape(n // 16, 16, groups).permute(0, 2, 1))  # noqa: E731
