@@ -713,6 +713,37 @@ def test_amx_layers_match_onednn_prefill(tiny):
 
 
 @needs_amx
+def test_prefill_layers_in_one_call_equal_layer_by_layer(tiny):
+    """``cpu.prefill_layers`` over the whole stack in one C call leaves the residual stream
+    and the KV cache bit for bit as the same entry called a layer at a time (the last row
+    only in the last layer, as the model asks), and refuses inputs it cannot take."""
+    _, path = tiny
+    fm = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2)
+    c, t = fm.config, 40
+    ids = torch.randint(0, 256, (1, t), generator=torch.Generator().manual_seed(9))
+    h0 = fm.embed(ids).contiguous()
+    scratch = cpu.PrefillScratch.for_layer(fm._amx[0], t)
+    kw = dict(eps=c.rms_norm_eps, pos=0, n_head=c.head_count, n_kv=c.head_count_kv,
+              cos=fm.cos, sin=fm.sin, neox=c.rope_is_neox)  # fmt: skip
+    n = len(fm._amx)
+    h_one, cache_one = h0.clone(), fm.cache.clone()
+    cpu.prefill_layers(h_one, fm._amx, scratch, cache_one, norms=fm._amx_norms, q_from=t - 1,
+                       **kw)  # fmt: skip
+    h_each, cache_each = h0.clone(), fm.cache.clone()
+    for i in range(n):
+        cpu.prefill_layers(h_each, fm._amx[i : i + 1], scratch, cache_each[i : i + 1],
+                           norms=fm._amx_norms[2 * i : 2 * i + 2],
+                           q_from=t - 1 if i == n - 1 else 0, **kw)  # fmt: skip
+    assert torch.equal(h_one, h_each) and torch.equal(cache_one, cache_each)
+    assert not torch.equal(h_one, h0)
+    with pytest.raises(ValueError, match="two norms a layer"):
+        cpu.prefill_layers(h_one, fm._amx, scratch, cache_one, norms=fm._amx_norms[:-1], **kw)
+    with pytest.raises(ValueError, match="shapes"):
+        cpu.prefill_layers(h_one, fm._amx, scratch, cache_one, norms=fm._amx_norms,
+                           q_from=t, **kw)  # fmt: skip
+
+
+@needs_amx
 def test_amx_packed_weights_equal_bf16_tiles(tiny):
     """Q4_0 / Q4_1 / Q8_0 weights kept 4/8-bit for the AMX kernels (expanded to bf16 tiles
     inside the GEMM) give the same logits, bit for bit, as a bf16 tile copy: the expansion

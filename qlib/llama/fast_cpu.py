@@ -23,8 +23,8 @@ none of candle's sharp edges. What differs from the faithful path:
   legacy and K-quant type, mixed stacks too) stay 4/8-bit codes in AMX tile order, with
   float32 scales per 32 or 16 k, expanded to bf16 tiles inside the GEMM (F32 / F16 / BF16
   parts: a bf16 tile copy made at load; ``amx_packed=False``: a copy for all), and each
-  layer is one C call (``cpu.prefill_layer``, in
-  ``qlib/quants/cpu/prefill.c``): RmsNorm -> bf16, our AMX GEMM with fused
+  prefill is one C call for all the layers (``cpu.prefill_layers``, in
+  ``qlib/quants/cpu/prefill.c``), each layer: RmsNorm -> bf16, our AMX GEMM with fused
   epilogues (qkv -> bf16; wo and down added to the float32 residual; gate/up ->
   SwiGLU -> bf16), RoPE + KV-cache write + AMX attention (scores from hi/lo bf16
   splits, ~16 bits). Elsewhere (or ``amx=False``, ``QLIB_NO_AMX=1``) a bf16 copy
@@ -166,7 +166,7 @@ PREPACK_BATCH = 256  # oneDNN's row-count hint for the prepacked bf16 weights
 
 
 def _amx_layer_shapes_ok(c: LlamaConfig, n_ff: int) -> bool:
-    """Whether ``cpu.prefill_layer`` takes this model: widths % 32, rope over the whole head."""
+    """Whether ``cpu.prefill_layers`` takes this model: widths % 32, rope over the whole head."""
     widths = (c.embedding_length, c.q_dim, n_ff,
               (c.head_count + 2 * c.head_count_kv) * c.head_dim, c.head_dim)  # fmt: skip
     return all(w % 32 == 0 for w in widths) and c.head_dim <= 128 and c.rope_dim == c.head_dim
@@ -519,14 +519,16 @@ class FastModel(StaticKVState):
         self.norm = norm
         self.output = output
         self.prefill = prefill
-        # AMX: the layers hold AMX tiles (built by from_gguf) and prefill runs one C call per
-        # layer; else the oneDNN matmuls, with AMX attention when ``amx`` and the CPU has it
+        # AMX: the layers hold AMX tiles (built by from_gguf) and prefill runs one C call for
+        # all the layers; else the oneDNN matmuls, with AMX attention when ``amx`` and the
+        # CPU has it
         self.amx = amx
         self.amx_layers = bool(layers) and layers[0].wqkv.amx is not None
         # per layer, the AMX weights of wqkv, wo, w13, w2 with their C descriptors
         self._amx = [
             cpu.AmxLayer(ly.wqkv.amx, ly.wo.amx, ly.w13.amx, ly.w2.amx) for ly in layers
         ] if self.amx_layers else []  # fmt: skip
+        self._amx_norms = [w for ly in layers for w in (ly.attn_norm, ly.ffn_norm)]
         self.bf16_min_rows = bf16_min_rows if prefill == "bf16" else 1 << 62
         self.max_seq_len = check_max_seq_len(max_seq_len)
         self.kv_type = check_kv_type(kv_type)
@@ -780,21 +782,18 @@ class FastModel(StaticKVState):
         return self._logits(h, r0)
 
     def _prefill_amx(self, ids: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
-        """Prefill of ``t`` tokens with one C call per layer (``cpu.prefill_layer``): AMX bf16
-        matmuls with fused epilogues (bf16 out; residual add in float32; SwiGLU), RmsNorm,
-        RoPE + KV write + AMX attention. The residual stream and the KV cache stay float32.
-        Unless ``all_logits``, the last layer's wo and FFN run for the last row only."""
+        """Prefill of ``t`` tokens with one C call for all the layers (``cpu.prefill_layers``):
+        AMX bf16 matmuls with fused epilogues (bf16 out; residual add in float32; SwiGLU),
+        RmsNorm, RoPE + KV write + AMX attention. The residual stream and the KV cache stay
+        float32. Unless ``all_logits``, the last layer's wo and FFN run for the last row only."""
         c, t = self.config, ids.numel()
         h = self.embed(ids).contiguous()
         scratch = cpu.PrefillScratch.for_layer(self._amx[0], t)
-        last = len(self.layers) - 1
-        for i, ly in enumerate(self.layers):
-            cpu.prefill_layer(
-                h, self._amx[i], scratch, self.cache[i, 0], self.cache[i, 1],
-                attn_norm=ly.attn_norm, ffn_norm=ly.ffn_norm, eps=c.rms_norm_eps, pos=pos,
-                n_head=c.head_count, n_kv=c.head_count_kv, cos=self.cos, sin=self.sin,
-                neox=c.rope_is_neox, q_from=t - 1 if i == last and not all_logits else 0,
-            )  # fmt: skip
+        cpu.prefill_layers(
+            h, self._amx, scratch, self.cache, norms=self._amx_norms, eps=c.rms_norm_eps,
+            pos=pos, n_head=c.head_count, n_kv=c.head_count_kv, cos=self.cos, sin=self.sin,
+            neox=c.rope_is_neox, q_from=0 if all_logits else t - 1,
+        )  # fmt: skip
         return self._logits(h, 0 if all_logits else t - 1)
 
     def _decode_c(self, token: int, pos: int, logits: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,7 +9,8 @@ arguments:
   add: ``qlib_qgemm_ex`` for repacked planes, ``qlib_kgemm`` for GGUF blocks), and the
   decode attention step (``attn_decode_plan``);
 * ``prefill.c``: ``add_rmsnorm``, ``swiglu_bf16``, ``attn_prefill``, and with AMX
-  ``amx_gemm`` and the whole prefill layer (``prefill_layer``); ``exp`` (a test hook).
+  ``amx_gemm`` and the whole stack of prefill layers (``prefill_layers``); ``exp`` (a test
+  hook).
 
 **Plans.** The decode step makes ~5 calls per layer per token, so its wrappers are split:
 ``qgemm_plan`` and ``attn_decode_plan`` check everything once and return a ``KernelCall``,
@@ -63,7 +64,7 @@ _BLOCK_BYTES = {
 }  # GGUF (MXFP4H, NVFP4H, Q1_0H: qlib's), 32 values
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-# name: (argument types, result type); the qlib_amx_* / qlib_prefill_layer entries exist
+# name: (argument types, result type); the qlib_amx_* / qlib_prefill_layers entries exist
 # only in a build with AMX (``qlib_amx_init`` is always there)
 _SIGNATURES = {
     "qlib_qgemm_ex": ([_i, _p, _p, _p, _i, _i, _p, _i, _p, _p, _f, _i, _i], _i),
@@ -104,10 +105,10 @@ _SIGNATURES = {
     "qlib_decode_set_times": ([_p], None),
     "qlib_amx_init": ([], _i),
     "qlib_amx_gemm": ([_p, _i, _i, _i, _p, _p, _p, _i, _i, _p, _i], _i),
-    "qlib_prefill_layer": ([_p, _i, _i, _p, _p, _f, _p, _i, _i, _p, _p, _p, _p, _p, _p, _i,
-                            _i, _i, _i, _i, _p, _p, _i, _i], _i),
+    "qlib_prefill_layers": ([_p, _i, _i, _i, _p, _f, _p, _i, _i, _p, _p, _p, _p, _p, _i, _i,
+                             _i, _i, _i, _p, _p, _i, _i], _i),
 }  # fmt: skip
-_AMX_ONLY = ("qlib_amx_gemm", "qlib_prefill_layer")
+_AMX_ONLY = ("qlib_amx_gemm", "qlib_prefill_layers")
 
 _declared: ctypes.CDLL | None = None
 _amx: bool | None = None
@@ -218,7 +219,7 @@ def amx_available() -> bool:
             lib is not None
             and not build.env_flag("QLIB_NO_AMX")
             and set(build.AMX_FLAGS) <= build.cpu_flags()
-            and hasattr(lib, "qlib_prefill_layer")
+            and hasattr(lib, "qlib_prefill_layers")
             and lib.qlib_amx_init() == 0
         )
     return _amx
@@ -1087,7 +1088,7 @@ def amx_gemm(a: torch.Tensor, tiles: torch.Tensor | AmxWeight, epilogue: str = "
 
 class AmxLayer:
     """The four AMX weights of one llama layer (wqkv; wo; w13, tiles interleaved as
-    gate 0, up 0, gate 1, ...; w2) and their C descriptors, for ``prefill_layer``."""
+    gate 0, up 0, gate 1, ...; w2) and their C descriptors, for ``prefill_layers``."""
 
     def __init__(self, wqkv: AmxWeight, wo: AmxWeight, w13: AmxWeight, w2: AmxWeight):
         k, n_qkv, n_ff = wqkv.k, wqkv.n, w13.n // 2
@@ -1101,7 +1102,7 @@ class AmxLayer:
 
 @dataclass
 class PrefillScratch:
-    """bf16 buffers of ``prefill_layer`` for up to ``rows`` rows, each with 32 rows of
+    """bf16 buffers of ``prefill_layers`` for up to ``rows`` rows, each with 32 rows of
     padding (the kernel's row blocks of 32 read past the last row). The kernel keeps ``a``,
     ``y`` and ``g`` (the GEMMs' A operands) as AMX A tiles, not rows: 16 x 32 values a KB
     (``a_tile_at`` in prefill.c)."""
@@ -1119,15 +1120,13 @@ class PrefillScratch:
         return cls(rows, a, qkv, y, g)
 
 
-def prefill_layer(
+def prefill_layers(
     h: torch.Tensor,
-    layer: AmxLayer,
+    layers: list[AmxLayer],
     scratch: PrefillScratch,
-    kc: torch.Tensor,
-    vc: torch.Tensor,
+    cache: torch.Tensor,
     *,
-    attn_norm: torch.Tensor,
-    ffn_norm: torch.Tensor,
+    norms: list[torch.Tensor],
     eps: float,
     pos: int,
     n_head: int,
@@ -1137,32 +1136,46 @@ def prefill_layer(
     neox: bool,
     q_from: int = 0,
 ) -> None:
-    """One llama layer of a prefill chunk on AMX, in place on the residual stream ``h``
-    (``[t, k]`` float32, positions ``pos..pos+t-1``): RmsNorm -> qkv (bf16) -> RoPE, KV
-    write (``kc``, ``vc``: ``[n_kv, max_seq, d]`` float32), attention of rows
-    ``q_from..t-1`` -> ``h[q_from:]`` += wo, then += the SwiGLU FFN of ``h[q_from:]``.
-    ``cos``, ``sin``: ``[max_seq, d/2]`` tables from position 0; ``d % 32 == 0``."""
+    """Llama layers of a prefill chunk on AMX, one C call for them all, in place on the
+    residual stream ``h`` (``[t, k]`` float32, positions ``pos..pos+t-1``); each layer:
+    RmsNorm -> qkv (bf16) -> RoPE, KV write, attention -> ``h`` += wo, then += the SwiGLU
+    FFN of ``h``. Layer ``l`` takes ``norms[2 l]`` (attention) and ``norms[2 l + 1]`` (FFN)
+    and its keys and values ``cache[l, 0]``, ``cache[l, 1]`` (``cache``: ``[layers, 2, n_kv,
+    max_seq, d]`` float32); the last layer computes rows ``q_from..t-1`` only after its
+    attention's KV write. ``cos``, ``sin``: ``[max_seq, d/2]`` tables from position 0;
+    ``d % 32 == 0``."""
     lib = _amx_lib()
     _check(h, torch.float32, "h")
-    _check_attn_tables(kc, vc, cos, sin)
-    for name, wt in (("attn_norm", attn_norm), ("ffn_norm", ffn_norm)):
-        _check(wt, torch.float32, name)
-        if wt.numel() != layer.k:
-            raise ValueError(f"prefill_layer: {name} [k]")
+    n = len(layers)
+    if n == 0 or len(norms) != 2 * n or cache.dim() != 5 or cache.shape[:2] != (n, 2):
+        raise ValueError("prefill_layers: two norms a layer, cache [layers, 2, n_kv, max_seq, d]")
+    _check_attn_tables(cache, cache, cos, sin)
     t, k = h.shape
-    n_kv_c, max_seq, d = kc.shape
-    if (k != layer.k or t > scratch.rows or scratch.a.shape[1] != k or vc.shape != kc.shape
-            or n_kv_c != n_kv or layer.n_qkv != (n_head + 2 * n_kv) * d
-            or layer.n_attn != n_head * d or scratch.qkv.shape[1] != layer.n_qkv
-            or scratch.y.shape[1] != layer.n_attn or scratch.g.shape[1] != layer.n_ff
+    n_kv_c, max_seq, d = cache.shape[2:]
+    first = layers[0]
+    for wt in norms:
+        _check(wt, torch.float32, "norm")
+        if wt.numel() != k:
+            raise ValueError("prefill_layers: norms [k]")
+    if (any((ly.k, ly.n_qkv, ly.n_attn, ly.n_ff) != (first.k, first.n_qkv, first.n_attn,
+                                                    first.n_ff) for ly in layers)
+            or k != first.k or t > scratch.rows or scratch.a.shape[1] != k
+            or n_kv_c != n_kv or first.n_qkv != (n_head + 2 * n_kv) * d
+            or first.n_attn != n_head * d or scratch.qkv.shape[1] != first.n_qkv
+            or scratch.y.shape[1] != first.n_attn or scratch.g.shape[1] != first.n_ff
             or pos + t > max_seq or cos.shape[0] < pos + t or cos.shape[1] != d // 2
             or sin.shape != cos.shape or d % 32 or not 0 <= q_from < t):  # fmt: skip
-        raise ValueError("prefill_layer: shapes")
+        raise ValueError("prefill_layers: shapes")
     s = scratch
-    if lib.qlib_prefill_layer(
-        h.data_ptr(), t, k, attn_norm.data_ptr(), ffn_norm.data_ptr(), eps, layer.c,
-        layer.n_qkv, layer.n_ff, s.a.data_ptr(), s.qkv.data_ptr(), s.y.data_ptr(),
-        s.g.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos, n_head, n_kv, d, max_seq,
-        cos.data_ptr(), sin.data_ptr(), int(neox), q_from,
+    norm_ptrs = (ctypes.c_void_p * (2 * n))(*(wt.data_ptr() for wt in norms))
+    step = cache[0, 0].numel() * cache.element_size()
+    kv_ptrs = (ctypes.c_void_p * (2 * n))(
+        *range(cache.data_ptr(), cache.data_ptr() + 2 * n * step, step)
+    )
+    weights = (ctypes.c_void_p * n)(*(ctypes.addressof(ly.c) for ly in layers))
+    if lib.qlib_prefill_layers(
+        h.data_ptr(), t, k, n, norm_ptrs, eps, weights, first.n_qkv, first.n_ff,
+        s.a.data_ptr(), s.qkv.data_ptr(), s.y.data_ptr(), s.g.data_ptr(), kv_ptrs, pos,
+        n_head, n_kv, d, max_seq, cos.data_ptr(), sin.data_ptr(), int(neox), q_from,
     ):  # fmt: skip
-        raise RuntimeError("qlib_prefill_layer failed (shapes or memory)")
+        raise RuntimeError("qlib_prefill_layers failed (memory)")

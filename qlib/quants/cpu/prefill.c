@@ -1,8 +1,8 @@
 /* qlib CPU prefill kernels.
  *
  * With AMX-BF16 (built with -mamx-tile -mamx-bf16, see the second half), FastModel's bf16
- * prefill is one call per layer, qlib_prefill_layer: our AMX GEMM with fused epilogues,
- * RmsNorm, RoPE + KV write + AMX attention. Without AMX it runs its matmuls in oneDNN on
+ * prefill is one call for all the layers, qlib_prefill_layers: our AMX GEMM with fused
+ * epilogues, RmsNorm, RoPE + KV write + AMX attention. Without AMX it runs its matmuls in oneDNN on
  * bfloat16 activations and everything between them is here, one call each, parallel over
  * OpenMP threads (torch's pool: the library shares torch's libgomp):
  *   qlib_add_rmsnorm   h += delta (bf16, the previous matmul's output), then RmsNorm(h) * w
@@ -1354,7 +1354,7 @@ int qlib_amx_gemm(const uint16_t *A, int M, int K, int kind, const void *tiles, 
  * A tiles: a_tile_at). ws: the 4 weights wqkv, wo, w13 (tiles
  * interleaved), w2, as amx_weight.
  * Needs k, n_qkv, n_head d, n_ff % 32 == 0 and d % 32 == 0. Returns 0 or -1. */
-int qlib_prefill_layer(float *h, int t, int k, const float *attn_norm, const float *ffn_norm,
+static int prefill_layer(float *h, int t, int k, const float *attn_norm, const float *ffn_norm,
                        float eps, const amx_weight *ws, int n_qkv, int n_ff, uint16_t *a,
                        uint16_t *qkv, uint16_t *y, uint16_t *g, float *kc, float *vc, int pos,
                        int n_head, int n_kv, int d, int max_seq, const float *cos,
@@ -1392,6 +1392,23 @@ int qlib_prefill_layer(float *h, int t, int k, const float *attn_norm, const flo
         FTZ_END
     }
     return fail ? -1 : 0;
+}
+
+/* n_layers layers of prefill_layer in one call: layer l's norms at norms[2 l] (attention)
+ * and norms[2 l + 1] (FFN), its weights at ws[l], its cache at kv[2 l] (keys) and kv[2 l + 1]
+ * (values); rows q_from.. of the last layer only (0: all). Returns 0, or -1 at the first
+ * layer that fails. */
+int qlib_prefill_layers(float *h, int t, int k, int n_layers, const float *const *norms,
+                        float eps, const amx_weight *const *ws, int n_qkv, int n_ff, uint16_t *a,
+                        uint16_t *qkv, uint16_t *y, uint16_t *g, float *const *kv, int pos,
+                        int n_head, int n_kv, int d, int max_seq, const float *cos,
+                        const float *sin, int neox, int q_from) {
+    for (int l = 0; l < n_layers; l++)
+        if (prefill_layer(h, t, k, norms[2 * l], norms[2 * l + 1], eps, ws[l], n_qkv, n_ff, a,
+                          qkv, y, g, kv[2 * l], kv[2 * l + 1], pos, n_head, n_kv, d, max_seq,
+                          cos, sin, neox, l == n_layers - 1 ? q_from : 0))
+            return -1;
+    return 0;
 }
 #else
 int qlib_amx_init(void) { return -1; }
