@@ -27,6 +27,7 @@ bf16 prefill is compared with the f32 form by teacher-forced argmax agreement.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -741,6 +742,28 @@ def test_prefill_layers_in_one_call_equal_layer_by_layer(tiny):
     with pytest.raises(ValueError, match="shapes"):
         cpu.prefill_layers(h_one, fm._amx, scratch, cache_one, norms=fm._amx_norms,
                            q_from=t, **kw)  # fmt: skip
+
+
+@needs_amx
+def test_prefill_phase_times(tiny):
+    """The AMX prefill timed by its own clock: the logits bit for bit those of a plain
+    forward, every phase of ``cpu.PREFILL_PHASES`` timed on every thread (work > 0, waits
+    >= 0), and work plus waits within the wall time of the call; timing off again after."""
+    _, path = tiny
+    fm = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        plain = fm.forward(ids, 0)
+        t0 = time.perf_counter()
+        timed, times = fm.prefill_phase_times(ids)
+        wall = time.perf_counter() - t0
+        kept = times.clone()
+        again = fm.forward(ids, 0)
+    assert torch.equal(plain, timed) and torch.equal(plain, again)
+    assert torch.equal(times, kept)  # the plain forward after it kept no times
+    assert times.shape == (torch.get_num_threads(), len(cpu.PREFILL_PHASES), 2)
+    assert (times[..., 0] > 0).all() and (times[..., 1] >= 0).all()
+    assert (times.sum(dim=(1, 2)) <= wall).all()
 
 
 @needs_amx

@@ -10,6 +10,9 @@ output GEMV of the last row; the FFN's GEMMs over ``mlp_rows`` rows at a time), 
 the whole prefill; the GEMMs' GOP/s are 2 x m x k x n x layers integer ops. ``--int8-attn``:
 the same with the attention's products in int8 (``prefill="int8-attn"``).
 
+0. The AMX layer kernel in place (``FastModel.prefill_phase_times``: the kernel's own clock,
+   thread by thread): each phase's work and its wait at the barrier that closes it, summed
+   over the layers, median of 20 prefills, beside the whole prefill's wall time.
 1. The AMX layer kernel's parts alone, over the model's real weights: each GEMM
    (``cpu.amx_gemm``'s C entry on the weights of all layers, as the model holds them:
    4/8-bit codes expanded in the GEMM, or bf16 tiles), the attention,
@@ -156,6 +159,33 @@ def int8_parts(m, t: int, reps: int = 5, int8_attention: bool = False) -> None:
     print(f"  {'whole prefill':28s} {best_ms(prefill, reps):8.2f} ms")
 
 
+def in_place(m, t: int, reps: int = 20) -> None:
+    ids = torch.randint(0, m.tok_embd.shape[0], (1, t), generator=torch.Generator().manual_seed(0))
+    runs, walls = [], []
+    for _ in range(reps + 2):
+        m.clear_kv_cache()
+        t0 = time.perf_counter()
+        _, times = m.prefill_phase_times(ids)
+        walls.append(time.perf_counter() - t0)
+        runs.append(times)
+    runs, walls = torch.stack(runs[2:]) * 1e3, walls[2:]  # [reps, threads, phases, 2], ms
+    med = runs.median(dim=0).values
+
+    def row(name: str, x: torch.Tensor) -> None:  # x: [threads, 2]
+        cols = "  ".join(f"{x[i, 0]:8.2f} / {x[i, 1]:5.2f}   " for i in range(x.shape[0]))
+        print(f"  {name:20s} {cols}")
+
+    heads = "  ".join(f"thread {i} work / wait" for i in range(med.shape[0]))
+    print(f"  {'phase':20s} {heads}   (ms a prefill, median of {reps})")
+    for p, name in enumerate(cpu.PREFILL_PHASES):
+        row(name, med[:, p])
+    row("all layers", runs.sum(dim=2).median(dim=0).values)
+    print(
+        f"  whole prefill (wall): median {statistics.median(walls) * 1e3:.2f} ms, min "
+        f"{min(walls) * 1e3:.2f}"
+    )
+
+
 def alternating(path: str, t: int, reps: int = 8) -> None:
     ms = {"amx": engines.load(path, "cpu", engine="fast")[0],
           "oneDNN": engines.load(path, "cpu", engine="fast", amx=False)[0]}  # fmt: skip
@@ -198,8 +228,10 @@ def main() -> None:
         raise SystemExit(f"AMX unavailable: {cpu.amx_unavailable_reason()}")
     m = engines.load(path, "cpu", engine="fast")[0]
     print(f"{path}, {args.tokens} tokens, {args.threads} threads")
-    print("AMX layer kernel, parts alone:")
     with torch.inference_mode():
+        print("AMX layer kernel in place, by its own clock:")
+        in_place(m, args.tokens)
+        print("AMX layer kernel, parts alone:")
         parts(m, args.tokens)
         del m
         print("AMX vs oneDNN path, alternating in one process:")

@@ -914,6 +914,18 @@ class FastModel(StaticKVState):
         logits, seconds = chain.step_seconds()
         return logits, list(zip(chain.owners, seconds, strict=True))
 
+    def prefill_phase_times(
+        self, ids: torch.Tensor, pos: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill of ``ids`` (``[1, t]``, ``t >= bf16_min_rows``) at ``pos`` through the AMX
+        layer kernel, timed by the kernel itself: the logits (as ``forward`` gives them) and
+        the seconds per thread and phase, work and barrier wait
+        (``cpu.prefill_phase_seconds``, ``cpu.PREFILL_PHASES``). For
+        tools/cpu_prefill_profile.py."""
+        if not self.amx_layers:
+            raise ModelError("prefill_phase_times: this model has no AMX prefill layers")
+        return cpu.prefill_phase_seconds(lambda: self.forward(ids, pos), torch.get_num_threads())
+
     @classmethod
     def from_gguf(
         cls,

@@ -49,6 +49,7 @@ from .memory import (
 )
 from .ops import (
     DECODE_MODES,
+    PREFILL_PHASES,
     ROW_TYPES,
     AmxLayer,
     DecodeChain,
@@ -71,6 +72,7 @@ from .ops import (
     load,
     moe_decode_plan,
     prefill_layers,
+    prefill_phase_seconds,
     qgemm,
     qgemm_alloc_plan,
     qgemm_plan,
@@ -106,6 +108,7 @@ __all__ = [
     "weights_copy",
     "weights_empty",
     "DECODE_MODES",
+    "PREFILL_PHASES",
     "ROW_TYPES",
     "AmxLayer",
     "DecodeChain",
@@ -129,6 +132,7 @@ __all__ = [
     "load",
     "moe_decode_plan",
     "prefill_layers",
+    "prefill_phase_seconds",
     "qgemm",
     "qgemm_alloc_plan",
     "qgemm_plan",

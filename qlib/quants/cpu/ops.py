@@ -28,6 +28,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import torch
 
@@ -47,6 +48,7 @@ from .layout import (
     PackedWeight,
 )
 
+T = TypeVar("T")
 KernelCall = Callable[[], int]
 """A prepared C call: all arguments bound; returns the kernel's status (0: done)."""
 
@@ -105,10 +107,13 @@ _SIGNATURES = {
     "qlib_decode_set_times": ([_p], None),
     "qlib_amx_init": ([], _i),
     "qlib_amx_gemm": ([_p, _i, _i, _i, _p, _p, _p, _i, _i, _p, _i], _i),
+    "qlib_prefill_set_times": ([_p, _i], None),
+    "qlib_prefill_phases": ([], _i),
     "qlib_prefill_layers": ([_p, _i, _i, _i, _p, _f, _p, _i, _i, _p, _p, _p, _p, _p, _i, _i,
                              _i, _i, _i, _p, _p, _i, _i], _i),
 }  # fmt: skip
-_AMX_ONLY = ("qlib_amx_gemm", "qlib_prefill_layers")
+_AMX_ONLY = ("qlib_amx_gemm", "qlib_prefill_layers", "qlib_prefill_set_times",
+             "qlib_prefill_phases")  # fmt: skip
 
 _declared: ctypes.CDLL | None = None
 _amx: bool | None = None
@@ -1118,6 +1123,28 @@ class PrefillScratch:
         a, qkv, y, g = (torch.empty(rows + 32, n, dtype=torch.bfloat16)
                         for n in (layer.k, layer.n_qkv, layer.n_attn, layer.n_ff))  # fmt: skip
         return cls(rows, a, qkv, y, g)
+
+
+PREFILL_PHASES = ("attention norm", "wqkv", "RoPE, q, KV write", "cache tiles",
+                  "attention tasks", "wo", "FFN norm", "w13 + SwiGLU", "w2")  # fmt: skip
+"""The phases of an AMX prefill layer, in order, as ``prefill_phase_seconds`` reports them."""
+
+
+def prefill_phase_seconds(run: Callable[[], T], threads: int) -> tuple[T, torch.Tensor]:
+    """Call ``run`` (which runs ``prefill_layers``) with the layer kernel timing itself:
+    ``run``'s result and a float64 tensor ``[threads, len(PREFILL_PHASES), 2]``, per OpenMP
+    thread below ``threads`` and phase, the seconds of the thread's own work and of its wait
+    at the barrier that closes the phase, summed over the layers. Nothing else changes."""
+    lib = _amx_lib()
+    if lib.qlib_prefill_phases() != len(PREFILL_PHASES):
+        raise RuntimeError("prefill_phase_seconds: PREFILL_PHASES does not match prefill.c")
+    times = torch.zeros(threads, len(PREFILL_PHASES), 2, dtype=torch.float64)
+    lib.qlib_prefill_set_times(times.data_ptr(), threads)
+    try:
+        out = run()
+    finally:
+        lib.qlib_prefill_set_times(None, 0)
+    return out, times
 
 
 def prefill_layers(

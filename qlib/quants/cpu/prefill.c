@@ -926,6 +926,45 @@ typedef struct {
  * per process, idempotent. 0 = granted. */
 int qlib_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
 
+/* Where the AMX prefill's time goes (tools/cpu_prefill_profile.py; NULL, the default: nothing
+ * kept). Each thread below qlib_prefill_threads adds, per phase of prefill_layer (PF_*, in
+ * order), the seconds of its own work and of its wait at the phase's closing barrier into
+ * qlib_prefill_times[(thread * PF_PHASES + phase) * 2 + {0, 1}]. */
+enum { PF_NORM1, PF_QKV, PF_ROPE, PF_CACHE, PF_TASKS, PF_WO, PF_NORM2, PF_W13, PF_W2, PF_PHASES };
+static double *qlib_prefill_times;
+static int qlib_prefill_threads;
+void qlib_prefill_set_times(double *times, int threads) {
+    qlib_prefill_times = times;
+    qlib_prefill_threads = times ? threads : 0;
+}
+int qlib_prefill_phases(void) { return PF_PHASES; }
+static __thread int pf_phase;  /* this thread's phase */
+static __thread double pf_t0;  /* and when its work began */
+
+/* A parallel region's first phase begins (the later ones begin at the barrier before them) */
+static inline void pf_begin(int phase) {
+    pf_phase = phase;
+    if (qlib_prefill_times) pf_t0 = omp_get_wtime();
+}
+
+/* The barrier that closes this thread's phase; the next phase (pf_phase, set after it) starts
+ * when it ends. */
+static inline void pf_barrier(void) {
+    if (!qlib_prefill_times) {
+#pragma omp barrier
+        return;
+    }
+    const double t1 = omp_get_wtime();
+#pragma omp barrier
+    const double t2 = omp_get_wtime();
+    const int th = omp_get_thread_num();
+    if (th < qlib_prefill_threads) {
+        double *p = qlib_prefill_times + ((size_t)th * PF_PHASES + pf_phase) * 2;
+        p[0] += t1 - pf_t0, p[1] += t2 - t1;
+    }
+    pf_t0 = t2;
+}
+
 static void amx_tiles_16x64(void) {
     amx_config_t cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -989,7 +1028,8 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
     {
         FTZ_BEGIN
         /* 1. RoPE; k, v -> float32 cache; scaled q -> bf16 rows of Qb */
-#pragma omp for schedule(static)
+        pf_begin(PF_ROPE);
+#pragma omp for schedule(static) nowait
         for (int i = 0; i < tq16 + q_from; i++) {
             if (i >= t) { /* padding rows of the last query block */
                 for (int h = 0; h < n_head; h++) {
@@ -1011,8 +1051,10 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
                 }
             }
         }
+        pf_barrier();
+        pf_phase = PF_CACHE;
         /* 2. the cache (positions 0..L-1) -> bf16 tiles KB, VB */
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int gb = 0; gb < n_kv * nk32; gb++) {
             const int g = gb / nk32, b = gb % nk32; /* keys 32 b .. 32 b + 31 */
             const float *k = kc + (size_t)g * max_seq * d, *v = vc + (size_t)g * max_seq * d;
@@ -1057,8 +1099,10 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
         float *S = (float *)mine;
         uint16_t *P = (uint16_t *)(mine + 16 * (size_t)ldS * 4);
         float *O = (float *)(mine + 16 * (size_t)ldS * 4 + 16 * (size_t)ldP * 2);
+        pf_barrier();
+        pf_phase = PF_TASKS;
         amx_tiles_16x64();
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
         for (int task = 0; task < n_head * nqb; task++) {
             const int h = task % n_head, qb = nqb - 1 - task / n_head, g = h / rep;
             const int i0 = q_from + 16 * qb, rows = t - i0 < 16 ? t - i0 : 16;
@@ -1127,6 +1171,7 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
                 }
             }
         }
+        pf_barrier();
         _tile_release();
         FTZ_END
     }
@@ -1317,16 +1362,17 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
         }
     }
     amx_epilogue(buf[1 - cb], p_done, p_rows, p_mb, p_nb, epi, out, ldo, ot);
-#pragma omp barrier
+    pf_barrier();
     free(xb);
     return fail;
 }
 
 /* RmsNorm of rows 0..t-1 of h [*, k] -> bf16 A tiles out (omp for, ends with a barrier) */
 static void rmsnorm_rows_bf16(float *h, int t, int k, const float *w, float eps, uint16_t *out) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int i = 0; i < t; i++)
         add_rmsnorm_row(h + (size_t)i * k, NULL, k, w, eps, out + a_tile_at(i, 0, k / 32), 1, 512);
+    pf_barrier();
 }
 
 /* Test hook: out = A [M, K] x W^T through amx_gemm (A with 32 rows of padding); 0 or -1. */
@@ -1369,7 +1415,9 @@ static int prefill_layer(float *h, int t, int k, const float *attn_norm, const f
     {
         FTZ_BEGIN
         amx_tiles_16x64();
+        pf_begin(PF_NORM1);
         rmsnorm_rows_bf16(h, t, k, attn_norm, eps, a);
+        pf_phase = PF_QKV;
         fail |= amx_gemm(a, t, k, wqkv, n_qkv, EPI_BF16, qkv, n_qkv, AMX_A_TILES);
         _tile_release();
         FTZ_END
@@ -1384,9 +1432,13 @@ static int prefill_layer(float *h, int t, int k, const float *attn_norm, const f
     {
         FTZ_BEGIN
         amx_tiles_16x64();
+        pf_begin(PF_WO);
         fail |= amx_gemm(y, m, nd, wo, k, EPI_ADD, hm, k, AMX_A_TILES);
+        pf_phase = PF_NORM2;
         rmsnorm_rows_bf16(hm, m, k, ffn_norm, eps, a);
+        pf_phase = PF_W13;
         fail |= amx_gemm(a, m, k, w13, 2 * n_ff, EPI_SWIGLU, g, n_ff, AMX_A_TILES | AMX_OUT_TILES);
+        pf_phase = PF_W2;
         fail |= amx_gemm(g, m, n_ff, w2, k, EPI_ADD, hm, k, AMX_A_TILES);
         _tile_release();
         FTZ_END
