@@ -440,7 +440,7 @@ def test_swiglu_f32_matches_torch():
 @pytest.mark.parametrize(
     "t,pos,n_head,n_kv,d,neox",
     [(203, 0, 9, 3, 64, False), (5, 40, 9, 3, 64, False), (1, 0, 4, 4, 32, True),
-     (70, 3, 8, 1, 128, True), (33, 17, 6, 2, 96, False)],
+     (70, 3, 8, 1, 128, True), (33, 17, 6, 2, 96, False), (200, 45, 6, 2, 64, True)],
 )  # fmt: skip
 def test_attn_prefill_amx_matches_sdpa(t, pos, n_head, n_kv, d, neox):
     """The AMX attention: same cache writes as the float32 kernel; output within one bf16
