@@ -440,13 +440,17 @@ def test_swiglu_f32_matches_torch():
 @pytest.mark.parametrize(
     "t,pos,n_head,n_kv,d,neox",
     [(203, 0, 9, 3, 64, False), (5, 40, 9, 3, 64, False), (1, 0, 4, 4, 32, True),
-     (70, 3, 8, 1, 128, True), (33, 17, 6, 2, 96, False), (200, 45, 6, 2, 64, True)],
+     (70, 3, 8, 1, 128, True), (33, 17, 6, 2, 96, False), (200, 45, 6, 2, 64, True),
+     (161, 0, 9, 3, 64, False)],
 )  # fmt: skip
 def test_attn_prefill_amx_matches_sdpa(t, pos, n_head, n_kv, d, neox):
     """The AMX attention: same cache writes as the float32 kernel; output within one bf16
     ulp of the largest value of SDPA in float32, and on average within 1.3x the float32
     kernel's error (which is the output's bf16 rounding). Scores from one bf16 product
-    (no hi/lo split) miss both: max 7.8e-3, mean 2.3x on the first case."""
+    (no hi/lo split) miss both: max 7.8e-3, mean 2.3x on the first case. On two threads
+    the 203- and 200-row chunks deal their groups of 32 rows to the threads, the 161-row
+    one finds no balanced deal, and the rows from ``q_from`` never deal them: the same
+    sums either way."""
     from qlib.llama.config import precompute_freqs_cis
 
     g = torch.Generator().manual_seed(11)

@@ -1005,6 +1005,41 @@ static inline float softmax_row_bf16(const float *sr, int Lq, uint16_t *pr, int 
     return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
+/* The attention's groups of 32 rows (ng of them, the last of last rows; row i of a chunk
+ * at pos scores pos + i + 1 keys) dealt to nth threads one way (0: round robin, 1: a snake,
+ * the order turning back every nth groups, 2: longest first to the least loaded) into
+ * owner[ng]; returns the most loaded thread's cost (a row: its keys plus 32). */
+static double deal_way(int way, int ng, int last, int pos, int nth, int *owner, double *load) {
+    double most = 0;
+    for (int th = 0; th < nth; th++) load[th] = 0;
+    for (int n = 0; n < ng; n++) {
+        const int j = way == 2 ? ng - 1 - n : n, k = j % nth, rows = j == ng - 1 ? last : 32;
+        int th = way == 1 && j / nth % 2 ? nth - 1 - k : k;
+        if (way == 2) {
+            th = 0;
+            for (int o = 1; o < nth; o++) th = load[o] < load[th] ? o : th;
+        }
+        owner[j] = th;
+        load[th] += rows * (pos + 32.0 * j + rows / 2.0 + 32);
+        most = load[th] > most ? load[th] : most;
+    }
+    return most;
+}
+
+/* deal_way's best way into owner[ng], or 0 where even that leaves a thread more than 5%
+ * above the mean. */
+static int deal_groups(int ng, int last, int pos, int nth, int *owner) {
+    double load[nth], most[3], total = 0;
+    int best = 0;
+    for (int way = 0; way < 3; way++) {
+        most[way] = deal_way(way, ng, last, pos, nth, owner, load);
+        best = most[way] < most[best] ? way : best;
+    }
+    deal_way(best, ng, last, pos, nth, owner, load);
+    for (int th = 0; th < nth; th++) total += load[th];
+    return most[best] <= 1.05 * total / nth;
+}
+
 static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, int pos,
                             int n_head, int n_kv, int d, int max_seq, const float *cos,
                             const float *sin, int neox, int q_from, uint16_t *out, int out_tiles) {
@@ -1020,17 +1055,32 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
     uint16_t *VB = aligned_alloc(64, sizeof(uint16_t) * (size_t)n_kv * nk32 * nd * 512);
     const size_t per_thread = 16 * (size_t)ldS * 4 + 16 * (size_t)ldP * 2 + 16 * (size_t)d * 4;
     char *work = aligned_alloc(64, (per_thread + 63) / 64 * 64 * nth);
+    /* Rows in groups of 32 (a group: one key block of step 2, two query blocks of step 3),
+     * each group's three steps on one thread, so that the rows it rotated, the keys it made
+     * tiles of and the queries it scores stay in its caches (same sums; docs/performance.md,
+     * "Each thread's own rows in the attention"), where deal_groups finds a balanced deal.
+     * Otherwise (a chunk's last rows alone, q_from > 0, fewer than 2 groups a thread, no
+     * balanced deal) contiguous rows and key blocks a thread, and the tasks to whichever
+     * thread is free. */
+    const int ng = (tq16 + 31) / 32;
+    int *owner = q_from == 0 && nth > 1 && ng >= 2 * nth ? malloc(sizeof(int) * ng) : NULL;
+    const int by_group = owner && deal_groups(ng, t - 32 * (ng - 1), pos, nth, owner);
     if (!Qb || !KB || !VB || !work) {
-        free(Qb), free(KB), free(VB), free(work);
+        free(Qb), free(KB), free(VB), free(work), free(owner);
         return -1;
     }
+    int next_task = 0; /* the tasks taken so far, without groups */
 #pragma omp parallel
     {
         FTZ_BEGIN
+        const int me = omp_get_thread_num(), team = omp_get_num_threads();
+        const int grouped = by_group && team == nth; /* (the same in every thread) */
         /* 1. RoPE; k, v -> float32 cache; scaled q -> bf16 rows of Qb */
         pf_begin(PF_ROPE);
-#pragma omp for schedule(static) nowait
-        for (int i = 0; i < tq16 + q_from; i++) {
+        const int nrow = tq16 + q_from, r0 = grouped ? 0 : nrow * me / team;
+        const int r1 = grouped ? nrow : nrow * (me + 1) / team;
+        for (int i = r0; i < r1; i++) {
+            if (grouped && owner[i / 32] != me) continue;
             if (i >= t) { /* padding rows of the last query block */
                 for (int h = 0; h < n_head; h++) {
                     memset(Qb + ((size_t)h * tq16 + i - q_from) * d, 0, sizeof(uint16_t) * d);
@@ -1054,9 +1104,15 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
         pf_barrier();
         pf_phase = PF_CACHE;
         /* 2. the cache (positions 0..L-1) -> bf16 tiles KB, VB */
-#pragma omp for schedule(static) nowait
-        for (int gb = 0; gb < n_kv * nk32; gb++) {
+        const int ngb = n_kv * nk32, gb0 = grouped ? 0 : ngb * me / team;
+        const int gb1 = grouped ? ngb : ngb * (me + 1) / team;
+        for (int gb = gb0; gb < gb1; gb++) {
             const int g = gb / nk32, b = gb % nk32; /* keys 32 b .. 32 b + 31 */
+            /* by group: the thread that wrote the keys' rows (an earlier chunk's: any) */
+            if (grouped) {
+                const int grp = (32 * b - pos) / 32;
+                if ((32 * b < pos ? b % team : owner[grp < ng ? grp : ng - 1]) != me) continue;
+            }
             const float *k = kc + (size_t)g * max_seq * d, *v = vc + (size_t)g * max_seq * d;
             const __m512i rows16 = _mm512_mullo_epi32(
                 _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -1102,9 +1158,11 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
         pf_barrier();
         pf_phase = PF_TASKS;
         amx_tiles_16x64();
-#pragma omp for schedule(dynamic, 1) nowait
-        for (int task = 0; task < n_head * nqb; task++) {
+        const int ntask = n_head * nqb;
+#define NEXT_TASK(j) (grouped ? (j) + 1 : __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED))
+        for (int task = grouped ? 0 : NEXT_TASK(0); task < ntask; task = NEXT_TASK(task)) {
             const int h = task % n_head, qb = nqb - 1 - task / n_head, g = h / rep;
+            if (grouped && owner[qb / 2] != me) continue;
             const int i0 = q_from + 16 * qb, rows = t - i0 < 16 ? t - i0 : 16;
             const int Lmax = pos + i0 + rows, m16 = (Lmax + 15) / 16, m32 = (Lmax + 31) / 32;
             const uint16_t *q = Qb + ((size_t)h * tq16 + 16 * qb) * d;
@@ -1171,11 +1229,12 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
                 }
             }
         }
+#undef NEXT_TASK
         pf_barrier();
         _tile_release();
         FTZ_END
     }
-    free(Qb), free(KB), free(VB), free(work);
+    free(Qb), free(KB), free(VB), free(work), free(owner);
     return 0;
 }
 
