@@ -695,22 +695,25 @@ def test_fast_model_without_kernels(tiny, monkeypatch):
 
 
 @needs_amx
-def test_amx_layers_match_onednn_prefill(tiny):
+@pytest.mark.parametrize("t", [40, 200])
+def test_amx_layers_match_onednn_prefill(tiny, t):
     """The AMX layer kernel (default where AMX is) vs the oneDNN matmuls + C kernels
     (``amx=False``): both round matmul inputs to bf16; the AMX one keeps matmul outputs that
-    feed the residual (and SwiGLU's inputs) in float32, so they differ by bf16 roundings."""
+    feed the residual (and SwiGLU's inputs) in float32, so they differ by bf16 roundings.
+    On two threads the 200-row chunk deals its groups of 32 rows to the threads (the first
+    RmsNorm, the qkv GEMM split by rows, the attention); 40 rows do not."""
     wt, path = tiny
     fm = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2)
     fo = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2, amx=False)
     ref = _build(path, form="f32")
     assert fm.amx_layers and not fo.amx_layers
-    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 256, (1, t), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         a, b = (m.forward(ids, 0, all_logits=True)[0] for m in (fm, fo))
         r = ref.forward(ids, 0, all_logits=True)[0]
         last = fm.forward(ids, 0)  # the last layer for the last row only
-        a2 = fm.forward(ids[:, :4], 40, all_logits=True)[0]  # a chunk after a prefix
-        b2 = fo.forward(ids[:, :4], 40, all_logits=True)[0]
+        a2 = fm.forward(ids[:, :4], t, all_logits=True)[0]  # a chunk after a prefix
+        b2 = fo.forward(ids[:, :4], t, all_logits=True)[0]
     scale = r.abs().max()
     assert (a - b).abs().max() <= 0.02 * scale and (a2 - b2).abs().max() <= 0.02 * scale
     assert (a - r).abs().mean() <= 1.5 * (b - r).abs().mean() + 1e-6 * scale

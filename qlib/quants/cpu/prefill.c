@@ -1040,9 +1040,23 @@ static int deal_groups(int ng, int last, int pos, int nth, int *owner) {
     return most[best] <= 1.05 * total / nth;
 }
 
+/* The owners of a chunk's groups of 32 rows (t rows at pos, deal_groups) among nth threads,
+ * in a new array; NULL where they are dealt no way (one thread, fewer than 2 groups a thread,
+ * no balanced deal, no memory): then each step splits its rows or columns as it would. */
+static int *deal_rows(int t, int pos, int nth) {
+    const int ng = (t + 31) / 32;
+    int *owner = nth > 1 && ng >= 2 * nth ? malloc(sizeof(int) * ng) : NULL;
+    if (owner && !deal_groups(ng, t - 32 * (ng - 1), pos, nth, owner)) {
+        free(owner);
+        owner = NULL;
+    }
+    return owner;
+}
+
 static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, int pos,
                             int n_head, int n_kv, int d, int max_seq, const float *cos,
-                            const float *sin, int neox, int q_from, uint16_t *out, int out_tiles) {
+                            const float *sin, int neox, int q_from, uint16_t *out, int out_tiles,
+                            const int *owner) {
     const int rep = n_head / n_kv, L = pos + t, nk32 = (L + 31) / 32, nk16 = 2 * nk32;
     const int row = (n_head + 2 * n_kv) * d, nc = d / 32, nd = d / 16;
     const int tq = t - q_from, tq16 = (tq + 15) / 16 * 16, nqb = tq16 / 16;
@@ -1055,18 +1069,15 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
     uint16_t *VB = aligned_alloc(64, sizeof(uint16_t) * (size_t)n_kv * nk32 * nd * 512);
     const size_t per_thread = 16 * (size_t)ldS * 4 + 16 * (size_t)ldP * 2 + 16 * (size_t)d * 4;
     char *work = aligned_alloc(64, (per_thread + 63) / 64 * 64 * nth);
-    /* Rows in groups of 32 (a group: one key block of step 2, two query blocks of step 3),
-     * each group's three steps on one thread, so that the rows it rotated, the keys it made
-     * tiles of and the queries it scores stay in its caches (same sums; docs/performance.md,
-     * "Each thread's own rows in the attention"), where deal_groups finds a balanced deal.
-     * Otherwise (a chunk's last rows alone, q_from > 0, fewer than 2 groups a thread, no
-     * balanced deal) contiguous rows and key blocks a thread, and the tasks to whichever
-     * thread is free. */
-    const int ng = (tq16 + 31) / 32;
-    int *owner = q_from == 0 && nth > 1 && ng >= 2 * nth ? malloc(sizeof(int) * ng) : NULL;
-    const int by_group = owner && deal_groups(ng, t - 32 * (ng - 1), pos, nth, owner);
+    /* With owner (deal_rows(t, pos, nth), q_from 0): rows in groups of 32 (a group: one key
+     * block of step 2, two query blocks of step 3), each group's three steps on its owner,
+     * so that the rows a thread rotated, the keys it made tiles of and the queries it scores
+     * stay in its caches (same sums; docs/performance.md, "Each thread's own rows in the
+     * attention"). Without: contiguous rows and key blocks a thread, and the tasks to
+     * whichever thread is free. */
+    const int ng = (tq16 + 31) / 32, by_group = owner && q_from == 0;
     if (!Qb || !KB || !VB || !work) {
-        free(Qb), free(KB), free(VB), free(work), free(owner);
+        free(Qb), free(KB), free(VB), free(work);
         return -1;
     }
     int next_task = 0; /* the tasks taken so far, without groups */
@@ -1234,7 +1245,7 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
         _tile_release();
         FTZ_END
     }
-    free(Qb), free(KB), free(VB), free(work), free(owner);
+    free(Qb), free(KB), free(VB), free(work);
     return 0;
 }
 
@@ -1350,7 +1361,7 @@ enum { AMX_A_TILES = 1, AMX_OUT_TILES = 2 };
  * right after its tile stores waited for them and left the AMX unit idle: half the time).
  * Returns 0, or -1 when this thread could not allocate its expansion buffer. */
 static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N, int epi,
-                    void *out, int ldo, int tiles) {
+                    void *out, int ldo, int tiles, const int *owner) {
     const int nkc = K / 32, nb32 = N / 32;
     float buf[2][4][256] __attribute__((aligned(64)));
     /* quantized weights: a column block's 2 nkc tiles expanded into xb by its first row
@@ -1360,9 +1371,11 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
     const int quant = w->kind != AMXW_BF16, ntile = 2 * nkc;
     uint16_t *xb = quant ? aligned_alloc(64, (size_t)ntile * 1024) : NULL;
     const int fail = quant && !xb;
-    /* the static split of omp for, made explicit */
+    /* the column blocks' static split (of omp for), or with owner every column block for
+     * the row blocks of the groups this thread owns */
     const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int nb_lo = (int)((long)nb32 * tid / nth), nb_hi = (int)((long)nb32 * (tid + 1) / nth);
+    const int nb_lo = owner ? 0 : (int)((long)nb32 * tid / nth);
+    const int nb_hi = owner ? nb32 : (int)((long)nb32 * (tid + 1) / nth);
     const int per_step = (32 + nkc - 1) / nkc; /* epilogue rows per k step */
     /* rows in passes whose A rows fit in L2 next to the weight tiles: every column block
      * re-reads its pass's A rows (from L3 when A is larger: 0.4 against 1.2 TFLOP/s) */
@@ -1375,10 +1388,13 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
     int p_rows = 0, p_done = 0, p_mb = 0, p_nb = 0; /* the pending epilogue (buf[1 - cb]) */
     for (int m0 = 0; m0 < M && !fail; m0 += pass) {
         const int m1 = M - m0 < pass ? M : m0 + pass;
-        for (int nb = nb_lo; nb < nb_hi; nb++) {
+        int first = m0; /* the pass's first row block of this thread (expands the tiles) */
+        while (owner && first < m1 && owner[first / 32] != tid) first += 32;
+        for (int nb = nb_lo; nb < nb_hi && first < m1; nb++) {
             const uint16_t *b0 = quant ? xb : (const uint16_t *)w->t + (size_t)(2 * nb) * nkc * 512;
             const uint16_t *b1 = b0 + (size_t)nkc * 512;
-            for (int mb = m0; mb < m1; mb += 32) {
+            for (int mb = first; mb < m1; mb += 32) {
+                if (owner && owner[mb / 32] != tid) continue;
                 /* the A tiles of rows mb.. and mb + 16.. at a0, a1 + kc * as */
                 const uint16_t *a0 = A + (at ? a_tile_at(mb, 0, nkc) : (size_t)mb * K);
                 const uint16_t *a1 = a0 + (at ? (size_t)nkc * 512 : (size_t)16 * K);
@@ -1388,7 +1404,7 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
                 const int two = M - mb > 16;
                 _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
                 for (int kc = 0; kc < nkc; kc++) {
-                    if (quant && mb == m0) {
+                    if (quant && mb == first) {
                         amx_expand_tile(w, 2 * nb, kc, nkc, xb + (size_t)kc * 512);
                         amx_expand_tile(w, 2 * nb + 1, kc, nkc, xb + (size_t)(nkc + kc) * 512);
                     }
@@ -1426,11 +1442,15 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
     return fail;
 }
 
-/* RmsNorm of rows 0..t-1 of h [*, k] -> bf16 A tiles out (omp for, ends with a barrier) */
-static void rmsnorm_rows_bf16(float *h, int t, int k, const float *w, float eps, uint16_t *out) {
-#pragma omp for schedule(static) nowait
-    for (int i = 0; i < t; i++)
-        add_rmsnorm_row(h + (size_t)i * k, NULL, k, w, eps, out + a_tile_at(i, 0, k / 32), 1, 512);
+/* RmsNorm of rows 0..t-1 of h [*, k] -> bf16 A tiles out, contiguous rows a thread or (owner)
+ * the groups of 32 it owns (ends with a barrier) */
+static void rmsnorm_rows_bf16(float *h, int t, int k, const float *w, float eps, uint16_t *out,
+                              const int *owner) {
+    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    for (int i = owner ? 0 : t * tid / nth; i < (owner ? t : t * (tid + 1) / nth); i++)
+        if (!owner || owner[i / 32] == tid)
+            add_rmsnorm_row(h + (size_t)i * k, NULL, k, w, eps, out + a_tile_at(i, 0, k / 32), 1,
+                            512);
     pf_barrier();
 }
 
@@ -1443,7 +1463,7 @@ int qlib_amx_gemm(const uint16_t *A, int M, int K, int kind, const void *tiles, 
     {
         FTZ_BEGIN
         amx_tiles_16x64();
-        fail |= amx_gemm(A, M, K, &w, N, epi, out, ldo, 0);
+        fail |= amx_gemm(A, M, K, &w, N, epi, out, ldo, 0, NULL);
         _tile_release();
         FTZ_END
     }
@@ -1457,14 +1477,15 @@ int qlib_amx_gemm(const uint16_t *A, int M, int K, int kind, const void *tiles, 
  * h [t, k] float32 (the residual stream); a [t + 32, k], qkv [t + 32, n_qkv], y [t + 32,
  * n_head d], g [t + 32, n_ff] bf16 scratch (a, y and g, the GEMMs' A operands, held as AMX
  * A tiles: a_tile_at). ws: the 4 weights wqkv, wo, w13 (tiles
- * interleaved), w2, as amx_weight.
+ * interleaved), w2, as amx_weight. owner (deal_rows, or NULL): the threads' groups of 32
+ * rows for the first RmsNorm, the qkv GEMM (rows, not columns, split) and the attention.
  * Needs k, n_qkv, n_head d, n_ff % 32 == 0 and d % 32 == 0. Returns 0 or -1. */
 static int prefill_layer(float *h, int t, int k, const float *attn_norm, const float *ffn_norm,
                        float eps, const amx_weight *ws, int n_qkv, int n_ff, uint16_t *a,
                        uint16_t *qkv, uint16_t *y, uint16_t *g, float *kc, float *vc, int pos,
                        int n_head, int n_kv, int d, int max_seq, const float *cos,
-                       const float *sin, int neox, int q_from) {
-    const int nd = n_head * d;
+                       const float *sin, int neox, int q_from, const int *owner) {
+    const int nd = n_head * d, nth = omp_get_max_threads();
     const amx_weight *wqkv = ws, *wo = ws + 1, *w13 = ws + 2, *w2 = ws + 3;
     int fail = 0;
     if (k % 32 || n_qkv % 32 || nd % 32 || n_ff % 32 || d % 32 || q_from < 0 || q_from >= t ||
@@ -1474,16 +1495,19 @@ static int prefill_layer(float *h, int t, int k, const float *attn_norm, const f
     {
         FTZ_BEGIN
         amx_tiles_16x64();
+        /* the norm, the qkv GEMM and the attention's rotation by the same groups of rows
+         * where they are dealt: each thread's qkv rows stay in its caches */
+        const int *own = owner && omp_get_num_threads() == nth ? owner : NULL;
         pf_begin(PF_NORM1);
-        rmsnorm_rows_bf16(h, t, k, attn_norm, eps, a);
+        rmsnorm_rows_bf16(h, t, k, attn_norm, eps, a, own);
         pf_phase = PF_QKV;
-        fail |= amx_gemm(a, t, k, wqkv, n_qkv, EPI_BF16, qkv, n_qkv, AMX_A_TILES);
+        fail |= amx_gemm(a, t, k, wqkv, n_qkv, EPI_BF16, qkv, n_qkv, AMX_A_TILES, own);
         _tile_release();
         FTZ_END
     }
     if (fail) return -1;
     if (attn_prefill_amx(qkv, t, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox, q_from, y,
-                         1))
+                         1, owner))
         return -1;
     const int m = t - q_from;
     float *hm = h + (size_t)q_from * k;
@@ -1492,13 +1516,14 @@ static int prefill_layer(float *h, int t, int k, const float *attn_norm, const f
         FTZ_BEGIN
         amx_tiles_16x64();
         pf_begin(PF_WO);
-        fail |= amx_gemm(y, m, nd, wo, k, EPI_ADD, hm, k, AMX_A_TILES);
+        fail |= amx_gemm(y, m, nd, wo, k, EPI_ADD, hm, k, AMX_A_TILES, NULL);
         pf_phase = PF_NORM2;
-        rmsnorm_rows_bf16(hm, m, k, ffn_norm, eps, a);
+        rmsnorm_rows_bf16(hm, m, k, ffn_norm, eps, a, NULL);
         pf_phase = PF_W13;
-        fail |= amx_gemm(a, m, k, w13, 2 * n_ff, EPI_SWIGLU, g, n_ff, AMX_A_TILES | AMX_OUT_TILES);
+        fail |= amx_gemm(a, m, k, w13, 2 * n_ff, EPI_SWIGLU, g, n_ff, AMX_A_TILES | AMX_OUT_TILES,
+                         NULL);
         pf_phase = PF_W2;
-        fail |= amx_gemm(g, m, n_ff, w2, k, EPI_ADD, hm, k, AMX_A_TILES);
+        fail |= amx_gemm(g, m, n_ff, w2, k, EPI_ADD, hm, k, AMX_A_TILES, NULL);
         _tile_release();
         FTZ_END
     }
@@ -1507,19 +1532,20 @@ static int prefill_layer(float *h, int t, int k, const float *attn_norm, const f
 
 /* n_layers layers of prefill_layer in one call: layer l's norms at norms[2 l] (attention)
  * and norms[2 l + 1] (FFN), its weights at ws[l], its cache at kv[2 l] (keys) and kv[2 l + 1]
- * (values); rows q_from.. of the last layer only (0: all). Returns 0, or -1 at the first
- * layer that fails. */
+ * (values); rows q_from.. of the last layer only (0: all); the chunk's rows dealt to the
+ * threads once (deal_rows) for every layer. Returns 0, or -1 at the first layer that fails. */
 int qlib_prefill_layers(float *h, int t, int k, int n_layers, const float *const *norms,
                         float eps, const amx_weight *const *ws, int n_qkv, int n_ff, uint16_t *a,
                         uint16_t *qkv, uint16_t *y, uint16_t *g, float *const *kv, int pos,
                         int n_head, int n_kv, int d, int max_seq, const float *cos,
                         const float *sin, int neox, int q_from) {
-    for (int l = 0; l < n_layers; l++)
-        if (prefill_layer(h, t, k, norms[2 * l], norms[2 * l + 1], eps, ws[l], n_qkv, n_ff, a,
-                          qkv, y, g, kv[2 * l], kv[2 * l + 1], pos, n_head, n_kv, d, max_seq,
-                          cos, sin, neox, l == n_layers - 1 ? q_from : 0))
-            return -1;
-    return 0;
+    int *owner = deal_rows(t, pos, omp_get_max_threads()), fail = 0;
+    for (int l = 0; l < n_layers && !fail; l++)
+        fail = prefill_layer(h, t, k, norms[2 * l], norms[2 * l + 1], eps, ws[l], n_qkv, n_ff, a,
+                             qkv, y, g, kv[2 * l], kv[2 * l + 1], pos, n_head, n_kv, d, max_seq,
+                             cos, sin, neox, l == n_layers - 1 ? q_from : 0, owner);
+    free(owner);
+    return fail ? -1 : 0;
 }
 #else
 int qlib_amx_init(void) { return -1; }
@@ -1531,9 +1557,13 @@ int qlib_attn_prefill_ex(const uint16_t *qkv, int t, float *kc, float *vc, int p
                          int n_kv, int d, int max_seq, const float *cos, const float *sin,
                          int neox, int q_from, uint16_t *out, int amx) {
 #ifdef __AMX_BF16__
-    if (amx && d % 32 == 0 && d <= 128 && n_head % n_kv == 0 && q_from >= 0 && q_from < t)
-        return attn_prefill_amx(qkv, t, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox,
-                                q_from, out, 0);
+    if (amx && d % 32 == 0 && d <= 128 && n_head % n_kv == 0 && q_from >= 0 && q_from < t) {
+        int *owner = q_from == 0 ? deal_rows(t, pos, omp_get_max_threads()) : NULL;
+        const int r = attn_prefill_amx(qkv, t, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin,
+                                       neox, q_from, out, 0, owner);
+        free(owner);
+        return r;
+    }
 #endif
     (void)amx;
     return qlib_attn_prefill(qkv, t, kc, vc, pos, n_head, n_kv, d, max_seq, cos, sin, neox,
