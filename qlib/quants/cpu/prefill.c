@@ -1478,7 +1478,8 @@ int qlib_amx_gemm(const uint16_t *A, int M, int K, int kind, const void *tiles, 
  * n_head d], g [t + 32, n_ff] bf16 scratch (a, y and g, the GEMMs' A operands, held as AMX
  * A tiles: a_tile_at). ws: the 4 weights wqkv, wo, w13 (tiles
  * interleaved), w2, as amx_weight. owner (deal_rows, or NULL): the threads' groups of 32
- * rows for the first RmsNorm, the qkv GEMM (rows, not columns, split) and the attention.
+ * rows for the first RmsNorm, the qkv GEMM (split by rows, not columns), the attention, wo
+ * (by rows) and the second RmsNorm (q_from 0).
  * Needs k, n_qkv, n_head d, n_ff % 32 == 0 and d % 32 == 0. Returns 0 or -1. */
 static int prefill_layer(float *h, int t, int k, const float *attn_norm, const float *ffn_norm,
                        float eps, const amx_weight *ws, int n_qkv, int n_ff, uint16_t *a,
@@ -1496,7 +1497,8 @@ static int prefill_layer(float *h, int t, int k, const float *attn_norm, const f
         FTZ_BEGIN
         amx_tiles_16x64();
         /* the norm, the qkv GEMM and the attention's rotation by the same groups of rows
-         * where they are dealt: each thread's qkv rows stay in its caches */
+         * where they are dealt: each thread's qkv rows stay in its caches (the qkv GEMM's
+         * tiles then expanded by every thread: still faster) */
         const int *own = owner && omp_get_num_threads() == nth ? owner : NULL;
         pf_begin(PF_NORM1);
         rmsnorm_rows_bf16(h, t, k, attn_norm, eps, a, own);
@@ -1515,10 +1517,15 @@ static int prefill_layer(float *h, int t, int k, const float *attn_norm, const f
     {
         FTZ_BEGIN
         amx_tiles_16x64();
+        /* wo split by rows too where they are dealt (its A rows are the attention's output of
+         * this thread's groups), so that the second RmsNorm reads residual rows this thread
+         * wrote; gate/up and down split by columns (split by rows, each thread would expand
+         * every one of their tiles) */
+        const int *own = owner && q_from == 0 && omp_get_num_threads() == nth ? owner : NULL;
         pf_begin(PF_WO);
-        fail |= amx_gemm(y, m, nd, wo, k, EPI_ADD, hm, k, AMX_A_TILES, NULL);
+        fail |= amx_gemm(y, m, nd, wo, k, EPI_ADD, hm, k, AMX_A_TILES, own);
         pf_phase = PF_NORM2;
-        rmsnorm_rows_bf16(hm, m, k, ffn_norm, eps, a, NULL);
+        rmsnorm_rows_bf16(hm, m, k, ffn_norm, eps, a, own);
         pf_phase = PF_W13;
         fail |= amx_gemm(a, m, k, w13, 2 * n_ff, EPI_SWIGLU, g, n_ff, AMX_A_TILES | AMX_OUT_TILES,
                          NULL);
