@@ -752,6 +752,27 @@ def test_prefill_layers_in_one_call_equal_layer_by_layer(tiny):
 
 
 @needs_amx
+def test_amx_prefill_same_logits_on_any_thread_count(tiny):
+    """The AMX prefill deals its rows to the threads by their number (or not at all), and
+    every output element is summed in the same order either way: 200 rows on 1, 2 and 3
+    threads give the same logits and cache, bit for bit."""
+    _, path = tiny
+    fm = _build(path, fast.FastModel, prefill="bf16", bf16_min_rows=2)
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(8))
+    threads, outs = torch.get_num_threads(), []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with torch.inference_mode():
+                fm.clear_kv_cache()
+                outs.append((fm.forward(ids, 0, all_logits=True), fm.cache.clone()))
+    finally:
+        torch.set_num_threads(threads)
+    for logits, cache in outs[1:]:
+        assert torch.equal(logits, outs[0][0]) and torch.equal(cache, outs[0][1])
+
+
+@needs_amx
 def test_prefill_phase_times(tiny):
     """The AMX prefill timed by its own clock: the logits bit for bit those of a plain
     forward, every phase of ``cpu.PREFILL_PHASES`` timed on every thread (work > 0, waits
