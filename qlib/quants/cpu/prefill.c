@@ -2,8 +2,8 @@
  *
  * With AMX-BF16 (built with -mamx-tile -mamx-bf16, see the second half), FastModel's bf16
  * prefill is one call for all the layers, qlib_prefill_layers: our AMX GEMM with fused
- * epilogues, RmsNorm, RoPE + KV write + AMX attention. Without AMX it runs its matmuls in oneDNN on
- * bfloat16 activations and everything between them is here, one call each, parallel over
+ * epilogues, RmsNorm, RoPE + KV write + AMX attention. Without AMX it runs its matmuls in
+ * oneDNN on bfloat16 activations and everything between them is here, one call each, parallel over
  * OpenMP threads (torch's pool: the library shares torch's libgomp):
  *   qlib_add_rmsnorm   h += delta (bf16, the previous matmul's output), then RmsNorm(h) * w
  *                      -> bf16 (the next matmul's input) or float32;
@@ -1353,7 +1353,8 @@ enum { AMX_A_TILES = 1, AMX_OUT_TILES = 2 };
 
 /* Inside a parallel region (tiles configured): rows 0..M-1 of A [*, K] bf16 (rows, or tiles:
  * tiles & AMX_A_TILES, each A tile one contiguous load instead of 16 rows K apart) times the
- * weight's N columns; column blocks of 32 split over the threads (omp for, ends with a barrier).
+ * weight's N columns; column blocks of 32 split over the threads, or with owner (deal_rows)
+ * every column block for the groups of 32 rows each thread owns (ends with a barrier).
  * EPI_BF16: out bf16 [M, ldo] = C; EPI_ADD: out float32 [M, ldo] += C; EPI_SWIGLU: out bf16
  * [M, ldo] column 16 b + n = silu(C[:, 32 b + n]) * C[:, 32 b + 16 + n] (gate | up tiles).
  * Software-pipelined: a block's C tiles go to one of two buffers, and its epilogue runs a few
