@@ -1176,7 +1176,8 @@ def prefill_layers(
     n = len(layers)
     if n == 0 or len(norms) != 2 * n or cache.dim() != 5 or cache.shape[:2] != (n, 2):
         raise ValueError("prefill_layers: two norms a layer, cache [layers, 2, n_kv, max_seq, d]")
-    _check_attn_tables(cache, cache, cos, sin)
+    for name, x in (("cache", cache), ("cos", cos), ("sin", sin)):
+        _check(x, torch.float32, name)
     t, k = h.shape
     n_kv_c, max_seq, d = cache.shape[2:]
     first = layers[0]
