@@ -1354,7 +1354,8 @@ enum { AMX_A_TILES = 1, AMX_OUT_TILES = 2 };
 /* Inside a parallel region (tiles configured): rows 0..M-1 of A [*, K] bf16 (rows, or tiles:
  * tiles & AMX_A_TILES, each A tile one contiguous load instead of 16 rows K apart) times the
  * weight's N columns; column blocks of 32 split over the threads, or with owner (deal_rows)
- * every column block for the groups of 32 rows each thread owns (ends with a barrier).
+ * every column block for the groups of 32 rows each thread owns, and the last row block's
+ * column blocks split (ends with a barrier).
  * EPI_BF16: out bf16 [M, ldo] = C; EPI_ADD: out float32 [M, ldo] += C; EPI_SWIGLU: out bf16
  * [M, ldo] column 16 b + n = silu(C[:, 32 b + n]) * C[:, 32 b + 16 + n] (gate | up tiles).
  * Software-pipelined: a block's C tiles go to one of two buffers, and its epilogue runs a few
@@ -1387,15 +1388,23 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
     const size_t as = at ? 512 : 32;  /* from one A tile to the next along k */
     int cb = 0;                                     /* C buffer */
     int p_rows = 0, p_done = 0, p_mb = 0, p_nb = 0; /* the pending epilogue (buf[1 - cb]) */
+    /* with owner, the last row block (the odd one out of the dealt groups, often short)
+     * split by column blocks as without: dealt whole, it made its owner's share the longer
+     * (SmolLM2's 203 rows: 3 blocks and 11 rows against 3 blocks) */
+    const int shared = owner ? (M - 1) / 32 : -1;
+    const int sh_lo = (int)((long)nb32 * tid / nth), sh_hi = (int)((long)nb32 * (tid + 1) / nth);
+#define MINE(mb, nb) (!owner || ((mb) / 32 == shared ? (nb) >= sh_lo && (nb) < sh_hi \
+                                                     : owner[(mb) / 32] == tid))
     for (int m0 = 0; m0 < M && !fail; m0 += pass) {
         const int m1 = M - m0 < pass ? M : m0 + pass;
-        int first = m0; /* the pass's first row block of this thread (expands the tiles) */
-        while (owner && first < m1 && owner[first / 32] != tid) first += 32;
-        for (int nb = nb_lo; nb < nb_hi && first < m1; nb++) {
+        for (int nb = nb_lo; nb < nb_hi; nb++) {
+            int first = m0; /* the column block's first row block here (expands its tiles) */
+            while (first < m1 && !MINE(first, nb)) first += 32;
+            if (first >= m1) continue;
             const uint16_t *b0 = quant ? xb : (const uint16_t *)w->t + (size_t)(2 * nb) * nkc * 512;
             const uint16_t *b1 = b0 + (size_t)nkc * 512;
             for (int mb = first; mb < m1; mb += 32) {
-                if (owner && owner[mb / 32] != tid) continue;
+                if (!MINE(mb, nb)) continue;
                 /* the A tiles of rows mb.. and mb + 16.. at a0, a1 + kc * as */
                 const uint16_t *a0 = A + (at ? a_tile_at(mb, 0, nkc) : (size_t)mb * K);
                 const uint16_t *a1 = a0 + (at ? (size_t)nkc * 512 : (size_t)16 * K);
@@ -1438,6 +1447,7 @@ static int amx_gemm(const uint16_t *A, int M, int K, const amx_weight *w, int N,
         }
     }
     amx_epilogue(buf[1 - cb], p_done, p_rows, p_mb, p_nb, epi, out, ldo, ot);
+#undef MINE
     pf_barrier();
     free(xb);
     return fail;
