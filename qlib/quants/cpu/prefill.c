@@ -22,6 +22,16 @@
 #include <string.h>
 
 #include "simd.h"
+#ifdef __AVX512BF16__
+/* bf16x16_store by the CPU's own conversion (nearest even; a float32 denormal, which these
+ * kernels never make, goes to zero): two instructions where the integer rounding takes
+ * seven. For the AMX code only: a CPU with AMX has AVX512-BF16. On this VM's cores the AMX
+ * products and dense AVX-512 work do not overlap (docs/performance.md), so every vector
+ * instruction saved beside the GEMMs shows. */
+static inline void bf16n_store(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
 
 /* Test hook: y[i] = e^x[i] (n % 16 == 0). */
 void qlib_exp(const float *x, int n, float *y) {
@@ -54,6 +64,11 @@ static inline void add_rmsnorm_row(float *x, const uint16_t *delta, int k, const
     for (int e = 0; e < k; e += 16) {
         const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + e), r), _mm512_loadu_ps(w + e));
         const size_t at = (size_t)(e >> 5) * cs + (e & 31);
+#ifdef __AVX512BF16__
+        if (out_bf16 == 2)
+            bf16n_store((uint16_t *)out + at, v);
+        else
+#endif
         if (out_bf16)
             bf16x16_store((uint16_t *)out + at, v);
         else
@@ -1107,8 +1122,8 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
                 uint16_t *dst = Qb + ((size_t)h * tq16 + i - q_from) * d;
                 for (int e = 0; e < d; e += 16) {
                     const __m512 v = _mm512_loadu_ps(buf + e), hi = bf16_round(v);
-                    bf16x16_store(dst + e, hi);
-                    bf16x16_store(dst + qsz + e, _mm512_sub_ps(v, hi));
+                    bf16n_store(dst + e, hi);
+                    bf16n_store(dst + qsz + e, _mm512_sub_ps(v, hi));
                 }
             }
         }
@@ -1140,14 +1155,18 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
                             const float *kr = k + (size_t)l * d + 32 * c;
                             const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16);
                             const __m512 h0 = bf16_round(k0), h1 = bf16_round(k1);
-                            p = bf16x32_pairs(h0, h1);
-                            plo = bf16x32_pairs(_mm512_sub_ps(k0, h0), _mm512_sub_ps(k1, h1));
+                            /* 32 bf16 in order: u32 j = the pair (2j, 2j + 1) */
+                            p = (__m512i)_mm512_cvtne2ps_pbh(h1, h0);
+                            plo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(k1, h1), _mm512_sub_ps(k0, h0));
                         }
                         _mm512_i32scatter_epi32(tile + n, rows16, p, 4); /* column n */
                         _mm512_i32scatter_epi32(tlo + n, rows16, plo, 4);
                     }
                 }
             }
+            const __m512i interleave = _mm512_set_epi16(
+                31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
             for (int db = 0; db < nd; db++) {
                 uint32_t *tile = (uint32_t *)(VB + (((size_t)g * nk32 + b) * nd + db) * 512);
                 for (int r = 0; r < 16; r++) {
@@ -1156,8 +1175,9 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
                                              : _mm512_setzero_ps();
                     const __m512 v1 = l0 + 1 < L ? _mm512_loadu_ps(v + (size_t)(l0 + 1) * d + 16 * db)
                                                  : _mm512_setzero_ps();
-                    _mm512_storeu_si512(tile + 16 * r, _mm512_or_si512(
-                        bf16x16_u32(v0), _mm512_slli_epi32(bf16x16_u32(v1), 16)));
+                    /* u32 n = (v0[n], v1[n]): the two rows' bf16 interleaved */
+                    _mm512_storeu_si512(tile + 16 * r, _mm512_permutexvar_epi16(
+                        interleave, (__m512i)_mm512_cvtne2ps_pbh(v1, v0)));
                 }
             }
         }
@@ -1236,7 +1256,7 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
                 for (int e = 0; e < d; e += 16) {
                     const size_t at = out_tiles ? a_tile_at(i, h * d + e, n_head * d / 32)
                                                 : ((size_t)i * n_head + h) * d + e;
-                    bf16x16_store(out + at, _mm512_mul_ps(_mm512_loadu_ps(O + (size_t)r * d + e), w));
+                    bf16n_store(out + at, _mm512_mul_ps(_mm512_loadu_ps(O + (size_t)r * d + e), w));
                 }
             }
         }
@@ -1334,8 +1354,8 @@ static inline void amx_epilogue(float (*buf)[256], int r0, int r1, int mb, int n
         const size_t row = (size_t)(mb + r) * ldo;
         if (epi == EPI_BF16) {
             uint16_t *o = (uint16_t *)out + row + 32 * nb;
-            bf16x16_store(o, c0);
-            bf16x16_store(o + 16, c1);
+            bf16n_store(o, c0);
+            bf16n_store(o + 16, c1);
         } else if (epi == EPI_ADD) {
             float *o = (float *)out + row + 32 * nb;
             _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), c0));
@@ -1343,7 +1363,7 @@ static inline void amx_epilogue(float (*buf)[256], int r0, int r1, int mb, int n
         } else {
             uint16_t *o = (uint16_t *)out + (out_tiles ? a_tile_at(mb + r, 16 * nb, ldo / 32)
                                                        : row + 16 * nb);
-            bf16x16_store(o, _mm512_mul_ps(silu16(c0), c1));
+            bf16n_store(o, _mm512_mul_ps(silu16(c0), c1));
         }
     }
 }
@@ -1460,7 +1480,7 @@ static void rmsnorm_rows_bf16(float *h, int t, int k, const float *w, float eps,
     const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
     for (int i = owner ? 0 : t * tid / nth; i < (owner ? t : t * (tid + 1) / nth); i++)
         if (!owner || owner[i / 32] == tid)
-            add_rmsnorm_row(h + (size_t)i * k, NULL, k, w, eps, out + a_tile_at(i, 0, k / 32), 1,
+            add_rmsnorm_row(h + (size_t)i * k, NULL, k, w, eps, out + a_tile_at(i, 0, k / 32), 2,
                             512);
     pf_barrier();
 }
