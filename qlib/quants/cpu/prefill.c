@@ -1068,6 +1068,85 @@ static int *deal_rows(int t, int pos, int nth) {
     return owner;
 }
 
+/* r[i] lane j -> r[j] lane i: a 16 x 16 transpose of 32-bit elements, in registers */
+static inline void transpose16_u32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+/* Row i of the AMX attention's step 1 in one pass (position p): k rotated and v into the
+ * float32 caches at p, each q head rotated, scaled and split into bf16 hi and lo at qhi and
+ * qlo (heads qs apart; qhi NULL: no q). RoPE's cos and sin as vectors, no row buffers: the
+ * operations of rope_kv_row and head_in in the same order, so the same bits. d % 32 == 0,
+ * d <= 128. */
+static void rope_row_amx(const uint16_t *x, int p, int n_head, int n_kv, int d, int max_seq,
+                         const float *cos, const float *sin, int neox, float scale, float *kc,
+                         float *vc, uint16_t *qhi, uint16_t *qlo, size_t qs) {
+    const int h2 = d / 2, nj = d / 16;
+    const float *cr = cos + (size_t)p * h2, *sr = sin + (size_t)p * h2;
+    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i even_sign = _mm512_set_epi32(0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN,
+                                               0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN);
+    __m512 c[8], s[8];
+    for (int j = 0; j < nj; j++) {
+        if (neox) { /* (i, i + d/2): cos i on both, -sin i on the first, sin i on the second */
+            c[j] = _mm512_loadu_ps(cr + 16 * j % h2);
+            s[j] = _mm512_loadu_ps(sr + 16 * j % h2);
+            if (16 * j < h2) s[j] = _mm512_castsi512_ps(_mm512_xor_si512(
+                                        _mm512_castps_si512(s[j]), _mm512_set1_epi32(INT32_MIN)));
+        } else { /* (2i, 2i + 1) */
+            c[j] = _mm512_permutexvar_ps(dup, _mm512_maskz_loadu_ps(0xFF, cr + 8 * j));
+            s[j] = _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(_mm512_permutexvar_ps(dup, _mm512_maskz_loadu_ps(0xFF, sr + 8 * j))),
+                even_sign));
+        }
+    }
+#define ROTATED(hx, j) /* x * c + partner(x) * s, no contraction (head_in's rounding) */ \
+    _mm512_add_ps(_mm512_mul_ps(bf16x16_load((hx) + 16 * (j)), c[j]),                       \
+                  _mm512_mul_ps(neox ? bf16x16_load((hx) + (16 * (j) + h2) % d)              \
+                                     : _mm512_permute_ps(bf16x16_load((hx) + 16 * (j)), 0xB1), \
+                                s[j]))
+    for (int g = 0; g < n_kv; g++) {
+        const size_t at = ((size_t)g * max_seq + p) * d;
+        const uint16_t *xk = x + (size_t)(n_head + g) * d, *xv = x + (size_t)(n_head + n_kv + g) * d;
+        for (int j = 0; j < nj; j++) {
+            _mm512_storeu_ps(kc + at + 16 * j, ROTATED(xk, j));
+            _mm512_storeu_ps(vc + at + 16 * j, bf16x16_load(xv + 16 * j));
+        }
+    }
+    for (int h = 0; h < n_head && qhi; h++) {
+        const uint16_t *xq = x + (size_t)h * d;
+        for (int j = 0; j < nj; j++) {
+            __m512 v = ROTATED(xq, j);
+            if (scale != 1.0f) v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
+            const __m256i hi = (__m256i)_mm512_cvtneps_pbh(v);
+            const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+            _mm256_storeu_si256((__m256i *)(qhi + h * qs + 16 * j), hi);
+            _mm256_storeu_si256((__m256i *)(qlo + h * qs + 16 * j),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
+        }
+    }
+#undef ROTATED
+}
+
 static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, int pos,
                             int n_head, int n_kv, int d, int max_seq, const float *cos,
                             const float *sin, int neox, int q_from, uint16_t *out, int out_tiles,
@@ -1114,18 +1193,9 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
                 }
                 continue;
             }
-            const uint16_t *x = qkv + (size_t)i * row;
-            float c[128], s[128], buf[128];
-            rope_kv_row(x, pos + i, n_head, n_kv, d, max_seq, cos, sin, neox, kc, vc, c, s);
-            for (int h = 0; h < n_head && i >= q_from; h++) {
-                head_in(x + (size_t)h * d, d, c, s, neox, scale, buf);
-                uint16_t *dst = Qb + ((size_t)h * tq16 + i - q_from) * d;
-                for (int e = 0; e < d; e += 16) {
-                    const __m512 v = _mm512_loadu_ps(buf + e), hi = bf16_round(v);
-                    bf16n_store(dst + e, hi);
-                    bf16n_store(dst + qsz + e, _mm512_sub_ps(v, hi));
-                }
-            }
+            uint16_t *qh = i >= q_from ? Qb + (size_t)(i - q_from) * d : NULL;
+            rope_row_amx(qkv + (size_t)i * row, pos + i, n_head, n_kv, d, max_seq, cos, sin, neox,
+                         scale, kc, vc, qh, qh ? qh + qsz : NULL, (size_t)tq16 * d);
         }
         pf_barrier();
         pf_phase = PF_CACHE;
@@ -1140,14 +1210,12 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
                 if ((32 * b < pos ? b % team : owner[grp < ng ? grp : ng - 1]) != me) continue;
             }
             const float *k = kc + (size_t)g * max_seq * d, *v = vc + (size_t)g * max_seq * d;
-            const __m512i rows16 = _mm512_mullo_epi32(
-                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                _mm512_set1_epi32(16));
             for (int half = 0; half < 2; half++) {
                 const int kb = 2 * b + half;
                 for (int c = 0; c < nc; c++) {
                     uint32_t *tile = (uint32_t *)(KB + (((size_t)g * nk16 + kb) * nc + c) * 512);
                     uint32_t *tlo = tile + ksz / 2;
+                    __m512i ph[16], pl[16];
                     for (int n = 0; n < 16; n++) {
                         const int l = 16 * kb + n;
                         __m512i p = _mm512_setzero_si512(), plo = p;
@@ -1159,8 +1227,15 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
                             p = (__m512i)_mm512_cvtne2ps_pbh(h1, h0);
                             plo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(k1, h1), _mm512_sub_ps(k0, h0));
                         }
-                        _mm512_i32scatter_epi32(tile + n, rows16, p, 4); /* column n */
-                        _mm512_i32scatter_epi32(tlo + n, rows16, plo, 4);
+                        ph[n] = p, pl[n] = plo;
+                    }
+                    /* key n's pairs are column n of the tile (16 scatters each, before: the
+                     * step took 1.5x as long) */
+                    transpose16_u32(ph);
+                    transpose16_u32(pl);
+                    for (int r = 0; r < 16; r++) {
+                        _mm512_storeu_si512(tile + 16 * r, ph[r]);
+                        _mm512_storeu_si512(tlo + 16 * r, pl[r]);
                     }
                 }
             }
