@@ -44,11 +44,9 @@ void qlib_exp_diff(const float *s, int n, float m, float *y) {
     for (int i = 0; i < n; i += 16) _mm512_storeu_ps(y + i, exp16_diff(_mm512_loadu_ps(s + i), ml));
 }
 
-/* For rows i < t of h [t, k] float32: h += delta (bf16 [t, k], when not NULL); then
- * out[i] = h[i] / sqrt(mean(h[i]^2) + eps) * w, stored as bf16 (out_bf16) or float32. */
 /* Row x of k floats: x += delta (bf16, when not NULL); out = x / sqrt(mean(x^2) + eps) * w,
- * as bf16 (out_bf16) or float32; element e of out at (e / 32) cs + e % 32 (cs = 32: a row;
- * 512: a row of AMX A tiles, a_tile_at). */
+ * as bf16 (out_bf16; 2: by bf16n_store, AMX code only) or float32; element e of out at
+ * (e / 32) cs + e % 32 (cs = 32: a row; 512: a row of AMX A tiles, a_tile_at). */
 static inline void add_rmsnorm_row(float *x, const uint16_t *delta, int k, const float *w,
                                    float eps, void *out, int out_bf16, int cs) {
     __m512 ss = _mm512_setzero_ps();
@@ -83,6 +81,8 @@ static inline size_t a_tile_at(int i, int c, int nkc) {
     return ((((size_t)(i >> 4) * nkc) + (c >> 5)) << 9) + ((i & 15) << 5) + (c & 31);
 }
 
+/* For rows i < t of h [t, k] float32: h += delta (bf16 [t, k], when not NULL); then
+ * out[i] = h[i] / sqrt(mean(h[i]^2) + eps) * w, stored as bf16 (out_bf16) or float32. */
 void qlib_add_rmsnorm(float *h, const uint16_t *delta, int t, int k, const float *w, float eps,
                       void *out, int out_bf16) {
     const size_t osize = out_bf16 ? sizeof(uint16_t) : sizeof(float);
