@@ -988,17 +988,6 @@ static void amx_tiles_16x64(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* 16 floats -> 16 bf16 in the low halves of 16 uint32 (round to nearest even) */
-/* 32 floats -> 32 bf16 in order, as 16 uint32 (pairs) */
-static inline __m512i bf16x32_pairs(__m512 lo, __m512 hi) {
-    const __m512i a = bf16x16_u32(lo), b = bf16x16_u32(hi);
-    /* pair j = (x[2j], x[2j+1]): even lanes from the low half, odd from the high half */
-    const __m512i idx = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i idx1 = _mm512_add_epi32(idx, _mm512_set1_epi32(1));
-    const __m512i even = _mm512_permutex2var_epi32(a, idx, b), odd = _mm512_permutex2var_epi32(a, idx1, b);
-    return _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
-}
-
 /* Scores of one row (Lq valid keys) -> bf16 softmax weights e^(s - max) at pr, zero past Lq
  * up to 32 n32 keys, in one pass after the max (exp16_diff: ~3.5e-6 relative, far below the
  * weights' bf16 rounding); returns 1 / (the float32 sum of the unrounded weights). */
