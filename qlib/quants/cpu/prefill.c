@@ -1057,30 +1057,6 @@ static int *deal_rows(int t, int pos, int nth) {
     return owner;
 }
 
-/* r[i] lane j -> r[j] lane i: a 16 x 16 transpose of 32-bit elements, in registers */
-static inline void transpose16_u32(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 16; i += 8)
-        for (int j = 0; j < 4; j++) {
-            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
-            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-    }
-}
-
 /* Row i of the AMX attention's step 1 in one pass (position p): k rotated and v into the
  * float32 caches at p, each q head rotated, scaled and split into bf16 hi and lo at qhi and
  * qlo (heads qs apart; qhi NULL: no q). RoPE's cos and sin as vectors, no row buffers: the
@@ -1220,8 +1196,8 @@ static int attn_prefill_amx(const uint16_t *qkv, int t, float *kc, float *vc, in
                     }
                     /* key n's pairs are column n of the tile (16 scatters each, before: the
                      * step took 1.5x as long) */
-                    transpose16_u32(ph);
-                    transpose16_u32(pl);
+                    transpose16(ph);
+                    transpose16(pl);
                     for (int r = 0; r < 16; r++) {
                         _mm512_storeu_si512(tile + 16 * r, ph[r]);
                         _mm512_storeu_si512(tlo + 16 * r, pl[r]);
