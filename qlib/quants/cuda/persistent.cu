@@ -132,6 +132,15 @@ static_assert(SMAXPOS >= NSMAX * HPT * (HD + 2), "the splits' partials gathered 
 #define XRES 1  // the residual sums as fixed-point words that count their addends (res_add)
 #endif
 
+#ifndef RES_LEAD
+#define RES_LEAD 0  // read_res: thread 0 waits for the last word's count within n RES_LEAD / 8 (8: no wait)
+#endif
+#ifndef RES_V2
+#define RES_V2 0  // read_res: two words a 16-byte load
+#endif
+#ifndef RES_LEAD_MID
+#define RES_LEAD_MID RES_LEAD  // the same for the MLP tasks' read of the residual after attention
+#endif
 #ifndef WHERE_SHARED
 #define WHERE_SHARED 1  // the staged pieces' addresses in shared memory, not a local array
 #endif
@@ -320,53 +329,69 @@ __device__ __forceinline__ void res_add(u64* p, float v) {
 }
 // dst[i] = residual sum i of the words at r once each has n addends (a thread's loads in flight
 // together, polled until all of them are complete)
-template <int NC = 1>
+template <int NC = 1, int LEAD = RES_LEAD>
 __device__ __forceinline__ void read_res(const u64* const (&r)[NC], const int (&n)[NC], float* dst) {
-    constexpr int N = (DIM + THREADS - 1) / THREADS;
-    u64 w[NC][N];
+    constexpr int V = RES_V2 ? 2 : 1;  // words a load
+    static_assert(DIM % V == 0, "RES_V2: DIM even");
+    constexpr int N = (DIM / V + THREADS - 1) / THREADS;
+    u64 w[NC][N][V];
     long long spins = 0;
-    if (threadIdx.x == 0) {  // one word a copy first (the adders' last row): NC loads a poll
-        for (;;) {
-            bool ok = true;
+    if constexpr (LEAD < 8) {
+        if (threadIdx.x == 0) {  // one word a copy first (the adders' last row): NC loads a poll
+            for (;;) {
+                bool ok = true;
 #pragma unroll
-            for (int c = 0; c < NC; c++) {
-                u64 s;
-                asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(s) : "l"(r[c] + DIM - 1) : "memory");
-                ok = ok && (int)(s >> 54) == n[c];
+                for (int c = 0; c < NC; c++) {
+                    u64 s;
+                    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(s) : "l"(r[c] + DIM - 1) : "memory");
+                    ok = ok && (LEAD == 0 ? (int)(s >> 54) == n[c] : (int)(s >> 54) >= n[c] - n[c] * LEAD / 8);
+                }
+                if (ok) break;
+                if (++spins > (1ll << 31)) __trap();
             }
-            if (ok) break;
-            if (++spins > (1ll << 31)) __trap();
         }
+        __syncthreads();
     }
-    __syncthreads();
     for (;;) {
         bool ok = true;
 #pragma unroll
         for (int c = 0; c < NC; c++)
 #pragma unroll
             for (int k = 0; k < N; k++) {
-                const int i = threadIdx.x + k * THREADS;
-                w[c][k] = (u64)n[c] << 54;
-                if (i < DIM) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[c][k]) : "l"(r[c] + i) : "memory");
-                ok = ok && (int)(w[c][k] >> 54) == n[c];
+                const int i = (threadIdx.x + k * THREADS) * V;
+#pragma unroll
+                for (int e = 0; e < V; e++) w[c][k][e] = (u64)n[c] << 54;
+                if (i < DIM) {
+                    if constexpr (V == 2)
+                        asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];"
+                                     : "=l"(w[c][k][0]), "=l"(w[c][k][1]) : "l"(r[c] + i) : "memory");
+                    else
+                        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[c][k][0]) : "l"(r[c] + i) : "memory");
+                }
+#pragma unroll
+                for (int e = 0; e < V; e++) ok = ok && (int)(w[c][k][e] >> 54) == n[c];
             }
         if (ok) break;
         if (++spins > (1ll << 31)) __trap();  // seconds: a launch error, never a hang
     }
 #pragma unroll
     for (int k = 0; k < N; k++) {
-        const int i = threadIdx.x + k * THREADS;
-        long long sum = 0;  // the copies' integer sums: the same value however the addends split
+        const int i = (threadIdx.x + k * THREADS) * V;
 #pragma unroll
-        for (int c = 0; c < NC; c++)
-            sum += (long long)(w[c][k] & ((1ull << 54) - 1)) - ((long long)n[c] << RES_BIAS);
-        if (i < DIM) dst[i] = __ll2float_rn(sum) / (float)(1ll << RES_FRAC);  // (exact division)
+        for (int e = 0; e < V; e++) {
+            long long sum = 0;  // the copies' integer sums: the same value however the addends split
+#pragma unroll
+            for (int c = 0; c < NC; c++)
+                sum += (long long)(w[c][k][e] & ((1ull << 54) - 1)) - ((long long)n[c] << RES_BIAS);
+            if (i < DIM) dst[i + e] = __ll2float_rn(sum) / (float)(1ll << RES_FRAC);  // (exact division)
+        }
     }
 }
+template <int LEAD = RES_LEAD>
 __device__ __forceinline__ void read_res(const u64* r, int n, float* dst) {
     const u64* const rr[1] = {r};
     const int nn[1] = {n};
-    read_res<1>(rr, nn, dst);
+    read_res<1, LEAD>(rr, nn, dst);
 }
 // Copy k of res(l) (l >= 1): copy 0 among the sums, copy k > 0 after them (NL DIM words each)
 template <class W>
@@ -1764,7 +1789,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         // ---- MLP tasks: RmsNorm, gate and up of CHUNK units, SwiGLU, their share of down
         if (mlp) {
 #if XRES
-            read_res(A + (usize)(2 * l + 1) * DIM, NH, res_in);
+            read_res<RES_LEAD_MID>(A + (usize)(2 * l + 1) * DIM, NH, res_in);
             if (b == MLP_FIRST) MARK(NMARK * l + 8);
             BLOCK_MARK(2)
 #else
