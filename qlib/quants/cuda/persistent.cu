@@ -133,10 +133,7 @@ static_assert(SMAXPOS >= NSMAX * HPT * (HD + 2), "the splits' partials gathered 
 #endif
 
 #ifndef RES_LEAD
-#define RES_LEAD 0  // read_res: thread 0 waits for the last word's count within n RES_LEAD / 8 (8: no wait)
-#endif
-#ifndef RES_V2
-#define RES_V2 0  // read_res: two words a 16-byte load
+#define RES_LEAD 4  // read_res: every thread polls once the last word has n - n RES_LEAD / 8 addends
 #endif
 #ifndef RES_LEAD_MID
 #define RES_LEAD_MID RES_LEAD  // the same for the MLP tasks' read of the residual after attention
@@ -328,13 +325,15 @@ __device__ __forceinline__ void res_add(u64* p, float v) {
     asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(add) : "memory");
 }
 // dst[i] = residual sum i of the words at r once each has n addends (a thread's loads in flight
-// together, polled until all of them are complete)
+// together, polled until all of them are complete). Thread 0 alone polls the last word (the
+// adders' last row) until LEAD / 8 of its addends at most are missing (0: none; 8: no such
+// wait), then every thread polls its own words: one L2 round trip after the last addend lands,
+// where waiting for a complete last word and then reading took two. Every thread polling from
+// the start (8) slows the adders' atomics on those lines (+11% a step), as RES_WARP did.
 template <int NC = 1, int LEAD = RES_LEAD>
 __device__ __forceinline__ void read_res(const u64* const (&r)[NC], const int (&n)[NC], float* dst) {
-    constexpr int V = RES_V2 ? 2 : 1;  // words a load
-    static_assert(DIM % V == 0, "RES_V2: DIM even");
-    constexpr int N = (DIM / V + THREADS - 1) / THREADS;
-    u64 w[NC][N][V];
+    constexpr int N = (DIM + THREADS - 1) / THREADS;
+    u64 w[NC][N];
     long long spins = 0;
     if constexpr (LEAD < 8) {
         if (threadIdx.x == 0) {  // one word a copy first (the adders' last row): NC loads a poll
@@ -358,33 +357,22 @@ __device__ __forceinline__ void read_res(const u64* const (&r)[NC], const int (&
         for (int c = 0; c < NC; c++)
 #pragma unroll
             for (int k = 0; k < N; k++) {
-                const int i = (threadIdx.x + k * THREADS) * V;
-#pragma unroll
-                for (int e = 0; e < V; e++) w[c][k][e] = (u64)n[c] << 54;
-                if (i < DIM) {
-                    if constexpr (V == 2)
-                        asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];"
-                                     : "=l"(w[c][k][0]), "=l"(w[c][k][1]) : "l"(r[c] + i) : "memory");
-                    else
-                        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[c][k][0]) : "l"(r[c] + i) : "memory");
-                }
-#pragma unroll
-                for (int e = 0; e < V; e++) ok = ok && (int)(w[c][k][e] >> 54) == n[c];
+                const int i = threadIdx.x + k * THREADS;
+                w[c][k] = (u64)n[c] << 54;
+                if (i < DIM) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[c][k]) : "l"(r[c] + i) : "memory");
+                ok = ok && (int)(w[c][k] >> 54) == n[c];
             }
         if (ok) break;
         if (++spins > (1ll << 31)) __trap();  // seconds: a launch error, never a hang
     }
 #pragma unroll
     for (int k = 0; k < N; k++) {
-        const int i = (threadIdx.x + k * THREADS) * V;
+        const int i = threadIdx.x + k * THREADS;
+        long long sum = 0;  // the copies' integer sums: the same value however the addends split
 #pragma unroll
-        for (int e = 0; e < V; e++) {
-            long long sum = 0;  // the copies' integer sums: the same value however the addends split
-#pragma unroll
-            for (int c = 0; c < NC; c++)
-                sum += (long long)(w[c][k][e] & ((1ull << 54) - 1)) - ((long long)n[c] << RES_BIAS);
-            if (i < DIM) dst[i + e] = __ll2float_rn(sum) / (float)(1ll << RES_FRAC);  // (exact division)
-        }
+        for (int c = 0; c < NC; c++)
+            sum += (long long)(w[c][k] & ((1ull << 54) - 1)) - ((long long)n[c] << RES_BIAS);
+        if (i < DIM) dst[i] = __ll2float_rn(sum) / (float)(1ll << RES_FRAC);  // (exact division)
     }
 }
 template <int LEAD = RES_LEAD>
