@@ -360,7 +360,13 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
         {"STAGE0_SPLIT": 0},
         {"RES_LEAD": 0},
         {"RES_LEAD": 8},
+        {"WARP_SOFTMAX": 1},
+        {"WARP_SOFTMAX": 1, "GROUP_FROM": 0},
+        {"WO_G": 2},
+        {"WO_G": 4},
+        {"OUT_STAGE": 1},
     ],
+    ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()),
 )
 @pytest.mark.parametrize("shape", [(4, 2, 128, None), (2, 2, 128, 16)])
 def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):

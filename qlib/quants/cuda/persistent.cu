@@ -121,11 +121,18 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #ifndef SCORE_UNROLL
 #define SCORE_UNROLL 4  // passes of the score loop unrolled (key loads in flight)
 #endif
+#ifndef WARP_SOFTMAX
+#define WARP_SOFTMAX 0  // each warp's softmax over its own positions, merged by weights: no block reductions
+#endif
+#ifndef WO_G
+#define WO_G 1  // threads a row of an attention task's wo rows
+#endif
 #ifndef VALUE_UNROLL
 #define VALUE_UNROLL 3  // passes of the value loop unrolled in a task of GQA heads (one head: 4)
 #endif
 constexpr int kScoreUnroll = SCORE_UNROLL, kValueUnroll = VALUE_UNROLL;  // (for #pragma unroll)
 static_assert(HPT == 1 || XCHG, "KV_GROUP: the splits' partials as tagged words (XCHG)");
+static_assert(!WARP_SOFTMAX || XCHG, "WARP_SOFTMAX: the splits' partials as tagged words (XCHG)");
 #define XPART (NH * NSMAX * HPT * (HD + 2))  // tagged words a layer: the splits' partial softmaxes
 static_assert(SMAXPOS >= NSMAX * HPT * (HD + 2), "the splits' partials gathered in S");
 #ifndef XRES
@@ -159,6 +166,9 @@ static_assert(SMAXPOS >= NSMAX * HPT * (HD + 2), "the splits' partials gathered 
 #endif
 #ifndef X8_WIDE
 #define X8_WIDE 1  // T_X8 parts by wide loads (a, b as one 8-byte load; the 8 codes as one)
+#endif
+#ifndef OUT_STAGE
+#define OUT_STAGE 0  // OUT_Q8X: a block's first output rows staged into shared memory in the last layer
 #endif
 #ifndef OUT_Q8X_AHEAD
 #define OUT_Q8X_AHEAD 1  // OUT_Q8X: a lane's next row loaded while it works on this one
@@ -759,7 +769,7 @@ __device__ __forceinline__ u64 output_rows_lanes(int t, const u8* base, const fl
 template <int K>
 __device__ __forceinline__ u64 output_rows_q8x(const u8* codes, const float* scales, const float* x,
                                                const float* red, float* out, int r0, int r1,
-                                               int warp, int lane) {
+                                               int warp, int lane, const u8* staged_codes, int rs) {
     constexpr int LPR = 8, RPW = 32 / LPR, UPL = K / 64;
     static_assert(K % 64 == 0, "OUT_Q8X: rows of a multiple of 64");
     const float f = late_factor(red);
@@ -772,12 +782,17 @@ __device__ __forceinline__ u64 output_rows_q8x(const u8* codes, const float* sca
     float d[UPL];
     auto load_row = [&](int row, uint2(&wv)[UPL], float(&dv)[UPL]) {  // lane's codes and scales
         const usize rr = (usize)min(row, r1 - 1);
-        const uint2* cp = (const uint2*)(codes + rr * K) + seg;
         const float* sp = scales + rr * (K / 32) + (seg >> 2);
 #pragma unroll
-        for (int j = 0; j < UPL; j++) {
-            wv[j] = __ldg(cp + 8 * j);
-            dv[j] = __ldg(sp + 2 * j);
+        for (int j = 0; j < UPL; j++) dv[j] = __ldg(sp + 2 * j);
+        if ((int)rr < rs) {  // (OUT_STAGE: rows [r0, rs) in shared memory)
+            const uint2* cs = (const uint2*)(staged_codes + (rr - r0) * K) + seg;
+#pragma unroll
+            for (int j = 0; j < UPL; j++) wv[j] = cs[8 * j];
+        } else {
+            const uint2* cp = (const uint2*)(codes + rr * K) + seg;
+#pragma unroll
+            for (int j = 0; j < UPL; j++) wv[j] = __ldg(cp + 8 * j);
         }
     };
     load_row(r0 + warp * RPW + sub, w, d);
@@ -968,15 +983,33 @@ __device__ __forceinline__ float slab_dot_t(const u8* row, int e0, const float* 
 
 // dst[i] += slab row i . v (+ base[i] where base is given) for rows r0 <= i < r1, with
 // atomics (float, or XRES words); row i at slab + sb (i - r0), its elements [e0, e0 + W).
-template <int W, class Dst>
+// G adjacent threads a row, each on W / G of its elements (a G-th of the dependent chain),
+// their sums added by shuffles in a fixed order.
+template <int W, int G = 1, class Dst>
 __device__ __forceinline__ void slab_rows_add(int t, const u8* slab, usize sb, int e0,
                                               const float* v, const float* base, Dst* dst,
                                               int r0 = 0, int r1 = DIM) {
+    static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0 && W % (8 * G) == 0, "slab_rows_add: G");
     QLIB_DISPATCH(LAYER_TYPES, t, {
-        for (int i = r0 + threadIdx.x; i < r1; i += THREADS) {
-            float y = slab_dot_t<W, T_>(slab + sb * (i - r0), e0, v);
-            if (base) y += base[i];
-            add_to(dst + i, y);
+        if constexpr (G == 1) {
+            for (int i = r0 + threadIdx.x; i < r1; i += THREADS) {
+                float y = slab_dot_t<W, T_>(slab + sb * (i - r0), e0, v);
+                if (base) y += base[i];
+                add_to(dst + i, y);
+            }
+        } else {
+            constexpr int WG = W / G;
+            const int g = threadIdx.x % G;
+            for (int i0 = r0; i0 < r1; i0 += THREADS / G) {  // (block-uniform: whole warps shuffle)
+                const int i = i0 + threadIdx.x / G;
+                float y = i < r1 ? slab_dot_t<WG, T_>(slab + sb * (i - r0), e0 + g * WG, v + g * WG) : 0.f;
+#pragma unroll
+                for (int o = 1; o < G; o <<= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
+                if (i < r1 && g == 0) {
+                    if (base) y += base[i];
+                    add_to(dst + i, y);
+                }
+            }
         }
     })
 }
@@ -1219,8 +1252,9 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     float* S = vnew_f + HD;                     // SMAXPOS: the split's scores, then weights
     float* oacc = S + SMAXPOS;                  // WARPS x HPT x HD: the warps' weighted value sums
     float* gsm = oacc + WARPS * HPT * HD;       // GSM_N: silu(gate) * up of an MLP task
-    float* red = gsm + GSM_N;                   // WARPS x HPT: block reductions
-    int* stypes = (int*)(red + WARPS * HPT);    // NL x 7: the matrices' types (off the global
+    float* red = gsm + GSM_N;                   // 2 WARPS x HPT: block reductions (WARP_SOFTMAX:
+                                                //   the warps' score maxima and sums)
+    int* stypes = (int*)(red + 2 * WARPS * HPT);  // NL x 7: the matrices' types (off the global
                                                 // loads of the critical path)
 
     kv_t* knew = (kv_t*)knew_f;
@@ -1315,6 +1349,9 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     // this block's rows of the output layer, prefetched into L2 during the last layers
     constexpr int OUT_RB = (VOCAB + GRID - 1) / GRID;
     const int out_r0 = min(VOCAB, b * OUT_RB), out_r1 = min(VOCAB, out_r0 + OUT_RB);
+    // OUT_STAGE (OUT_Q8X): the codes of its first rows [out_r0, out_rs), staged into the free
+    // area during the last layer (the rest read from L2)
+    const int out_rs = OUT_STAGE && OUT_Q8X ? min(out_r1, out_r0 + WCAP / DIM) : out_r0;
     constexpr int P_QKV = 2, P_WO = 2 + 2 * MAXQ, P_MLP = P_WO + 1, P_KV = P_MLP + 3 * MAXCH;
     constexpr int NP = P_KV + 2;
 #if WHERE_SHARED
@@ -1411,7 +1448,11 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             __syncthreads();
             if (l + 1 < NL) {
                 stage_layer(l + 1, 0, NP, 0);
-            } else {
+            } else {  // (OUT_STAGE: the output rows' codes that fit, else nothing)
+                const u8* o0 = out_w + (usize)DIM * out_r0;
+                u8* dst = smem_raw + (NL & 1) * WCAP;
+                for (int j = threadIdx.x * 16; j < (out_rs - out_r0) * DIM; j += THREADS * 16)
+                    cp_async16(dst + j, o0 + j);
                 asm volatile("cp.async.commit_group;" ::: "memory");
             }
             BLOCK_MARK(4)
@@ -1623,10 +1664,15 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                         }
                     }
                 }
-                block_reduce_n<NQ, true>(mx, red);
                 float sum[NQ];
 #pragma unroll
                 for (int i = 0; i < NQ; i++) sum[i] = 0.f;
+#if WARP_SOFTMAX  // the warp's own maximum; its lanes read back only the scores it wrote
+#pragma unroll
+                for (int i = 0; i < NQ; i++) mx[i] = warp_max(mx[i]);
+                __syncwarp();
+#else
+                block_reduce_n<NQ, true>(mx, red);
                 for (int t = threadIdx.x; t < t1 - t0; t += THREADS) {
 #pragma unroll
                     for (int i = 0; i < NQ; i++) {
@@ -1636,6 +1682,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                     }
                 }
                 block_reduce_n<NQ, false>(sum, red);  // (its barriers also publish S)
+#endif
                 if (b == 0) MARK(NMARK * l + 4);
                 {  // the weighted values as the scores: eight lanes per position, HD / 8 dims each
                     const int sub = lane & 7;
@@ -1649,7 +1696,14 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                         const int t = tb + (lane >> 3);
                         float p[NQ];
 #pragma unroll
-                        for (int i = 0; i < NQ; i++) p[i] = t < t1 ? S[i * len + t - t0] : 0.f;
+                        for (int i = 0; i < NQ; i++) {
+#if WARP_SOFTMAX  // (every lane of the position's eight: the same weight, summed by all)
+                            p[i] = t < t1 ? expf(S[i * len + t - t0] - mx[i]) : 0.f;
+                            sum[i] += p[i];
+#else
+                            p[i] = t < t1 ? S[i * len + t - t0] : 0.f;
+#endif
+                        }
                         const int tt = t < t1 ? t : tb;
                         const kv4_t* v4 = (const kv4_t*)(tt < tc ? vst + (usize)(tt - t0) * HD : vnew) + sub;
 #pragma unroll
@@ -1681,6 +1735,17 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                         for (int i = 0; i < NQ; i++)
 #pragma unroll
                             for (int j = 0; j < HD / 32; j++) ((float4*)(oacc + (warp * NQ + i) * HD))[sub + 8 * j] = o[i][j];
+#if WARP_SOFTMAX  // the warp's (maximum, sum) of each head, its four position groups' sums added
+#pragma unroll
+                    for (int i = 0; i < NQ; i++) {
+                        sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], 8);
+                        sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], 16);
+                        if (lane == 0) {
+                            red[2 * (warp * NQ + i)] = mx[i];
+                            red[2 * (warp * NQ + i) + 1] = sum[i];
+                        }
+                    }
+#endif
                 }
                 __syncthreads();
 #if XCHG
@@ -1689,6 +1754,28 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                 for (int k = threadIdx.x; k < NQ * HD; k += THREADS) {
                     const int i = k / HD, d = k % HD;
                     float v = 0.f;
+#if WARP_SOFTMAX  // the warps' partials merged as the splits' are: weights exp(m_w - M)
+                    float M = NEG_INF, z = 0.f;
+                    for (int w = 0; w < WARPS; w++) M = fmaxf(M, red[2 * (w * NQ + i)]);
+#pragma unroll
+                    for (int w = 0; w < WARPS; w++) {
+                        const float mw = red[2 * (w * NQ + i)];
+                        const float e = mw == NEG_INF ? 0.f : expf(mw - M);  // (a warp without positions)
+                        v += e * oacc[(w * NQ + i) * HD + d];
+                        z += e * red[2 * (w * NQ + i) + 1];
+                    }
+                    if (nsg == 1) {
+                        ovec[d] = v / z;
+                    } else {
+                        u64* P = PX + ((usize)(hq0 + i) * NSMAX * HPT + sg) * (HD + 2);
+                        put_tagged(P + 2 + d, tag, v);
+                        if (d == 0) {
+                            put_tagged(P, tag, M);
+                            put_tagged(P + 1, tag, z);
+                        }
+                    }
+                }
+#else
                     for (int w = 0; w < WARPS; w++) v += oacc[(w * NQ + i) * HD + d];
                     if (nsg == 1)
                         ovec[d] = v / sum[0];
@@ -1704,6 +1791,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                     put_tagged(P, tag, m);
                     put_tagged(P + 1, tag, z);
                 }
+#endif
 #else
                 for (int d = threadIdx.x; d < HD; d += THREADS) {
                     float v = 0.f;
@@ -1763,7 +1851,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             if (b == 0) MARK(NMARK * l + 6);
             BLOCK_MARK(7)
             const int to = layer_type(T, W_O);
-            slab_rows_add<HD>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
+            slab_rows_add<HD, WO_G>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
                               A + (usize)(2 * l + 1) * DIM, wo_r0, wo_r1);
 #if XRES
             __syncthreads();
@@ -1882,7 +1970,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     norm_for_dots(res_in, out_norm, xs, red);
     if (b == 0) OUT_MARK(1);
 #if OUT_Q8X
-    const u64 mine = output_rows_q8x<DIM>(out_w, out_sc, xs, red, logits, out_r0, out_r1, warp, lane);
+    const u64 mine = output_rows_q8x<DIM>(out_w, out_sc, xs, red, logits, out_r0, out_r1, warp, lane,
+                                          smem_raw + (NL & 1) * WCAP, out_rs);
 #elif OUT_LANES
     const u64 mine = output_rows_lanes<DIM, OUT_TYPES>(otype, out_w, xs, red, logits, out_r0, out_r1, warp, lane);
 #else
