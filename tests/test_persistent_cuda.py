@@ -365,6 +365,8 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
         {"WO_G": 2},
         {"WO_G": 4},
         {"OUT_STAGE": 1},
+        {"SPLIT_WO": 1},
+        {"SPLIT_WO": 1, "WARP_SOFTMAX": 1, "WO_G": 2},
     ],
     ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()),
 )

@@ -124,6 +124,9 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #ifndef WARP_SOFTMAX
 #define WARP_SOFTMAX 0  // each warp's softmax over its own positions, merged by weights: no block reductions
 #endif
+#ifndef SPLIT_WO
+#define SPLIT_WO 0  // a head's splits each add all of wo times their own partial, scaled: no merge hop
+#endif
 #ifndef WO_G
 #define WO_G 1  // threads a row of an attention task's wo rows
 #endif
@@ -323,10 +326,12 @@ __device__ __forceinline__ void read_sum(const float* r, float* dst) {
 // Addends are saturated to |v| < 2^16 (the fraction keeps 2^-(RES_FRAC + 1) of each; at most
 // 1023 addends a sum).
 __host__ __device__ constexpr int ceil_log2(int n) { return n <= 1 ? 0 : 1 + ceil_log2((n + 1) / 2); }
-constexpr int RES_ADDENDS = (NH > NFF / CHUNK ? NH : NFF / CHUNK);  // the most a sum gets
+constexpr int RES_ATT_ADDENDS = SPLIT_WO ? NH * NSMAX : NH;  // (SPLIT_WO: every split of a head)
+constexpr int RES_ADDENDS = (RES_ATT_ADDENDS > NFF / CHUNK ? RES_ATT_ADDENDS : NFF / CHUNK);  // the most a sum gets
 constexpr int RES_BIAS = 53 - ceil_log2(RES_ADDENDS);
 constexpr int RES_FRAC = RES_BIAS - 16;
 static_assert(!XRES || RES_ADDENDS < 1024, "XRES: at most 1023 addends a residual sum");
+static_assert(!SPLIT_WO || (XCHG && XRES), "SPLIT_WO: tagged partials (XCHG) and counted residual words (XRES)");
 static_assert(DOWN_COPIES == 1 || (DOWN_COPIES <= 8 && XRES), "DOWN_COPIES: 1, or up to 8 with XRES");
 __device__ __forceinline__ void res_add(u64* p, float v) {
     v = fminf(fmaxf(v, -65535.f), 65535.f);
@@ -1199,6 +1204,48 @@ __device__ void merge_partials(const float* P, int n, float* scratch, float* out
     }
 }
 
+#if SPLIT_WO && XCHG && XRES
+// SPLIT_WO: split s of a head (of n) adds every row of wo (slab rows of HD, sb bytes apart)
+// times v, its partial's weighted values, scaled by its share exp(m_s - M) / sum_j exp(m_j - M)
+// z_j of the head's softmax, into the XRES words dst (+ base, given). The dots run first; the
+// splits' (m_j, z_j) words (P: split j's at P + j (HD + 2)) are polled after them, so the
+// other splits' hop overlaps this one's arithmetic. scratch: 2 n floats.
+__device__ void split_wo_add(int t, const u8* slab, usize sb, const float* v, const float* base,
+                             u64* dst, const u64* P, int n, int s, u32 tag, float* scratch) {
+    constexpr int G = WO_G, TG = THREADS / G, RPT = (DIM + TG - 1) / TG, WG = HD / G;
+    const int g = threadIdx.x % G;
+    float y[RPT];
+    QLIB_DISPATCH(LAYER_TYPES, t, {
+#pragma unroll
+        for (int k = 0; k < RPT; k++) {
+            const int i = k * TG + threadIdx.x / G;
+            y[k] = i < DIM ? slab_dot_t<WG, T_>(slab + sb * i, g * WG, v + g * WG) : 0.f;
+        }
+    })
+#pragma unroll
+    for (int k = 0; k < RPT; k++)
+#pragma unroll
+        for (int o = 1; o < G; o <<= 1) y[k] += __shfl_xor_sync(0xffffffffu, y[k], o);
+    if (threadIdx.x < 2 * n) {
+        const u64* const w1[1] = {P + (threadIdx.x >> 1) * (HD + 2) + (threadIdx.x & 1)};
+        float v1[1];
+        get_tagged<1>(w1, tag, v1);
+        scratch[threadIdx.x] = v1[0];
+    }
+    __syncthreads();
+    float M = NEG_INF, Z = 0.f;
+    for (int j = 0; j < n; j++) M = fmaxf(M, scratch[2 * j]);
+    for (int j = 0; j < n; j++)
+        if (scratch[2 * j] != NEG_INF) Z += expf(scratch[2 * j] - M) * scratch[2 * j + 1];
+    const float c = scratch[2 * s] == NEG_INF ? 0.f : expf(scratch[2 * s] - M) / Z;
+#pragma unroll
+    for (int k = 0; k < RPT; k++) {
+        const int i = k * TG + threadIdx.x / G;
+        if (i < DIM && g == 0) res_add(dst + i, c * y[k] + (base ? base[i] : 0.f));
+    }
+}
+#endif
+
 // QLIB_STAGE_TIMES: block 0 (a q/k/v and an attention task each layer) and the first MLP block
 // (marks 8-11) record %globaltimer (ns) at NMARK marks a layer, and at the step's start and end.
 #ifdef QLIB_STAGE_TIMES
@@ -1343,8 +1390,11 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     const int tc = max(t0, min(t1, pos));  // cached before the step: [t0, tc)
     // the split's rows of wo (every split of a head merges the head's partials, then adds its
     // own rows): multiples of 4 rows, so that a slab piece stays 16-byte aligned
-    const int wo_rows = ((DIM + ns - 1) / ns + 3) / 4 * 4;
-    const int wo_r0 = min(DIM, s * wo_rows), wo_r1 = min(DIM, wo_r0 + wo_rows);
+    // SPLIT_WO (one head a task, several splits): every split adds all rows of wo times its own
+    // partial output, scaled by its share of the softmax once the head's (max, sum) pairs are in
+    const bool split_wo = SPLIT_WO && !grouped && ns > 1;
+    const int wo_rows = split_wo ? DIM : ((DIM + ns - 1) / ns + 3) / 4 * 4;
+    const int wo_r0 = split_wo ? 0 : min(DIM, s * wo_rows), wo_r1 = min(DIM, wo_r0 + wo_rows);
 
     // this block's rows of the output layer, prefetched into L2 during the last layers
     constexpr int OUT_RB = (VOCAB + GRID - 1) / GRID;
@@ -1768,7 +1818,10 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                         ovec[d] = v / z;
                     } else {
                         u64* P = PX + ((usize)(hq0 + i) * NSMAX * HPT + sg) * (HD + 2);
-                        put_tagged(P + 2 + d, tag, v);
+                        if (SPLIT_WO && NQ == 1)  // (split_wo: the values stay here)
+                            ovec[d] = v;
+                        else
+                            put_tagged(P + 2 + d, tag, v);
                         if (d == 0) {
                             put_tagged(P, tag, M);
                             put_tagged(P + 1, tag, z);
@@ -1779,6 +1832,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                     for (int w = 0; w < WARPS; w++) v += oacc[(w * NQ + i) * HD + d];
                     if (nsg == 1)
                         ovec[d] = v / sum[0];
+                    else if (SPLIT_WO && NQ == 1)  // (split_wo: the values stay here)
+                        ovec[d] = v;
                     else
                         put_tagged(PX + ((usize)(hq0 + i) * NSMAX * HPT + sg) * (HD + 2) + 2 + d, tag, v);
                 }
@@ -1822,7 +1877,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #if XCHG
             if (b == 0) MARK(NMARK * l + 5);
             BLOCK_MARK(6)
-            if (nsg > 1) {  // head h's nsg partials gathered into S (free after the values), merged
+            if (nsg > 1 && !split_wo) {  // head h's nsg partials gathered into S (free after the values), merged
                 const u64* PH = PX + (usize)h * NSMAX * HPT * (HD + 2);
                 const int n = nsg * (HD + 2);
                 if (n <= THREADS) {  // (a word a thread: as before KV_GROUP, measured equal)
@@ -1851,6 +1906,13 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             if (b == 0) MARK(NMARK * l + 6);
             BLOCK_MARK(7)
             const int to = layer_type(T, W_O);
+#if SPLIT_WO && XCHG && XRES
+            if (split_wo) {  // every row times the split's own values; its share once the pairs are in
+                split_wo_add(to, wp[P_WO], row_bytes(to, HD), ovec, h == 0 && s == 0 ? res_in : nullptr,
+                             A + (usize)(2 * l + 1) * DIM,
+                             PX + (usize)h * NSMAX * HPT * (HD + 2), ns, s, tag, S);
+            } else
+#endif
             slab_rows_add<HD, WO_G>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
                               A + (usize)(2 * l + 1) * DIM, wo_r0, wo_r1);
 #if XRES
@@ -1865,7 +1927,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         // ---- MLP tasks: RmsNorm, gate and up of CHUNK units, SwiGLU, their share of down
         if (mlp) {
 #if XRES
-            read_res<RES_LEAD_MID>(A + (usize)(2 * l + 1) * DIM, NH, res_in);
+            read_res<RES_LEAD_MID>(A + (usize)(2 * l + 1) * DIM, split_wo ? NH * ns : NH, res_in);
             if (b == MLP_FIRST) MARK(NMARK * l + 8);
             BLOCK_MARK(2)
 #else
