@@ -382,7 +382,10 @@ def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
     by 16-bit loads; Q4_1 codes made floats by their bits; each query head's attention
     reading its KV head's rows itself; a KV head's query heads scored together from position
     0 on, not from ``GROUP_FROM``; layer 0's staging in one piece; the residual's words read
-    once the last word is complete, or polled by every thread from the start) stay correct:
+    once the last word is complete, or polled by every thread from the start; each warp's own
+    softmax, merged by weights; two or four threads a ``wo`` row; the first output rows staged
+    into shared memory; a head's splits each adding all of ``wo`` times their own partial,
+    scaled) stay correct:
     decode steps from position 0 as the f32 form, GQA 2:1 and MHA with ``split=16`` (several
     blocks a head past 16 positions); a Q8_0 output layer, as SmolLM2's."""
     n_head, n_kv, n_embd, split = shape
