@@ -121,21 +121,15 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #ifndef SCORE_UNROLL
 #define SCORE_UNROLL 4  // passes of the score loop unrolled (key loads in flight)
 #endif
-#ifndef WARP_SOFTMAX
-#define WARP_SOFTMAX 0  // each warp's softmax over its own positions, merged by weights: no block reductions
-#endif
-#ifndef SPLIT_WO
-#define SPLIT_WO 0  // a head's splits each add all of wo times their own partial, scaled: no merge hop
-#endif
 #ifndef WO_G
-#define WO_G 1  // threads a row of an attention task's wo rows
+#define WO_G 2  // threads a row of an attention task's wo rows (where HD allows: else 1)
 #endif
+#define WO_THREADS (HD % (8 * WO_G) == 0 ? WO_G : 1)
 #ifndef VALUE_UNROLL
 #define VALUE_UNROLL 3  // passes of the value loop unrolled in a task of GQA heads (one head: 4)
 #endif
 constexpr int kScoreUnroll = SCORE_UNROLL, kValueUnroll = VALUE_UNROLL;  // (for #pragma unroll)
 static_assert(HPT == 1 || XCHG, "KV_GROUP: the splits' partials as tagged words (XCHG)");
-static_assert(!WARP_SOFTMAX || XCHG, "WARP_SOFTMAX: the splits' partials as tagged words (XCHG)");
 #define XPART (NH * NSMAX * HPT * (HD + 2))  // tagged words a layer: the splits' partial softmaxes
 static_assert(SMAXPOS >= NSMAX * HPT * (HD + 2), "the splits' partials gathered in S");
 #ifndef XRES
@@ -171,7 +165,7 @@ static_assert(SMAXPOS >= NSMAX * HPT * (HD + 2), "the splits' partials gathered 
 #define X8_WIDE 1  // T_X8 parts by wide loads (a, b as one 8-byte load; the 8 codes as one)
 #endif
 #ifndef OUT_STAGE
-#define OUT_STAGE 0  // OUT_Q8X: a block's first output rows staged into shared memory in the last layer
+#define OUT_STAGE 1  // OUT_Q8X: a block's first output rows staged into shared memory in the last layer
 #endif
 #ifndef OUT_Q8X_AHEAD
 #define OUT_Q8X_AHEAD 1  // OUT_Q8X: a lane's next row loaded while it works on this one
@@ -326,12 +320,10 @@ __device__ __forceinline__ void read_sum(const float* r, float* dst) {
 // Addends are saturated to |v| < 2^16 (the fraction keeps 2^-(RES_FRAC + 1) of each; at most
 // 1023 addends a sum).
 __host__ __device__ constexpr int ceil_log2(int n) { return n <= 1 ? 0 : 1 + ceil_log2((n + 1) / 2); }
-constexpr int RES_ATT_ADDENDS = SPLIT_WO ? NH * NSMAX : NH;  // (SPLIT_WO: every split of a head)
-constexpr int RES_ADDENDS = (RES_ATT_ADDENDS > NFF / CHUNK ? RES_ATT_ADDENDS : NFF / CHUNK);  // the most a sum gets
+constexpr int RES_ADDENDS = (NH > NFF / CHUNK ? NH : NFF / CHUNK);  // the most a sum gets
 constexpr int RES_BIAS = 53 - ceil_log2(RES_ADDENDS);
 constexpr int RES_FRAC = RES_BIAS - 16;
 static_assert(!XRES || RES_ADDENDS < 1024, "XRES: at most 1023 addends a residual sum");
-static_assert(!SPLIT_WO || (XCHG && XRES), "SPLIT_WO: tagged partials (XCHG) and counted residual words (XRES)");
 static_assert(DOWN_COPIES == 1 || (DOWN_COPIES <= 8 && XRES), "DOWN_COPIES: 1, or up to 8 with XRES");
 __device__ __forceinline__ void res_add(u64* p, float v) {
     v = fminf(fmaxf(v, -65535.f), 65535.f);
@@ -1204,48 +1196,6 @@ __device__ void merge_partials(const float* P, int n, float* scratch, float* out
     }
 }
 
-#if SPLIT_WO && XCHG && XRES
-// SPLIT_WO: split s of a head (of n) adds every row of wo (slab rows of HD, sb bytes apart)
-// times v, its partial's weighted values, scaled by its share exp(m_s - M) / sum_j exp(m_j - M)
-// z_j of the head's softmax, into the XRES words dst (+ base, given). The dots run first; the
-// splits' (m_j, z_j) words (P: split j's at P + j (HD + 2)) are polled after them, so the
-// other splits' hop overlaps this one's arithmetic. scratch: 2 n floats.
-__device__ void split_wo_add(int t, const u8* slab, usize sb, const float* v, const float* base,
-                             u64* dst, const u64* P, int n, int s, u32 tag, float* scratch) {
-    constexpr int G = WO_G, TG = THREADS / G, RPT = (DIM + TG - 1) / TG, WG = HD / G;
-    const int g = threadIdx.x % G;
-    float y[RPT];
-    QLIB_DISPATCH(LAYER_TYPES, t, {
-#pragma unroll
-        for (int k = 0; k < RPT; k++) {
-            const int i = k * TG + threadIdx.x / G;
-            y[k] = i < DIM ? slab_dot_t<WG, T_>(slab + sb * i, g * WG, v + g * WG) : 0.f;
-        }
-    })
-#pragma unroll
-    for (int k = 0; k < RPT; k++)
-#pragma unroll
-        for (int o = 1; o < G; o <<= 1) y[k] += __shfl_xor_sync(0xffffffffu, y[k], o);
-    if (threadIdx.x < 2 * n) {
-        const u64* const w1[1] = {P + (threadIdx.x >> 1) * (HD + 2) + (threadIdx.x & 1)};
-        float v1[1];
-        get_tagged<1>(w1, tag, v1);
-        scratch[threadIdx.x] = v1[0];
-    }
-    __syncthreads();
-    float M = NEG_INF, Z = 0.f;
-    for (int j = 0; j < n; j++) M = fmaxf(M, scratch[2 * j]);
-    for (int j = 0; j < n; j++)
-        if (scratch[2 * j] != NEG_INF) Z += expf(scratch[2 * j] - M) * scratch[2 * j + 1];
-    const float c = scratch[2 * s] == NEG_INF ? 0.f : expf(scratch[2 * s] - M) / Z;
-#pragma unroll
-    for (int k = 0; k < RPT; k++) {
-        const int i = k * TG + threadIdx.x / G;
-        if (i < DIM && g == 0) res_add(dst + i, c * y[k] + (base ? base[i] : 0.f));
-    }
-}
-#endif
-
 // QLIB_STAGE_TIMES: block 0 (a q/k/v and an attention task each layer) and the first MLP block
 // (marks 8-11) record %globaltimer (ns) at NMARK marks a layer, and at the step's start and end.
 #ifdef QLIB_STAGE_TIMES
@@ -1299,9 +1249,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     float* S = vnew_f + HD;                     // SMAXPOS: the split's scores, then weights
     float* oacc = S + SMAXPOS;                  // WARPS x HPT x HD: the warps' weighted value sums
     float* gsm = oacc + WARPS * HPT * HD;       // GSM_N: silu(gate) * up of an MLP task
-    float* red = gsm + GSM_N;                   // 2 WARPS x HPT: block reductions (WARP_SOFTMAX:
-                                                //   the warps' score maxima and sums)
-    int* stypes = (int*)(red + 2 * WARPS * HPT);  // NL x 7: the matrices' types (off the global
+    float* red = gsm + GSM_N;                   // WARPS x HPT: block reductions
+    int* stypes = (int*)(red + WARPS * HPT);    // NL x 7: the matrices' types (off the global
                                                 // loads of the critical path)
 
     kv_t* knew = (kv_t*)knew_f;
@@ -1390,11 +1339,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     const int tc = max(t0, min(t1, pos));  // cached before the step: [t0, tc)
     // the split's rows of wo (every split of a head merges the head's partials, then adds its
     // own rows): multiples of 4 rows, so that a slab piece stays 16-byte aligned
-    // SPLIT_WO (one head a task, several splits): every split adds all rows of wo times its own
-    // partial output, scaled by its share of the softmax once the head's (max, sum) pairs are in
-    const bool split_wo = SPLIT_WO && !grouped && ns > 1;
-    const int wo_rows = split_wo ? DIM : ((DIM + ns - 1) / ns + 3) / 4 * 4;
-    const int wo_r0 = split_wo ? 0 : min(DIM, s * wo_rows), wo_r1 = min(DIM, wo_r0 + wo_rows);
+    const int wo_rows = ((DIM + ns - 1) / ns + 3) / 4 * 4;
+    const int wo_r0 = min(DIM, s * wo_rows), wo_r1 = min(DIM, wo_r0 + wo_rows);
 
     // this block's rows of the output layer, prefetched into L2 during the last layers
     constexpr int OUT_RB = (VOCAB + GRID - 1) / GRID;
@@ -1714,15 +1660,10 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                         }
                     }
                 }
+                block_reduce_n<NQ, true>(mx, red);
                 float sum[NQ];
 #pragma unroll
                 for (int i = 0; i < NQ; i++) sum[i] = 0.f;
-#if WARP_SOFTMAX  // the warp's own maximum; its lanes read back only the scores it wrote
-#pragma unroll
-                for (int i = 0; i < NQ; i++) mx[i] = warp_max(mx[i]);
-                __syncwarp();
-#else
-                block_reduce_n<NQ, true>(mx, red);
                 for (int t = threadIdx.x; t < t1 - t0; t += THREADS) {
 #pragma unroll
                     for (int i = 0; i < NQ; i++) {
@@ -1732,7 +1673,6 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                     }
                 }
                 block_reduce_n<NQ, false>(sum, red);  // (its barriers also publish S)
-#endif
                 if (b == 0) MARK(NMARK * l + 4);
                 {  // the weighted values as the scores: eight lanes per position, HD / 8 dims each
                     const int sub = lane & 7;
@@ -1746,14 +1686,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                         const int t = tb + (lane >> 3);
                         float p[NQ];
 #pragma unroll
-                        for (int i = 0; i < NQ; i++) {
-#if WARP_SOFTMAX  // (every lane of the position's eight: the same weight, summed by all)
-                            p[i] = t < t1 ? expf(S[i * len + t - t0] - mx[i]) : 0.f;
-                            sum[i] += p[i];
-#else
-                            p[i] = t < t1 ? S[i * len + t - t0] : 0.f;
-#endif
-                        }
+                        for (int i = 0; i < NQ; i++) p[i] = t < t1 ? S[i * len + t - t0] : 0.f;
                         const int tt = t < t1 ? t : tb;
                         const kv4_t* v4 = (const kv4_t*)(tt < tc ? vst + (usize)(tt - t0) * HD : vnew) + sub;
 #pragma unroll
@@ -1785,17 +1718,6 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                         for (int i = 0; i < NQ; i++)
 #pragma unroll
                             for (int j = 0; j < HD / 32; j++) ((float4*)(oacc + (warp * NQ + i) * HD))[sub + 8 * j] = o[i][j];
-#if WARP_SOFTMAX  // the warp's (maximum, sum) of each head, its four position groups' sums added
-#pragma unroll
-                    for (int i = 0; i < NQ; i++) {
-                        sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], 8);
-                        sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], 16);
-                        if (lane == 0) {
-                            red[2 * (warp * NQ + i)] = mx[i];
-                            red[2 * (warp * NQ + i) + 1] = sum[i];
-                        }
-                    }
-#endif
                 }
                 __syncthreads();
 #if XCHG
@@ -1804,36 +1726,9 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                 for (int k = threadIdx.x; k < NQ * HD; k += THREADS) {
                     const int i = k / HD, d = k % HD;
                     float v = 0.f;
-#if WARP_SOFTMAX  // the warps' partials merged as the splits' are: weights exp(m_w - M)
-                    float M = NEG_INF, z = 0.f;
-                    for (int w = 0; w < WARPS; w++) M = fmaxf(M, red[2 * (w * NQ + i)]);
-#pragma unroll
-                    for (int w = 0; w < WARPS; w++) {
-                        const float mw = red[2 * (w * NQ + i)];
-                        const float e = mw == NEG_INF ? 0.f : expf(mw - M);  // (a warp without positions)
-                        v += e * oacc[(w * NQ + i) * HD + d];
-                        z += e * red[2 * (w * NQ + i) + 1];
-                    }
-                    if (nsg == 1) {
-                        ovec[d] = v / z;
-                    } else {
-                        u64* P = PX + ((usize)(hq0 + i) * NSMAX * HPT + sg) * (HD + 2);
-                        if (SPLIT_WO && NQ == 1)  // (split_wo: the values stay here)
-                            ovec[d] = v;
-                        else
-                            put_tagged(P + 2 + d, tag, v);
-                        if (d == 0) {
-                            put_tagged(P, tag, M);
-                            put_tagged(P + 1, tag, z);
-                        }
-                    }
-                }
-#else
                     for (int w = 0; w < WARPS; w++) v += oacc[(w * NQ + i) * HD + d];
                     if (nsg == 1)
                         ovec[d] = v / sum[0];
-                    else if (SPLIT_WO && NQ == 1)  // (split_wo: the values stay here)
-                        ovec[d] = v;
                     else
                         put_tagged(PX + ((usize)(hq0 + i) * NSMAX * HPT + sg) * (HD + 2) + 2 + d, tag, v);
                 }
@@ -1846,7 +1741,6 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                     put_tagged(P, tag, m);
                     put_tagged(P + 1, tag, z);
                 }
-#endif
 #else
                 for (int d = threadIdx.x; d < HD; d += THREADS) {
                     float v = 0.f;
@@ -1877,7 +1771,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #if XCHG
             if (b == 0) MARK(NMARK * l + 5);
             BLOCK_MARK(6)
-            if (nsg > 1 && !split_wo) {  // head h's nsg partials gathered into S (free after the values), merged
+            if (nsg > 1) {  // head h's nsg partials gathered into S (free after the values), merged
                 const u64* PH = PX + (usize)h * NSMAX * HPT * (HD + 2);
                 const int n = nsg * (HD + 2);
                 if (n <= THREADS) {  // (a word a thread: as before KV_GROUP, measured equal)
@@ -1906,14 +1800,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             if (b == 0) MARK(NMARK * l + 6);
             BLOCK_MARK(7)
             const int to = layer_type(T, W_O);
-#if SPLIT_WO && XCHG && XRES
-            if (split_wo) {  // every row times the split's own values; its share once the pairs are in
-                split_wo_add(to, wp[P_WO], row_bytes(to, HD), ovec, h == 0 && s == 0 ? res_in : nullptr,
-                             A + (usize)(2 * l + 1) * DIM,
-                             PX + (usize)h * NSMAX * HPT * (HD + 2), ns, s, tag, S);
-            } else
-#endif
-            slab_rows_add<HD, WO_G>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
+            slab_rows_add<HD, WO_THREADS>(to, wp[P_WO], row_bytes(to, HD), 0, ovec, h == 0 ? res_in : nullptr,
                               A + (usize)(2 * l + 1) * DIM, wo_r0, wo_r1);
 #if XRES
             __syncthreads();
@@ -1927,7 +1814,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         // ---- MLP tasks: RmsNorm, gate and up of CHUNK units, SwiGLU, their share of down
         if (mlp) {
 #if XRES
-            read_res<RES_LEAD_MID>(A + (usize)(2 * l + 1) * DIM, split_wo ? NH * ns : NH, res_in);
+            read_res<RES_LEAD_MID>(A + (usize)(2 * l + 1) * DIM, NH, res_in);
             if (b == MLP_FIRST) MARK(NMARK * l + 8);
             BLOCK_MARK(2)
 #else

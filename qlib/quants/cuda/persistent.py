@@ -370,7 +370,7 @@ def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: i
                    ns_max * hpt * (hd + 2))  # fmt: skip
     smax_pos = -(-smax_pos // 4) * 4
     floats = (2 * dim + (4 + hpt) * hd + smax_pos + warps * hpt * hd + 10 * CHUNK
-              + 2 * warps * hpt + 7 * nl)  # fmt: skip
+              + warps * hpt + 7 * nl)  # fmt: skip
     # two staging areas, beside the floats and the static addresses (WHERE_BYTES)
     wcap = (optin - 4 * floats - 256 - WHERE_BYTES) // 32 * 16
     shared = 2 * wcap + 4 * floats
