@@ -39,7 +39,8 @@
 // critical path's longest hop. So a wait is followed by arithmetic on data already at hand.
 // An attention block stages its split's keys and values cached before the step too (they do
 // not change during it): short splits score and weigh them from shared memory, and only the
-// new position's rows come from L2.
+// new position's rows come from L2. In the last layer the free area takes the codes of the
+// block's first output rows instead (OUT_STAGE), the rest of its rows prefetched into L2.
 //
 // XCHG (the default; 0 restores counters): data that one block writes and few read, q / new k,
 // v and the splits' partials, goes as 64-bit words of (this step's tag, float), stored and
