@@ -1001,8 +1001,7 @@ __device__ __forceinline__ void slab_rows_add(int t, const u8* slab, usize sb, i
             for (int i0 = r0; i0 < r1; i0 += THREADS / G) {  // (block-uniform: whole warps shuffle)
                 const int i = i0 + threadIdx.x / G;
                 float y = i < r1 ? slab_dot_t<WG, T_>(slab + sb * (i - r0), e0 + g * WG, v + g * WG) : 0.f;
-#pragma unroll
-                for (int o = 1; o < G; o <<= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
+                _Pragma("unroll") for (int o = 1; o < G; o <<= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
                 if (i < r1 && g == 0) {
                     if (base) y += base[i];
                     add_to(dst + i, y);
@@ -1349,6 +1348,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     // OUT_STAGE (OUT_Q8X): the codes of its first rows [out_r0, out_rs), staged into the free
     // area during the last layer (the rest read from L2)
     const int out_rs = OUT_STAGE && OUT_Q8X ? min(out_r1, out_r0 + WCAP / DIM) : out_r0;
+    u8* const out_area = smem_raw + (NL & 1) * WCAP;  // (the area layer NL would have)
     constexpr int P_QKV = 2, P_WO = 2 + 2 * MAXQ, P_MLP = P_WO + 1, P_KV = P_MLP + 3 * MAXCH;
     constexpr int NP = P_KV + 2;
 #if WHERE_SHARED
@@ -1447,9 +1447,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                 stage_layer(l + 1, 0, NP, 0);
             } else {  // (OUT_STAGE: the output rows' codes that fit, else nothing)
                 const u8* o0 = out_w + (usize)DIM * out_r0;
-                u8* dst = smem_raw + (NL & 1) * WCAP;
                 for (int j = threadIdx.x * 16; j < (out_rs - out_r0) * DIM; j += THREADS * 16)
-                    cp_async16(dst + j, o0 + j);
+                    cp_async16(out_area + j, o0 + j);
                 asm volatile("cp.async.commit_group;" ::: "memory");
             }
             BLOCK_MARK(4)
@@ -1921,7 +1920,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
     if (b == 0) OUT_MARK(1);
 #if OUT_Q8X
     const u64 mine = output_rows_q8x<DIM>(out_w, out_sc, xs, red, logits, out_r0, out_r1, warp, lane,
-                                          smem_raw + (NL & 1) * WCAP, out_rs);
+                                          out_area, out_rs);
 #elif OUT_LANES
     const u64 mine = output_rows_lanes<DIM, OUT_TYPES>(otype, out_w, xs, red, logits, out_r0, out_r1, warp, lane);
 #else
