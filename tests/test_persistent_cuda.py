@@ -120,7 +120,7 @@ def test_kernel_builds_without_spills(tmp_path, types):
     variants = {"Q4_1": ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0", "KV_GROUP=0",
                          "ATT_SPREAD=0", "KV_HALF=1"],
                 "Q4_K_M": ["default", "X8_WIDE=0"],
-                "Q8_0": ["default", "Q8_AS_X8=0,X8_WIDE=0"]}[types]  # fmt: skip
+                "Q8_0": ["default", "Q8_AS_X8=0,X8_WIDE=0", "X8_NO_B=0"]}[types]  # fmt: skip
     tool = Path(__file__).parents[1] / "tools" / "persistent_compile.py"
     run = subprocess.run([sys.executable, str(tool), "--model", str(path), "--variants", *variants],
                          capture_output=True, text=True)  # fmt: skip
@@ -338,6 +338,25 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
 
 
 @needs_cuda
+def test_latency_macros_give_the_same_bits(tmp_path):
+    """``NORM_OVERLAP``, ``LATE_EARLY`` and ``MERGE_DIRECT`` move work off the critical path
+    (the norm's warp sums into the dots, its factor before them, the splits' merge without a
+    pass through shared memory) and change no operation's operands or order: the logits are
+    the same bit for bit with them off, with several splits a head (``split=16``)."""
+    path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=128, n_head=4,
+                            n_kv_head=2, n_ff=512)  # fmt: skip
+    prompt = torch.tensor([list(range(1, 41))])
+    runs = []
+    for macros in ({}, {"NORM_OVERLAP": 0, "LATE_EARLY": 0, "MERGE_DIRECT": 0}):
+        _, fast = load(path, decode_options={"macros": macros, "split": 16})
+        fast.forward(prompt, 0)
+        runs.append(
+            [fast.forward(torch.tensor([[t]]), 40 + i).clone() for i, t in enumerate((3, 44, 9))]
+        )
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1], strict=True))
+
+
+@needs_cuda
 @pytest.mark.parametrize(
     "macros",
     [
@@ -363,6 +382,10 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
         {"WO_G": 1},
         {"WO_G": 4},
         {"OUT_STAGE": 0},
+        {"NORM_OVERLAP": 0},
+        {"NORM_OVERLAP": 0, "LATE_EARLY": 0},
+        {"MERGE_DIRECT": 0},
+        {"MERGE_DIRECT": 8},
     ],
     ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()),
 )
@@ -379,7 +402,9 @@ def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
     reading its KV head's rows itself; a KV head's query heads scored together from position
     0 on, not from ``GROUP_FROM``; layer 0's staging in one piece; the residual's words read
     once the last word is complete, or polled by every thread from the start; one or four
-    threads a ``wo`` row, not two; no output rows staged into shared memory) stay correct:
+    threads a ``wo`` row, not two; no output rows staged into shared memory; the norm's warp
+    sums before the dots, its factor after them; the splits' partials merged through shared
+    memory, or directly up to eight splits) stay correct:
     decode steps from position 0 as the f32 form, GQA 2:1 and MHA with ``split=16`` (several
     blocks a head past 16 positions); a Q8_0 output layer, as SmolLM2's."""
     n_head, n_kv, n_embd, split = shape
@@ -445,20 +470,23 @@ def test_half_cache_decodes_as_the_fused_kernels(tmp_path, group_from):
 
 
 @needs_cuda
-@pytest.mark.parametrize("macros", [{}, {"X8_WIDE": 0}])
+@pytest.mark.parametrize("macros", [{}, {"X8_WIDE": 0}, {"X8_NO_B": 0}])
 @pytest.mark.parametrize("type_name", [*persistent.EXPANDED, "IQ4_NL", "Q4_K_M", "Q8_0"])
 def test_kquants_and_mixes_decode_as_f32_form(tmp_path, type_name, macros):
     """K-quant files (expanded for the kernel), a Q4_K_M-like mix (Q6_K on v and down, Q8_0
     embedding, Q4_K elsewhere) and Q8_0 layers, their ``T_X8`` blocks read by whole words
     (``X8_WIDE``, the default: Q8_0 layers as ``T_X8`` too, ``Q8_AS_X8``) or 16 bits at a
-    time (``X8_WIDE=0``: Q8_0 blocks as in the file): decode steps as the f32 form, untied
-    output, head_dim 64."""
+    time (``X8_WIDE=0``: Q8_0 blocks as in the file), the offsets' term kept where every
+    ``T_X8`` block came from Q8_0 (``X8_NO_B=0``; the default there drops it): decode steps as
+    the f32 form, untied output, head_dim 64."""
     mix = {"*attn_v*": "Q6_K", "*ffn_down*": "Q6_K", "token_embd*": "Q8_0", "output*": "Q6_K"}
     types = mix if type_name == "Q4_K_M" else None
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_K" if types else type_name,
                             weight_types=types, n_embd=256, n_head=4, n_kv_head=2, n_ff=512,
                             tie_output=False)  # fmt: skip
     ref, fast = load(path, decode_options={"macros": macros})
+    from_q8 = type_name in ("Q8_0", "IQ4_NL") and not macros  # (the T_X8 blocks all Q8_0's)
+    assert fast._persistent.macros["X8_NO_B"] == int(from_q8)
     ids = torch.tensor([[1, 5, 9, 33, 7]])
     close(fast.forward(ids, 0), ref.forward(ids, 0))
     for step, token in enumerate((3, 44, 200)):

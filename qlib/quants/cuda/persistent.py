@@ -377,8 +377,9 @@ def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: i
     # the layers' Q8_0 matrices as T_X8 blocks, read by whole words (X8_WIDE, on by default):
     # 261 against 282 us a step on the Q8_0 variant (docs/gpu.md); alone, slower (312)
     given.setdefault("Q8_AS_X8", int(given.get("X8_WIDE", 1)))
-    types = {1 << kernel_type(ly[n].dtype.name, bool(given["Q8_AS_X8"]))
+    kinds = {(ly[n].dtype.name, kernel_type(ly[n].dtype.name, bool(given["Q8_AS_X8"])))
              for ly in layers for n in MATRICES}  # fmt: skip
+    types = {1 << t for _, t in kinds}
     m: dict[str, object] = dict(
         THREADS=threads, DIM=dim, NFF=n_ff, NH=nh, NKV=c.head_count_kv, HD=hd, NL=nl,
         VOCAB=vocab, MAXSEQ=max_seq, EPS=f"{c.rms_norm_eps!r}f", NEOX=int(c.rope_is_neox),
@@ -393,6 +394,8 @@ def kernel_macros(config, layers: list[dict], output, max_seq: int, *, blocks: i
     m.update(given)  # experiments: any of persistent.cu's macros
     # the MLP tasks' sums in two copies of the counted words (half the atomics an address)
     m.setdefault("DOWN_COPIES", 2 if m["XRES"] else 1)
+    # T_X8 blocks that all come from Q8_0 (offset b = 0): their dots skip b * sum(x)
+    m.setdefault("X8_NO_B", int({name for name, t in kinds if t == X8} == {"Q8_0"}))
     # a Q8_0 output layer as int8 rows and float32 scales (the kernel's output_rows_q8x)
     q8_out = output.dtype.name == "Q8_0" and dim % 64 == 0
     m.setdefault("OUT_Q8X", int(q8_out))
