@@ -339,15 +339,15 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
 
 @needs_cuda
 def test_latency_macros_give_the_same_bits(tmp_path):
-    """``NORM_OVERLAP``, ``LATE_EARLY`` and ``MERGE_DIRECT`` move work off the critical path
-    (the norm's warp sums into the dots, its factor before them, the splits' merge without a
-    pass through shared memory) and change no operation's operands or order: the logits are
-    the same bit for bit with them off, with several splits a head (``split=16``)."""
+    """``LATE_EARLY`` and ``MERGE_DIRECT`` move work off the critical path (the norm's factor
+    read before the dots, the splits' merge without a pass through shared memory) and change no
+    operation's operands or order: the logits are the same bit for bit with them off, with
+    several splits a head (``split=16``)."""
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=128, n_head=4,
                             n_kv_head=2, n_ff=512)  # fmt: skip
     prompt = torch.tensor([list(range(1, 41))])
     runs = []
-    for macros in ({}, {"NORM_OVERLAP": 0, "LATE_EARLY": 0, "MERGE_DIRECT": 0}):
+    for macros in ({}, {"LATE_EARLY": 0, "MERGE_DIRECT": 0}):
         _, fast = load(path, decode_options={"macros": macros, "split": 16})
         fast.forward(prompt, 0)
         runs.append(
@@ -382,8 +382,7 @@ def test_latency_macros_give_the_same_bits(tmp_path):
         {"WO_G": 1},
         {"WO_G": 4},
         {"OUT_STAGE": 0},
-        {"NORM_OVERLAP": 0},
-        {"NORM_OVERLAP": 0, "LATE_EARLY": 0},
+        {"LATE_EARLY": 0},
         {"MERGE_DIRECT": 0},
         {"MERGE_DIRECT": 8},
     ],
@@ -402,9 +401,9 @@ def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
     reading its KV head's rows itself; a KV head's query heads scored together from position
     0 on, not from ``GROUP_FROM``; layer 0's staging in one piece; the residual's words read
     once the last word is complete, or polled by every thread from the start; one or four
-    threads a ``wo`` row, not two; no output rows staged into shared memory; the norm's warp
-    sums before the dots, its factor after them; the splits' partials merged through shared
-    memory, or directly up to eight splits) stay correct:
+    threads a ``wo`` row, not two; no output rows staged into shared memory; the norm's factor
+    read after the dots; the splits' partials merged through shared memory, or directly up to
+    eight splits) stay correct:
     decode steps from position 0 as the f32 form, GQA 2:1 and MHA with ``split=16`` (several
     blocks a head past 16 positions); a Q8_0 output layer, as SmolLM2's."""
     n_head, n_kv, n_embd, split = shape

@@ -17,7 +17,8 @@
 //       this step's tag, scores, softmax and weighted values over the split; with more than
 //       one split, each publishes its heads' partial softmaxes (tagged words), and head h's
 //       split s gathers head h's, then merges them (the same sums in the same order in every
-//       split, so the same output). Then the split's 1 / ns of the rows of wo times the
+//       split, so the same output; up to MERGE_DIRECT splits, a thread a dim polls its words
+//       of every split and merges them in registers). Then the split's 1 / ns of the rows of wo times the
 //       head's output, added into the residual (XRES words; head 0 adds the residual itself).
 //   MLP task (the last MLP_BLOCKS blocks, apart from the attention blocks while the heads fit
 //       beside them: CHUNK hidden units each): wait until every head has added
@@ -189,10 +190,6 @@ static_assert(SMAXPOS >= NSMAX * HPT * (HD + 2), "the splits' partials gathered 
 #ifndef LATE_EARLY
 #define LATE_EARLY 1  // NORM_LATE's factor read right after the norm's barrier, not after the dots
 #endif
-#ifndef NORM_OVERLAP
-#define NORM_OVERLAP 0  // NORM_LATE: the sum of squares' warp sums taken inside the dots (below)
-#endif
-#define NORM_OVL (NORM_OVERLAP && NORM_LATE && FLAT_DOTS && THREADS % (2 * QPB) == 0)
 #ifndef GU_JOINT
 #define GU_JOINT 1  // gate/up: a thread's units of a gate row and of the same unit's up row together
 #endif
@@ -605,15 +602,13 @@ __device__ __forceinline__ float row_dot(int t, const u8* row, const float* x, i
 // the partial sums are added in a fixed order (scratch: THREADS floats). y[r] (shared memory)
 // gets row r's dot; row_at(r) and type_at(r) name row r and its type (the rows of a warp share
 // a type). Ends with a barrier.
-__device__ __forceinline__ float norm_factor(const float* red);
 template <int K, int NR, unsigned MASK, class RowAt, class TypeAt>
-__device__ __forceinline__ float flat_dots(RowAt row_at, TypeAt type_at, const float* x,
-                                           float* scratch, float* y, float ss = 0.f, float* red = nullptr) {
+__device__ __forceinline__ void flat_dots(RowAt row_at, TypeAt type_at, const float* x,
+                                          float* scratch, float* y) {
     constexpr int TPR = THREADS / NR;
     static_assert(THREADS % NR == 0, "flat_dots: NR must divide THREADS");
     const int r = threadIdx.x / TPR, seg = threadIdx.x % TPR;
     const u8* row = row_at(r);
-    const float ws = NORM_OVL ? warp_sum(ss) : 0.f;
     float acc = 0.f;
     QLIB_DISPATCH(MASK, type_at(r), acc = strided_dot<K, T_, TPR>(row, x, seg))
 #if FLAT_SHFL
@@ -627,9 +622,7 @@ __device__ __forceinline__ float flat_dots(RowAt row_at, TypeAt type_at, const f
     constexpr int G = 1;
     scratch[threadIdx.x] = acc;
 #endif
-    if (NORM_OVL && (threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ws;
     __syncthreads();
-    const float f = NORM_OVL ? norm_factor(red) : 1.f;
     if (threadIdx.x < NR) {
         float sum = 0.f;
 #pragma unroll
@@ -637,7 +630,6 @@ __device__ __forceinline__ float flat_dots(RowAt row_at, TypeAt type_at, const f
         y[threadIdx.x] = sum;
     }
     __syncthreads();
-    return f;
 }
 
 // GU_JOINT: the dots of an MLP task's CHUNK gate rows and CHUNK up rows (one type T) with x,
@@ -646,14 +638,12 @@ __device__ __forceinline__ float flat_dots(RowAt row_at, TypeAt type_at, const f
 // partial sums added in a fixed order (scratch: 2 THREADS / 8 floats); y[u] gets gate row u's
 // dot, y[CHUNK + u] up row u's. Ends with a barrier.
 template <int K, int T>
-__device__ __forceinline__ float gate_up_joint(const u8* gw, const u8* uw, usize rg, usize ru,
-                                               const float* x, float* scratch, float* y, float ss = 0.f,
-                                               float* red = nullptr) {
+__device__ __forceinline__ void gate_up_joint(const u8* gw, const u8* uw, usize rg, usize ru,
+                                              const float* x, float* scratch, float* y) {
     constexpr int TPR = THREADS / CHUNK;
     static_assert(THREADS % CHUNK == 0, "GU_JOINT: CHUNK divides THREADS");
     const int u = threadIdx.x / TPR, seg = threadIdx.x % TPR;
     const u8 *g = gw + rg * u, *up = uw + ru * u;
-    const float ws = NORM_OVL ? warp_sum(ss) : 0.f;
     float ag = 0.f, au = 0.f;
     if constexpr (is_float(T)) {
 #pragma unroll
@@ -688,9 +678,7 @@ __device__ __forceinline__ float gate_up_joint(const u8* gw, const u8* uw, usize
         scratch[threadIdx.x / G] = ag;
         scratch[NG + threadIdx.x / G] = au;
     }
-    if (NORM_OVL && (threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ws;
     __syncthreads();
-    const float f = NORM_OVL ? norm_factor(red) : 1.f;
     if (threadIdx.x < 2 * CHUNK) {
         const float* sc = scratch + (threadIdx.x < CHUNK ? 0 : NG) + (threadIdx.x % CHUNK) * (TPR / G);
         float sum = 0.f;
@@ -699,7 +687,6 @@ __device__ __forceinline__ float gate_up_joint(const u8* gw, const u8* uw, usize
         y[threadIdx.x] = sum;
     }
     __syncthreads();
-    return f;
 }
 
 // The output layer's rows [r0, r1) of one block: out[row] = f (W[row] . x) with f NORM_LATE's
@@ -956,33 +943,24 @@ __device__ void rmsnorm_shared(const float* v, const float* w, float* xs, float*
 // (each thread its own elements of v, as the residual's readers wrote them), the sum of squares'
 // warp partials into red, one barrier; the dots start at once and norm_factor(red) scales their
 // results, where rmsnorm_shared puts two barriers, the tree and the rsqrt before the first load.
-// OVL (NORM_OVL): the barrier alone; the thread's sum of squares returned, which the dots
-// (flat_dots, gate_up_joint) reduce into red alongside their loads.
-template <bool OVL = false>
-__device__ float norm_products(const float* v, const float* w, float* xs, float* red) {
+__device__ void norm_products(const float* v, const float* w, float* xs, float* red) {
     float ss = 0.f;
     for (int i = threadIdx.x; i < DIM; i += THREADS) {
         ss += v[i] * v[i];
         xs[i] = v[i] * w[i];
     }
-    if constexpr (OVL) {
-        __syncthreads();
-    } else {  // (red is free: a barrier stands after its last readers, the residual's wait's or
-              // the previous task's)
-        warp_into<false>(warp_sum(ss), red);
-    }
-    return ss;
+    // (red is free: a barrier stands after its last readers, the residual's wait's or the
+    // previous task's)
+    warp_into<false>(warp_sum(ss), red);
 }
 __device__ __forceinline__ float norm_factor(const float* red) { return rms_factor(warps_total(red)); }
 // RmsNorm before a task's dots: xs normalized (factor 1 after), or NORM_LATE's products (the
 // factor to apply after, from red: read it after the dots, before red is used again)
-template <bool OVL = false>
-__device__ __forceinline__ float norm_for_dots(const float* v, const float* w, float* xs, float* red) {
+__device__ __forceinline__ void norm_for_dots(const float* v, const float* w, float* xs, float* red) {
 #if NORM_LATE
-    return norm_products<OVL>(v, w, xs, red);
+    norm_products(v, w, xs, red);
 #else
     rmsnorm_shared(v, w, xs, red);
-    return 0.f;
 #endif
 }
 __device__ __forceinline__ float late_factor(const float* red) {
@@ -1511,8 +1489,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
         if (b == 0) MARK(NMARK * l);
         BLOCK_MARK(0)
         staged();
-        const float ss_qkv = norm_for_dots<NORM_OVL>(res_in, (const float*)wp[0], xs, red);
-        const float f_qkv = LATE_EARLY && !NORM_OVL ? late_factor(red) : 0.f;  // (off the dots' path)
+        norm_for_dots(res_in, (const float*)wp[0], xs, red);
+        const float f_qkv = LATE_EARLY ? late_factor(red) : 0.f;  // (off the dots' critical path)
         if (b == 0) MARK(NMARK * l + 1);
 #pragma unroll
         for (int k = 0; k < MAXQ; k++) {
@@ -1562,11 +1540,11 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #if FLAT_DOTS && THREADS % (2 * QPB) == 0
             {  // row r: pair r / 2's first or second row
                 float* y = S + THREADS;
-                const float fd = flat_dots<DIM, 2 * QPB, LAYER_TYPES>(
+                flat_dots<DIM, 2 * QPB, LAYER_TYPES>(
                     [&](int r) { return NEOX ? (r & 1 ? b1 : b0) + rb * (r >> 1) : b0 + rb * r; },
-                    [&](int) { return t; }, xs, S, y, ss_qkv, red);
+                    [&](int) { return t; }, xs, S, y);
                 if (threadIdx.x < QPB) {
-                    const float f = NORM_OVL ? fd : LATE_EARLY ? f_qkv : late_factor(red);
+                    const float f = LATE_EARLY ? f_qkv : late_factor(red);
                     store_pair(threadIdx.x, f * y[2 * threadIdx.x], f * y[2 * threadIdx.x + 1]);
                 }
             }
@@ -1891,8 +1869,8 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                 __syncthreads();
             }
 #endif
-            const float ss_mlp = norm_for_dots<NORM_OVL>(res_in, (const float*)wp[1], xs, red);
-            const float f_mlp = LATE_EARLY && !NORM_OVL ? late_factor(red) : 0.f;
+            norm_for_dots(res_in, (const float*)wp[1], xs, red);
+            const float f_mlp = LATE_EARLY ? late_factor(red) : 0.f;
             if (b == MLP_FIRST) MARK(NMARK * l + 9);
             const int tg = layer_type(T, W_GATE), tu = layer_type(T, W_UP), td = layer_type(T, W_DOWN);
             const usize rg = row_bytes(tg, DIM), ru = row_bytes(tu, DIM), sbd = row_bytes(td, 32);
@@ -1916,17 +1894,16 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #if FLAT_DOTS
                 {  // rows 0 .. CHUNK - 1: gate, CHUNK .. 2 CHUNK - 1: up
                     float* y = S + THREADS;
-                    float fd = 1.f;
 #if GU_JOINT
                     if (tg == tu) {
-                        QLIB_DISPATCH(LAYER_TYPES, tg, (fd = gate_up_joint<DIM, T_>(gw, uw, rg, ru, xs, S, y, ss_mlp, red)))
+                        QLIB_DISPATCH(LAYER_TYPES, tg, (gate_up_joint<DIM, T_>(gw, uw, rg, ru, xs, S, y)))
                     } else
 #endif
-                    fd = flat_dots<DIM, 2 * CHUNK, LAYER_TYPES>(
+                    flat_dots<DIM, 2 * CHUNK, LAYER_TYPES>(
                         [&](int r) { return r < CHUNK ? gw + rg * r : uw + ru * (r - CHUNK); },
-                        [&](int r) { return r < CHUNK ? tg : tu; }, xs, S, y, ss_mlp, red);
+                        [&](int r) { return r < CHUNK ? tg : tu; }, xs, S, y);
                     if (threadIdx.x < CHUNK) {
-                        const float f = NORM_OVL ? fd : LATE_EARLY ? f_mlp : late_factor(red);
+                        const float f = LATE_EARLY ? f_mlp : late_factor(red);
                         publish(threadIdx.x, f * y[threadIdx.x], f * y[CHUNK + threadIdx.x]);
                     }
                 }
