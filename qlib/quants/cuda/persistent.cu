@@ -123,6 +123,14 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #ifndef MERGE_DIRECT
 #define MERGE_DIRECT 4  // up to this many splits a head, a thread a dim polls their words and merges
 #endif
+#ifndef SUM_LATE
+#define SUM_LATE 0  // the softmax's block sum reduced behind the values, published by their barrier
+#endif
+#ifndef EXP_VALUES
+#define EXP_VALUES 0  // SUM_LATE: the weights made in the values' loop (no pass over S, no barrier)
+#endif
+static_assert(!EXP_VALUES || SUM_LATE, "EXP_VALUES needs SUM_LATE");
+static_assert(!SUM_LATE || WARPS <= HD, "SUM_LATE: the warps' sums in qv");
 #ifndef SCORE_UNROLL
 #define SCORE_UNROLL 4  // passes of the score loop unrolled (key loads in flight)
 #endif
@@ -1156,20 +1164,29 @@ __device__ __forceinline__ void get_tagged(const u64* const (&p)[N], u32 tag, fl
 // itself (lanes j, j + 32, ...), then THREADS / HD parts of the threads each add every
 // (THREADS / HD)-th split into scratch (THREADS floats) and a thread a dim adds the parts: the
 // same sums in the same order in every split of the head, so every split gets the same output.
+// One dim's output from n <= NMAX splits (NMAX 0: any n, by fours); at(j, k) is split j's
+// score max (k 0), sum of exp (1) or weighted value sum of the dim (2)
+template <int NMAX, class At>
+__device__ __forceinline__ float merge_dim(int n, At at) {
+    float M = NEG_INF, num = 0.f, den = 0.f;
+#pragma unroll(NMAX > 0 ? NMAX : 4)
+    for (int j = 0; j < (NMAX > 0 ? NMAX : n); j++)
+        if (j < n) M = fmaxf(M, at(j, 0));
+#pragma unroll(NMAX > 0 ? NMAX : 4)
+    for (int j = 0; j < (NMAX > 0 ? NMAX : n); j++)
+        if (j < n) {
+            const float w = expf(at(j, 0) - M);
+            den += w * at(j, 1);
+            num += w * at(j, 2);
+        }
+    return num / den;
+}
+
 __device__ void merge_partials(const float* P, int n, float* scratch, float* out) {
     constexpr int JW = (NSMAX * HPT + 31) / 32, PARTS = THREADS / HD;
     if (n <= MERGE_SERIAL) {  // few splits: a thread a dim, every split in turn
-        for (int d = threadIdx.x; d < HD; d += THREADS) {
-            float M = NEG_INF;
-            for (int j = 0; j < n; j++) M = fmaxf(M, P[j * (HD + 2)]);
-            float num = 0.f, den = 0.f;
-            for (int j = 0; j < n; j++) {
-                const float w = expf(P[j * (HD + 2)] - M);
-                den += w * P[j * (HD + 2) + 1];
-                num += w * P[j * (HD + 2) + 2 + d];
-            }
-            out[d] = num / den;
-        }
+        for (int d = threadIdx.x; d < HD; d += THREADS)
+            out[d] = merge_dim<0>(n, [&](int j, int k) { return P[j * (HD + 2) + (k < 2 ? k : 2 + d)]; });
         return;
     }
     const int lane = threadIdx.x & 31;
@@ -1675,6 +1692,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                 float sum[NQ];
 #pragma unroll
                 for (int i = 0; i < NQ; i++) sum[i] = 0.f;
+#if !EXP_VALUES
                 for (int t = threadIdx.x; t < t1 - t0; t += THREADS) {
 #pragma unroll
                     for (int i = 0; i < NQ; i++) {
@@ -1683,7 +1701,15 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                         sum[i] += p;
                     }
                 }
+#if SUM_LATE  // (the sums are needed only after the values: their warp sums go with them)
+                __syncthreads();  // S published
+#else
                 block_reduce_n<NQ, false>(sum, red);  // (its barriers also publish S)
+#endif
+#endif
+#if SUM_LATE
+                float* wsum = qv;  // the warps' sums (qv is dead once the scores are in)
+#endif
                 if (b == 0) MARK(NMARK * l + 4);
                 {  // the weighted values as the scores: eight lanes per position, HD / 8 dims each
                     const int sub = lane & 7;
@@ -1697,7 +1723,14 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                         const int t = tb + (lane >> 3);
                         float p[NQ];
 #pragma unroll
-                        for (int i = 0; i < NQ; i++) p[i] = t < t1 ? S[i * len + t - t0] : 0.f;
+                        for (int i = 0; i < NQ; i++) {
+#if EXP_VALUES  // (a position's eight lanes each take its exponential; one lane adds it)
+                            p[i] = t < t1 ? expf(S[i * len + t - t0] - mx[i]) : 0.f;
+                            if (sub == 0) sum[i] += p[i];
+#else
+                            p[i] = t < t1 ? S[i * len + t - t0] : 0.f;
+#endif
+                        }
                         const int tt = t < t1 ? t : tb;
                         const kv4_t* v4 = (const kv4_t*)(tt < tc ? vst + (usize)(tt - t0) * HD : vnew) + sub;
 #pragma unroll
@@ -1724,6 +1757,13 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                                 o[i][j].w += __shfl_xor_sync(0xffffffffu, o[i][j].w, off);
                             }
                         }
+#if SUM_LATE  // (block_reduce_n's order: the warp sums, then warps_total after the barrier below)
+#pragma unroll
+                    for (int i = 0; i < NQ; i++) {
+                        const float w = warp_sum(sum[i]);
+                        if (lane == 0) wsum[i * WARPS + warp] = w;
+                    }
+#endif
                     if (lane < 8)
 #pragma unroll
                         for (int i = 0; i < NQ; i++)
@@ -1731,6 +1771,10 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                             for (int j = 0; j < HD / 32; j++) ((float4*)(oacc + (warp * NQ + i) * HD))[sub + 8 * j] = o[i][j];
                 }
                 __syncthreads();
+#if SUM_LATE
+#pragma unroll
+                for (int i = 0; i < NQ; i++) sum[i] = warps_total(wsum + i * WARPS);
+#endif
 #if XCHG
                 // the heads' partials (max, sum, HD weighted values) as tagged words at split sg
                 // of each head's nsg; one split of one head (nsg 1): the output itself
@@ -1796,18 +1840,7 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
                     }
                     float v[3 * MERGE_DIRECT];
                     get_tagged<3 * MERGE_DIRECT>(w, tag, v);
-                    float M = NEG_INF, num = 0.f, den = 0.f;
-#pragma unroll
-                    for (int j = 0; j < MERGE_DIRECT; j++)
-                        if (j < nsg) M = fmaxf(M, v[3 * j]);
-#pragma unroll
-                    for (int j = 0; j < MERGE_DIRECT; j++)
-                        if (j < nsg) {
-                            const float e = expf(v[3 * j] - M);
-                            den += e * v[3 * j + 1];
-                            num += e * v[3 * j + 2];
-                        }
-                    ovec[threadIdx.x] = num / den;
+                    ovec[threadIdx.x] = merge_dim<MERGE_DIRECT>(nsg, [&](int j, int k) { return v[3 * j + k]; });
                 }
             } else
 #endif
