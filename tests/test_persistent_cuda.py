@@ -118,7 +118,8 @@ def test_kernel_builds_without_spills(tmp_path, types):
                             types, n_embd=256, n_head=4, n_kv_head=2, n_ff=512,
                             weight_types=weight_types)  # fmt: skip
     variants = {"Q4_1": ["default", "OUT_Q8X=0", "Q41_WIDE=0,MLP_PAIR=0", "KV_GROUP=0",
-                         "ATT_SPREAD=0", "KV_HALF=1", "SUM_LATE=1,EXP_VALUES=1,MERGE_DIRECT=12"],
+                         "ATT_SPREAD=0", "KV_HALF=1",
+                         "SUM_LATE=1,EXP_VALUES=1,MERGE_DIRECT=12,MAX_REDUX=1"],
                 "Q4_K_M": ["default", "X8_WIDE=0"],
                 "Q8_0": ["default", "Q8_AS_X8=0,X8_WIDE=0", "X8_NO_B=0"]}[types]  # fmt: skip
     tool = Path(__file__).parents[1] / "tools" / "persistent_compile.py"
@@ -339,15 +340,16 @@ def test_copies_of_the_mlp_sums_give_the_same_bits(tmp_path):
 
 @needs_cuda
 def test_latency_macros_give_the_same_bits(tmp_path):
-    """``LATE_EARLY``, ``MERGE_DIRECT`` and ``SUM_LATE`` move work off the critical path (the
-    norm's factor read before the dots, the splits' merge without a pass through shared memory,
-    the softmax's sum reduced behind the values) and change no operation's operands or order:
-    the logits are the same bit for bit either way, with several splits a head (``split=16``)."""
+    """``LATE_EARLY``, ``MERGE_DIRECT``, ``SUM_LATE`` and ``MAX_REDUX`` shorten the critical
+    path (the norm's factor read before the dots, the splits' merge without a pass through
+    shared memory, the softmax's sum reduced behind the values, a warp's max in one
+    ``redux.sync``) and change no result: the logits are the same bit for bit either way, with
+    several splits a head (``split=16``)."""
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type="Q4_1", n_embd=128, n_head=4,
                             n_kv_head=2, n_ff=512)  # fmt: skip
     prompt = torch.tensor([list(range(1, 41))])
     runs = []
-    for macros in ({}, {"LATE_EARLY": 0, "MERGE_DIRECT": 0}, {"SUM_LATE": 1}):
+    for macros in ({}, {"LATE_EARLY": 0, "MERGE_DIRECT": 0}, {"SUM_LATE": 1}, {"MAX_REDUX": 1}):
         _, fast = load(path, decode_options={"macros": macros, "split": 16})
         fast.forward(prompt, 0)
         runs.append(

@@ -130,6 +130,9 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #define EXP_VALUES 0  // SUM_LATE: the weights made in the values' loop (no pass over S, no barrier)
 #endif
 static_assert(!EXP_VALUES || SUM_LATE, "EXP_VALUES needs SUM_LATE");
+#ifndef MAX_REDUX
+#define MAX_REDUX 0  // a warp's float max as one redux.sync on order-preserving integer keys
+#endif
 static_assert(!SUM_LATE || WARPS <= HD, "SUM_LATE: the warps' sums in qv");
 #ifndef SCORE_UNROLL
 #define SCORE_UNROLL 4  // passes of the score loop unrolled (key loads in flight)
@@ -308,9 +311,16 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 __device__ __forceinline__ float warp_max(float v) {
+#if MAX_REDUX  // (exact: the keys order as the floats do, NaN aside; one instruction, not five shuffles)
+    int k = __float_as_int(v);
+    k ^= (k >> 31) & 0x7fffffff;
+    k = __reduce_max_sync(0xffffffffu, k);
+    return __int_as_float(k ^ ((k >> 31) & 0x7fffffff));
+#else
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+#endif
 }
 
 // Sum idx of a set (res(l): 2 l, mid(l): 2 l + 1), read from L2 into dst.
