@@ -18,8 +18,9 @@
 //       one split, each publishes its heads' partial softmaxes (tagged words), and head h's
 //       split s gathers head h's, then merges them (the same sums in the same order in every
 //       split, so the same output; up to MERGE_DIRECT splits, a thread a dim polls its words
-//       of every split and merges them in registers). Then the split's 1 / ns of the rows of wo times the
-//       head's output, added into the residual (XRES words; head 0 adds the residual itself).
+//       of every split and merges them in registers). Then the split's 1 / ns of the rows of
+//       wo times the head's output, added into the residual (XRES words; head 0 adds the
+//       residual itself).
 //   MLP task (the last MLP_BLOCKS blocks, apart from the attention blocks while the heads fit
 //       beside them: CHUNK hidden units each): wait until every head has added
 //       its share, RmsNorm, the units' gate and up rows, g = silu(gate) * up, and their CHUNK
@@ -130,10 +131,10 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #define EXP_VALUES 0  // SUM_LATE: the weights made in the values' loop (no pass over S, no barrier)
 #endif
 static_assert(!EXP_VALUES || SUM_LATE, "EXP_VALUES needs SUM_LATE");
+static_assert(!SUM_LATE || WARPS <= HD, "SUM_LATE: the warps' sums in qv");
 #ifndef MAX_REDUX
 #define MAX_REDUX 0  // a warp's float max as one redux.sync on order-preserving integer keys
 #endif
-static_assert(!SUM_LATE || WARPS <= HD, "SUM_LATE: the warps' sums in qv");
 #ifndef SCORE_UNROLL
 #define SCORE_UNROLL 4  // passes of the score loop unrolled (key loads in flight)
 #endif
@@ -1836,10 +1837,10 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
 #if XCHG
             if (b == 0) MARK(NMARK * l + 5);
             BLOCK_MARK(6)
+            const u64* PH = PX + (usize)h * NSMAX * HPT * (HD + 2);  // head h's partials
 #if MERGE_DIRECT
             if (nsg > 1 && nsg <= MERGE_DIRECT) {  // a thread a dim: its words of every split, merged
                 if (threadIdx.x < HD) {                // at once (merge_partials' serial sums)
-                    const u64* PH = PX + (usize)h * NSMAX * HPT * (HD + 2);
                     const u64* w[3 * MERGE_DIRECT];
 #pragma unroll
                     for (int j = 0; j < MERGE_DIRECT; j++) {  // (splits past nsg: split nsg - 1 again)
@@ -1855,7 +1856,6 @@ extern "C" __global__ void QLIB_CLUSTER __launch_bounds__(THREADS, 1) qlib_decod
             } else
 #endif
             if (nsg > 1) {  // head h's nsg partials gathered into S (free after the values), merged
-                const u64* PH = PX + (usize)h * NSMAX * HPT * (HD + 2);
                 const int n = nsg * (HD + 2);
                 if (n <= THREADS) {  // (a word a thread: as before KV_GROUP, measured equal)
                     if (threadIdx.x < n) {
