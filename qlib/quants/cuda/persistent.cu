@@ -125,15 +125,15 @@ static_assert(SMAXPOS >= THREADS + 2 * (QPB > CHUNK ? QPB : CHUNK), "flat_dots' 
 #define MERGE_DIRECT 4  // up to this many splits a head, a thread a dim polls their words and merges
 #endif
 #ifndef SUM_LATE
-#define SUM_LATE 0  // the softmax's block sum reduced behind the values, published by their barrier
+#define SUM_LATE 1  // the softmax's block sum reduced behind the values, published by their barrier
 #endif
 #ifndef EXP_VALUES
-#define EXP_VALUES 0  // SUM_LATE: the weights made in the values' loop (no pass over S, no barrier)
+#define EXP_VALUES 1  // SUM_LATE: the weights made in the values' loop (no pass over S, no barrier)
 #endif
 static_assert(!EXP_VALUES || SUM_LATE, "EXP_VALUES needs SUM_LATE");
 static_assert(!SUM_LATE || WARPS <= HD, "SUM_LATE: the warps' sums in qv");
 #ifndef MAX_REDUX
-#define MAX_REDUX 0  // a warp's float max as one redux.sync on order-preserving integer keys
+#define MAX_REDUX 1  // a warp's float max as one redux.sync on order-preserving integer keys
 #endif
 #ifndef SCORE_UNROLL
 #define SCORE_UNROLL 4  // passes of the score loop unrolled (key loads in flight)
