@@ -5,7 +5,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -85,7 +85,7 @@ cross = pd.DataFrame([dict(type=t, crossover_m=qf.crossover(rows=cpu.to_dict("re
                            f32_ms_m1=float(cpu[(cpu.type == t) & (cpu.form == "f32") & (cpu.m == 1)].ms.iloc[0]),
                            quantized_ms_mmax=float(cpu[(cpu.type == t) & (cpu.form == "quantized") & (cpu.m == max(ms))].ms.iloc[0]),
                            f32_ms_mmax=float(cpu[(cpu.type == t) & (cpu.form == "f32") & (cpu.m == max(ms))].ms.iloc[0]))
-                      for t in types])
+                      for t in types]).astype({"crossover_m": "Int64"})  # (no crossover: <NA>, not NaN)
 w.save_table(cross, "crossover", caption="smallest m where the f32 form beats the quantized form on CPU",
              timing=["crossover_m"])
 cross
@@ -117,7 +117,7 @@ w.finding("one_row", "With one input row on CPU, the quantized {t} form is {x:.1
           how="faster" if speedup >= 1 else "slower", q=q1.loc[best, "ms"],
           f=f1.loc[best, "ms"], mb=q1.loc[best, "weight_mb"], fmb=f1.loc[best, "weight_mb"])
 for r in cross.itertuples():
-    if r.crossover_m is None:
+    if pd.isna(r.crossover_m):
         w.finding(f"cross_{r.type}", "On CPU the quantized {t} form stays faster than f32 up to "
                   "m = {m} rows.", table="crossover", t=r.type, m=max(ms))
     else:
@@ -150,6 +150,7 @@ w.seed_reference("q8_0_m256_q", "CPU Q8_0 quantized, m = 256 (ms)", 54.466,
 w.seed_reference("q8_0_m256_f32", "CPU Q8_0 f32 form, m = 256 (ms)", 10.657,
                  ours=ours("Q8_0", "f32", 256), unit="ms", source="QTensor 与 QMatMul: qmv cpu")
 w.seed_reference("crossover", "CPU crossover rows (quantized vs f32)", "16 to 64",
-                 ours=", ".join(f"{r.type}: {r.crossover_m}" for r in cross.itertuples()),
+                 ours=", ".join(f"{r.type}: {'none' if pd.isna(r.crossover_m) else r.crossover_m}"
+                                for r in cross.itertuples()),
                  source="QTensor 与 QMatMul: qmv cpu")
 pd.DataFrame(w.meta["seed_references"])

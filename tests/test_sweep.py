@@ -22,8 +22,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from qlib import models
 from qlib.cli import main
-from qlib.suite import sweep
-from qlib.suite.cluster import host_slot
+from qlib.suite.hostslot import host_slot, is_timing
 from qlib.suite.params import combine, load_params_file, parse_grid, split_values
 from qlib.suite.sweep import plan, point_id
 
@@ -178,8 +177,9 @@ def test_plan_points_and_unknown_names(notebooks, tmp_path):
         "01_timed: declares none of mode; left out",
         "02_plain: declares none of mode; left out",
     ]
-    assert sweep.is_timing(REPO / "notebooks" / "03_throughput_vs_context.ipynb")
-    assert not sweep.is_timing(REPO / "notebooks" / "04_index_pos_misuse.ipynb")
+    for stem in ("03_throughput_vs_context", "10_format_zoo", "11_gpu_decode_ladder"):
+        assert is_timing(REPO / "notebooks" / f"{stem}.ipynb")
+    assert not is_timing(REPO / "notebooks" / "04_index_pos_misuse.ipynb")
 
 
 def test_host_slot_timing_point_runs_alone(lock_dir):
@@ -431,6 +431,44 @@ def test_notebook_04_short_grid_on_dask(lock_dir, tmp_path, monkeypatch):
     rc, log, _ = _run([*argv, "--resume"])
     assert rc == 0 and "2 of 2 points ok (2 skipped: done before)" in log
     assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+
+
+def test_plain_run_keeps_timing_notebooks_alone(notebooks, lock_dir, tmp_path):
+    """``suite run`` (no grid), one at a time or with workers: while another run's plain
+    notebook holds the host, a timing notebook waits and a plain one does not; the wait is
+    recorded and shown."""
+    from qlib.suite.runner import run_suite
+
+    timed, plain = notebooks / "01_timed.ipynb", notebooks / "02_plain.ipynb"
+
+    def run_beside_other(nbs: list[Path], workers: int, out: str):
+        def other_notebook() -> None:  # a plain notebook of another run holds the host 3 s
+            with host_slot(False):
+                time.sleep(3.0)
+
+        holder = threading.Thread(target=other_notebook)
+        holder.start()
+        time.sleep(0.2)
+        lines: list[str] = []
+        results = run_suite(
+            nbs,
+            tmp_path / out,
+            {},
+            workers=workers,
+            progress=False,
+            log=lambda m, **_: lines.append(m),
+        )
+        holder.join(5)
+        assert all(r.ok for r in results)
+        return results, lines
+
+    (r,), _ = run_beside_other([plain], 1, "plain")
+    assert r.waited_s < 1.0
+    (r,), lines = run_beside_other([timed], 1, "timed")
+    assert r.waited_s >= 1.0
+    assert any("01_timed ok" in m and "s for the host" in m for m in lines), lines
+    (r, _), _ = run_beside_other([timed, plain], 2, "workers")
+    assert r.name == "01_timed" and r.waited_s >= 1.0
 
 
 def test_no_leftover_lock_holders(lock_dir):

@@ -5,12 +5,8 @@ runs it wherever it lands (this process, a process of a local pool, a Dask worke
 records where in its status: the executor, the host, the Dask worker, the machine
 (``qlib.suite.machine.summary``) and how long it waited for the host.
 
-The host rule (``host_slot``): a timing-sensitive point runs alone on its host. Every
-point holds a lock on a file in the host's temporary folder (``$QLIB_LOCK_DIR`` to choose
-another) while its notebook runs: a timing point an exclusive one, any other point a
-shared one. So on one host, at any time, either one timing point runs and nothing else
-of any sweep, or any number of other points run. The lock is ``flock(2)``'s: the kernel
-releases it when its process ends, killed or not, and it needs no cluster configuration.
+The host rule (``qlib.suite.hostslot``): a timing-sensitive point runs alone on its host,
+whatever the executor, with no cluster configuration.
 
 Executors:
 
@@ -29,26 +25,20 @@ threads still runs its points one by one.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import logging
 import multiprocessing
-import os
-import platform
-import socket
-import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .hostslot import host_name, host_slot
 from .machine import machine_info, summary
 from .results import atomic_write_text, device_tag, dump_json, now
 from .runner import DIED, NotebookResult, _error_of, kernel_spec, run_notebook
 
-LOCK_DIR_ENV = "QLIB_LOCK_DIR"
 EXECUTORS = ("local", "dask")
 _PROCESS_LOCK = threading.Lock()
 
@@ -69,37 +59,6 @@ class Job:
     @property
     def label(self) -> str:
         return f"{self.notebook.stem} {self.point}"
-
-
-def host_name() -> str:
-    return platform.node() or socket.gethostname()
-
-
-def lock_path(host: str | None = None) -> Path:
-    base = Path(os.environ.get(LOCK_DIR_ENV) or tempfile.gettempdir())
-    return base / f"qlib-suite-{host or host_name()}.lock"
-
-
-@contextlib.contextmanager
-def host_slot(exclusive: bool) -> Iterator[float]:
-    """Hold this host's point lock: exclusive for a timing point, shared otherwise.
-
-    Yields the seconds spent waiting for it. Where ``fcntl`` is missing (Windows), no lock.
-    """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover
-        yield 0.0
-        return
-    path = lock_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
-    try:
-        t0 = time.perf_counter()
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield round(time.perf_counter() - t0, 2)
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def _dask_worker() -> str | None:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalogue import KERNEL_NAME, notebook_parameters, output_name
+from .hostslot import host_slot, is_timing
 from .machine import REPO_ROOT, git_commit
 from .params import check_type, default_value
 from .results import (
@@ -84,8 +85,8 @@ class NotebookResult:
     notebook_sha256: str | None = None  # of the source notebook
     code: dict[str, Any] | None = None  # code_version() of the run
     # where it ran (a sweep's points; None for a plain run): "local" or "dask", the host's
-    # name, the Dask worker's address, the machine's summary line, the sweep point's id and
-    # the seconds spent waiting for the host (qlib.suite.cluster.host_slot)
+    # name, the Dask worker's address, the machine's summary line, the sweep point's id; and,
+    # for every run, the seconds spent waiting for the host (qlib.suite.hostslot.host_slot)
     executor: str | None = None
     host: str | None = None
     worker: str | None = None
@@ -393,10 +394,18 @@ def run_notebook(
     return result
 
 
+def _run_alone_if_timing(
+    path: Path, output_dir: Path, parameters: dict[str, Any], **kwargs: Any
+) -> NotebookResult:
+    """``run_notebook`` under the host rule (``hostslot``): a timing notebook alone on the host."""
+    with host_slot(is_timing(path)) as waited:
+        return run_notebook(path, output_dir, parameters, provenance={"waited_s": waited}, **kwargs)
+
+
 def _run_in_worker(args: tuple) -> NotebookResult:
     path, output_dir, parameters, timeout, run_id, code = args
     with kernel_spec():
-        return run_notebook(
+        return _run_alone_if_timing(
             path, output_dir, parameters, timeout=timeout, progress=False, run_id=run_id, code=code
         )
 
@@ -464,7 +473,8 @@ def run_suite(
     def report(r: NotebookResult) -> None:
         results.append(r)
         state = "ok" if r.ok else f"FAILED ({r.error_line()})"
-        log(f"[{len(results)}/{n}] {r.name} {state} {r.seconds:.1f} s", flush=True)
+        wait = f", waited {r.waited_s:.1f} s for the host" if r.waited_s else ""
+        log(f"[{len(results)}/{n}] {r.name} {state} {r.seconds:.1f} s{wait}", flush=True)
 
     if workers <= 1:
         with kernel_spec():
@@ -472,7 +482,7 @@ def run_suite(
                 if progress:
                     log(f"[{len(results) + 1}/{n}] {path.stem} ...", flush=True)
                 report(
-                    run_notebook(
+                    _run_alone_if_timing(
                         path,
                         output_dir,
                         params,

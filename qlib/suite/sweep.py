@@ -22,8 +22,7 @@ run at the same parameters, notebook and code (``runner.resume_check``).
 
 ``run_sweep`` runs the points through an executor (``qlib.suite.cluster``: ``local`` or
 ``dask``), writes ``sweep.json`` as points finish and returns its content. The timing
-rule (a timing-sensitive point alone on its host) is ``cluster.host_slot``; which
-notebooks are timing-sensitive is ``is_timing``.
+rule (a timing-sensitive point alone on its host) is ``qlib.suite.hostslot``.
 
 Sweep views (``VIEWS``): for a notebook stem, which saved table the report concatenates
 over the points (with the point's id and grid values as columns) and which column it
@@ -46,6 +45,7 @@ from typing import Any
 from . import runner
 from .catalogue import notebook_parameters, output_name
 from .cluster import EXECUTORS, Job, run_dask, run_local
+from .hostslot import is_timing
 from .params import check_type, parse_value
 from .results import atomic_write_bytes, atomic_write_text, device_tag, dump_json, now
 
@@ -54,32 +54,6 @@ SUMMARY = "sweep.json"  # in the output dir: the last sweep's summary
 POINTS = "points.json"  # in DIR/sweeps/<notebook>/: every point run there
 SCHEMA = 1  # of sweep.json and points.json
 MAX_ID = 100  # characters of a point id before its hash
-
-# Notebooks whose results are timings: a point of one runs alone on its host
-# (cluster.host_slot). A notebook's metadata can say so itself: {"qlib": {"timing": true}}.
-TIMING_NOTEBOOKS = frozenset(
-    {
-        "01_generate_one_token",
-        "02_forward_spans",
-        "03_throughput_vs_context",
-        "07_qmatmul_forms",
-        "09_speed_vs_pytorch",
-    }
-)
-
-
-def is_timing(path: Path) -> bool:
-    """Whether the notebook measures time: its metadata ``qlib.timing``, else the registry."""
-    import nbformat
-
-    try:
-        meta = nbformat.read(str(path), as_version=4).metadata.get("qlib") or {}
-    except Exception:
-        meta = {}
-    if "timing" in meta:
-        return bool(meta["timing"])
-    return Path(path).stem in TIMING_NOTEBOOKS
-
 
 # -- sweep views -------------------------------------------------------------
 
