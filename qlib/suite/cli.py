@@ -228,8 +228,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="run N notebooks (points) in parallel processes (no per-cell progress bars); "
-        "with --executor dask: the LocalCluster's worker processes (default: the cores)",
+        help="run N notebooks (points) in parallel processes (no per-cell progress bars; a "
+        "timing notebook still runs alone on the host); with --executor dask: the "
+        "LocalCluster's worker processes (default: the cores)",
     )
     r.add_argument(
         "--timeout",
