@@ -415,7 +415,8 @@ def test_ab_variants_decode_as_the_default(tmp_path, shape, macros):
     once the last word is complete, or polled by every thread from the start; one or four
     threads a ``wo`` row, not two; no output rows staged into shared memory; the norm's factor
     read after the dots; the splits' partials merged through shared memory, or directly up to
-    eight splits; the softmax's sum reduced behind the values, and its weights made there too)
+    eight splits; the softmax's weights in a pass of their own, its sum reduced behind the
+    values or before them; a warp's max by five shuffles)
     stay correct:
     decode steps from position 0 as the f32 form, GQA 2:1 and MHA with ``split=16`` (several
     blocks a head past 16 positions); a Q8_0 output layer, as SmolLM2's."""
